@@ -1,0 +1,20 @@
+"""fusedkit: fused GPU kernels in Triton for PyTorch.
+
+``fusedkit.add`` and ``fusedkit.add_relu`` replace ``torch.add`` and
+``torch.relu(torch.add(...))`` with one kernel each; :mod:`fusedkit.registry`
+lists every fused elementwise op and lets you register your own.
+"""
+
+from __future__ import annotations
+
+from . import registry
+from .elementwise import BACKENDS, backend_for, elementwise
+from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from .ops import add, add_relu
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "add", "add_relu", "elementwise", "registry", "backend_for", "BACKENDS",
+    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError",
+]

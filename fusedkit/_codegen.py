@@ -1,0 +1,58 @@
+"""Compile fusedkit's kernels for a GPU target on any machine, GPU or not.
+
+Triton can lower a kernel for ``sm_90`` without a GPU; tests use this to check
+the generated IR (for instance that offsets are 64-bit exactly when needed).
+Must run in a process where ``TRITON_INTERPRET`` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+
+from .elementwise import _elementwise_kernel, launch_config
+from .registry import ElementwiseKernel
+
+#: Hopper (H100, H200): compute capability 9.0, 32-thread warps.
+HOPPER = GPUTarget("cuda", 90, 32)
+
+_TRITON_TYPE = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int32: "i32", torch.int64: "i64",
+}
+#: Divisibility that Triton's launcher specialises pointers and integers on.
+ALIGNMENT = 16
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_TYPE[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    return "i32" if _I32_MIN <= value <= _I32_MAX else "i64"
+
+
+def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.Tensor, param=1,
+                        target: GPUTarget = HOPPER):
+    """Compile the launch ``elementwise(kernel, *operands, out=out)`` would make.
+
+    ``operands`` and ``out`` may be meta tensors (``device="meta"``), so sizes past
+    2**31 elements cost no memory. Returns Triton's compiled kernel; its ``asm``
+    dict holds the ``ttir``, ``ttgir``, ``llir`` and ``ptx``.
+    """
+    _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out)
+    num_warps = meta.pop("num_warps")
+    names = _elementwise_kernel.arg_names
+    signature = {name: _arg_type(value) for name, value in zip(names, args)}
+    signature.update({name: "constexpr" for name in meta})
+    # What the JIT would specialise at launch: 16-byte aligned pointers (meta tensors
+    # report address 0) and integers divisible by 16.
+    backend = make_backend(target)
+    attrs = {(i,): backend.parse_attr("D") for i, (name, value) in enumerate(zip(names, args))
+             if (isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
+             or (isinstance(value, int) and not isinstance(value, bool) and value % ALIGNMENT == 0)}
+    source = ASTSource(_elementwise_kernel, signature, constexprs=dict(meta), attrs=attrs)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})

@@ -1,0 +1,108 @@
+"""Triton helpers shared by every fusedkit kernel.
+
+Kernels see a problem as ``(batch, rows, cols)`` tiles: the host collapses the
+broadcast shape to at most ``MAX_BATCH_DIMS`` leading dimensions plus a 2-D tile
+plane (see ``fusedkit._layout``). A contiguous tensor becomes one row of ``n``
+columns, so the 1-D fast path is the same code with ``BLOCK_R == 1``.
+
+``INT64`` is chosen on the host: offsets are 32-bit unless some reachable offset
+needs more, so small tensors keep cheap 32-bit index arithmetic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_coords(pid, tiles_c, tiles_per_batch):
+    """Split a flat program id into (batch index, tile row, tile column)."""
+    batch = pid // tiles_per_batch
+    tile = pid % tiles_per_batch
+    return batch, tile // tiles_c, tile % tiles_c
+
+
+@triton.jit
+def block_range(tile, BLOCK: tl.constexpr, INT64: tl.constexpr):
+    """Indices ``tile * BLOCK + [0, BLOCK)``, in 64-bit when ``INT64``."""
+    if INT64:
+        idx = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    else:
+        idx = tile * BLOCK + tl.arange(0, BLOCK)
+    return idx
+
+
+@triton.jit
+def tile_mask(rows, cols, size_r, size_c):
+    """In-bounds mask of a ``[BLOCK_R, BLOCK_C]`` tile."""
+    return (rows < size_r)[:, None] & (cols < size_c)[None, :]
+
+
+@triton.jit
+def batch_index(batch, size1, size2, size3):
+    """Unravel a batch index over up to four leading dims (row-major, dim 0 outermost)."""
+    i3 = batch % size3
+    batch = batch // size3
+    i2 = batch % size2
+    batch = batch // size2
+    i1 = batch % size1
+    i0 = batch // size1
+    return i0, i1, i2, i3
+
+
+@triton.jit
+def strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
+                    UNIT_R: tl.constexpr, UNIT_C: tl.constexpr, INT64: tl.constexpr):
+    """Element offsets of one operand's tile, read through its strides.
+
+    Broadcast dims carry stride 0. ``UNIT_R`` / ``UNIT_C`` say that the row or
+    column stride is 1: the compiler then sees contiguous addresses and issues
+    wide, coalesced loads along that axis (a transposed operand has ``UNIT_R``).
+    """
+    if INT64:
+        base = (i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1
+                + i2.to(tl.int64) * s2 + i3.to(tl.int64) * s3)
+    else:
+        base = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+    if UNIT_R:
+        r_off = rows
+    else:
+        r_off = rows * s_r
+    if UNIT_C:
+        c_off = cols
+    else:
+        c_off = cols * s_c
+    return base + r_off[:, None] + c_off[None, :]
+
+
+@triton.jit
+def scalar_value(bits, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr):
+    """A host scalar passed as 64 bits, in the compute dtype.
+
+    Floats travel as the bit pattern of a float64 and ints as int64, because a
+    Python float kernel argument is narrowed to float32 (by the interpreter at
+    least), which would round a float64 computation's scalar.
+    """
+    bits64 = tl.cast(bits, tl.int64)
+    if COMPUTE_IS_FLOAT:
+        value = tl.cast(tl.cast(bits64, tl.float64, bitcast=True), COMPUTE_DTYPE)
+    else:
+        value = tl.cast(bits64, COMPUTE_DTYPE)
+    return value
+
+
+@triton.jit
+def load_operand(ptr, offsets, mask, COMPUTE_DTYPE: tl.constexpr):
+    """Load a tile in its storage dtype and widen it to the compute dtype.
+
+    fp16 and bf16 compute in fp32: it costs no bandwidth and matches PyTorch's
+    "opmath" (and the interpreter's bf16 arithmetic is not faithful anyway).
+    """
+    return tl.load(ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def store_result(ptr, offsets, value, mask):
+    """Round the result to the output's dtype on the store."""
+    tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)

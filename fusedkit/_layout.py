@@ -1,0 +1,170 @@
+"""Host-side layout planning for the strided elementwise kernel.
+
+Given the broadcast output shape and every operand's strides, the planner
+1. gives broadcast dims stride 0 (an ``expand`` is never materialised),
+2. drops size-1 dims and orders the rest by the output's strides, so the
+   output's fastest dim is the tile's column axis,
+3. merges neighbouring dims that are contiguous in *every* operand (a dense
+   tensor of any rank becomes one row: the 1-D fast path),
+4. picks the tile's row axis: the fastest dim of a transposed input if there is
+   one (so its tile loads coalesce too), else the next dim,
+5. chooses 32- or 64-bit offsets from the largest offset any program can form.
+
+Everything here is plain Python on shapes and strides; it never touches data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .configs import TileConfig, elementwise_tile
+from .errors import ShapeError
+
+#: Leading dims that the kernel unravels per program, besides the 2-D tile plane.
+MAX_BATCH_DIMS = 4
+#: Largest offset that 32-bit index arithmetic can hold.
+INT32_MAX = 2**31 - 1
+
+Strides = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one elementwise launch walks its operands.
+
+    ``strides[k]`` holds operand ``k``'s (s0, s1, s2, s3, s_r, s_c) in elements,
+    operand 0 being the output; ``None`` marks a scalar operand.
+    """
+
+    batch_sizes: tuple[int, int, int, int]
+    size_r: int
+    size_c: int
+    strides: tuple[Strides | None, ...]
+    tile: TileConfig
+    int64: bool
+
+    @property
+    def tiles_c(self) -> int:
+        return _cdiv(self.size_c, self.tile.block_c)
+
+    @property
+    def tiles_per_batch(self) -> int:
+        return _cdiv(self.size_r, self.tile.block_r) * self.tiles_c
+
+    @property
+    def grid(self) -> int:
+        return math.prod(self.batch_sizes) * self.tiles_per_batch
+
+    def unit_mask(self, axis: int) -> int:
+        """Bit ``k`` set when operand ``k``'s stride along ``axis`` (-2 rows, -1 cols) is 1."""
+        return sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[axis] == 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def broadcast_strides(shape: Sequence[int], strides: Sequence[int], out_shape: Sequence[int]) -> Strides:
+    """Strides of ``shape`` expanded to ``out_shape``: broadcast dims get stride 0."""
+    pad = len(out_shape) - len(shape)
+    result = []
+    for d in range(len(out_shape)):
+        k = d - pad
+        result.append(0 if k < 0 or shape[k] == 1 else strides[k])
+    return tuple(result)
+
+
+def is_dense_permutation(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when the tensor covers its memory exactly once, in some dim order."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def may_self_overlap(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Conservative: False only when no two elements can share an address."""
+    reach = 0
+    for size, stride in sorted(((n, s) for n, s in zip(shape, strides) if n > 1), key=lambda p: p[1]):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def span_bytes(t) -> tuple[int, int]:
+    """``[first, last)`` byte addresses a non-empty tensor can touch."""
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (reach + 1) * t.element_size()
+
+
+def plan_elementwise(out_shape: Sequence[int], operand_strides: Sequence[Strides | None]) -> Plan:
+    """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast."""
+    tensors = [k for k, s in enumerate(operand_strides) if s is not None]
+    dims = [d for d, n in enumerate(out_shape) if n != 1]
+    # Output's slowest dim first, fastest last; the output never self-overlaps, so its
+    # strides order the dims completely.
+    dims.sort(key=lambda d: tuple(-operand_strides[k][d] for k in tensors))
+
+    sizes: list[int] = []
+    strides: dict[int, list[int]] = {k: [] for k in tensors}
+    for d in dims:
+        n = out_shape[d]
+        if sizes and all(strides[k][-1] == operand_strides[k][d] * n for k in tensors):
+            sizes[-1] *= n
+            for k in tensors:
+                strides[k][-1] = operand_strides[k][d]
+            continue
+        sizes.append(n)
+        for k in tensors:
+            strides[k].append(operand_strides[k][d])
+
+    if not sizes:  # a single element
+        sizes = [1]
+        strides = {k: [0] for k in tensors}
+
+    # Row axis: the fastest dim of an input that is not contiguous along the columns.
+    row = len(sizes) - 2
+    for k in tensors[1:]:
+        if strides[k][-1] > 1:
+            unit = [d for d in range(len(sizes) - 1) if strides[k][d] == 1]
+            if unit:
+                row = unit[0]
+                break
+    order = [d for d in range(len(sizes) - 1) if d != row] + ([row] if row >= 0 else []) + [len(sizes) - 1]
+    sizes = [sizes[d] for d in order]
+    strides = {k: [v[d] for d in order] for k, v in strides.items()}
+    if len(sizes) == 1:
+        sizes.insert(0, 1)
+        for v in strides.values():
+            v.insert(0, 0)
+
+    n_batch = len(sizes) - 2
+    if n_batch > MAX_BATCH_DIMS:
+        raise ShapeError(
+            f"fusedkit walks at most {MAX_BATCH_DIMS + 2} non-mergeable dims; this call needs "
+            f"{len(sizes)} (shape {tuple(out_shape)} with these strides). Make an operand contiguous.")
+    pad = MAX_BATCH_DIMS - n_batch
+    batch_sizes = (1,) * pad + tuple(sizes[:n_batch])
+    size_r, size_c = sizes[-2], sizes[-1]
+
+    transposed = any(strides[k][-2] == 1 and strides[k][-1] > 1 for k in tensors)
+    tile = elementwise_tile(size_r, size_c, transposed)
+
+    packed: list[Strides | None] = []
+    int64 = _cdiv(size_c, tile.block_c) * tile.block_c > INT32_MAX
+    padded = (*batch_sizes, _cdiv(size_r, tile.block_r) * tile.block_r, _cdiv(size_c, tile.block_c) * tile.block_c)
+    for k, s in enumerate(operand_strides):
+        if s is None:
+            packed.append(None)
+            continue
+        full = (0,) * pad + tuple(strides[k])
+        packed.append(full)
+        if sum((n - 1) * st for n, st in zip(padded, full)) > INT32_MAX:
+            int64 = True
+    return Plan(batch_sizes, size_r, size_c, tuple(packed), tile, int64)

@@ -1,0 +1,357 @@
+"""The generic elementwise kernel, its launcher and the dispatch that serves
+every entry of :mod:`fusedkit.registry`.
+
+Layers, by name:
+- ``_elementwise_kernel``: the one ``@triton.jit`` kernel; the op's math is a
+  compile-time argument, so each registry entry compiles its own specialisation.
+- ``launch_elementwise``: validates nothing, plans the layout, computes the grid
+  and launches (on the tensors' device and the current stream).
+- ``elementwise``: the public entry; validates, picks where the call runs
+  (compiled Triton, the Triton interpreter, or PyTorch) and allocates ``out``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import struct
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _jit
+from ._compat import is_interpreted
+from ._layout import (
+    broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
+)
+from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from .registry import ElementwiseKernel, get, result_dtype
+
+__all__ = ["elementwise", "launch_elementwise", "launch_config", "backend_for", "BACKENDS"]
+
+#: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
+#: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
+BACKENDS = ("triton", "interpreter", "torch")
+
+#: Arithmetic dtype per result dtype: half types compute in fp32 ("opmath").
+_COMPUTE_DTYPE = {
+    torch.float16: tl.float32,
+    torch.bfloat16: tl.float32,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+    torch.int32: tl.int32,
+    torch.int64: tl.int64,
+}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: Bit of operand ``k`` in the kernel's per-operand masks: 0 is the output.
+_OUT_BIT = 1
+
+
+@triton.jit
+def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s_c,
+             IS_SCALAR: tl.constexpr, UNIT_R: tl.constexpr, UNIT_C: tl.constexpr,
+             INT64: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr):
+    if IS_SCALAR:
+        value = _jit.scalar_value(bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+    else:
+        offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
+                                       UNIT_R, UNIT_C, INT64)
+        value = _jit.load_operand(ptr, offsets, mask, COMPUTE_DTYPE)
+    return value
+
+
+@triton.jit
+def _elementwise_kernel(
+    out_ptr, a_ptr, b_ptr, c_ptr,
+    a_bits, b_bits, c_bits, param_bits,
+    size1, size2, size3, size_r, size_c, tiles_c, tiles_per_batch,
+    o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
+    a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+    b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
+    c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
+    SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
+):
+    # Operand k (0 = output, 1..3 = inputs) owns bit k of the masks.
+    batch, tile_r, tile_c = _jit.tile_coords(tl.program_id(0), tiles_c, tiles_per_batch)
+    rows = _jit.block_range(tile_r, BLOCK_R, INT64)
+    cols = _jit.block_range(tile_c, BLOCK_C, INT64)
+    mask = _jit.tile_mask(rows, cols, size_r, size_c)
+    i0, i1, i2, i3 = _jit.batch_index(batch, size1, size2, size3)
+
+    a = _operand(a_ptr, a_bits, i0, i1, i2, i3, rows, cols, mask, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+                 (SCALAR_MASK >> 1) & 1, (UNIT_R_MASK >> 1) & 1, (UNIT_C_MASK >> 1) & 1,
+                 INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+    if HAS_PARAM:
+        p = _jit.scalar_value(param_bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+    if NUM_INPUTS >= 2:
+        b = _operand(b_ptr, b_bits, i0, i1, i2, i3, rows, cols, mask, b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
+                     (SCALAR_MASK >> 2) & 1, (UNIT_R_MASK >> 2) & 1, (UNIT_C_MASK >> 2) & 1,
+                     INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+    if NUM_INPUTS == 3:
+        c = _operand(c_ptr, c_bits, i0, i1, i2, i3, rows, cols, mask, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+                     (SCALAR_MASK >> 3) & 1, (UNIT_R_MASK >> 3) & 1, (UNIT_C_MASK >> 3) & 1,
+                     INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+
+    if NUM_INPUTS == 1:
+        if HAS_PARAM:
+            result = FN(a, p)
+        else:
+            result = FN(a)
+    elif NUM_INPUTS == 2:
+        if HAS_PARAM:
+            result = FN(a, b, p)
+        else:
+            result = FN(a, b)
+    else:
+        if HAS_PARAM:
+            result = FN(a, b, c, p)
+        else:
+            result = FN(a, b, c)
+
+    out_offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
+                                       UNIT_R_MASK & 1, UNIT_C_MASK & 1, INT64)
+    _jit.store_result(out_ptr, out_offsets, result, mask)
+
+
+#: Whether this process interprets the kernels (decided when Triton decorated them).
+INTERPRETED = is_interpreted(_elementwise_kernel)
+
+
+def backend_for(tensor: torch.Tensor | torch.device | str) -> str:
+    """Where a call on ``tensor`` (or a device) runs: one of :data:`BACKENDS`.
+
+    CUDA tensors run the compiled Triton kernels; with ``TRITON_INTERPRET=1`` set
+    before fusedkit was imported, CPU (and CUDA) tensors run the same kernels in
+    Triton's interpreter; any other CPU tensor runs the registry's PyTorch
+    reference, with the same semantics.
+    """
+    device = tensor.device if isinstance(tensor, torch.Tensor) else torch.device(tensor)
+    if INTERPRETED and device.type in ("cpu", "cuda"):
+        return "interpreter"
+    if device.type == "cuda":
+        return "triton"
+    return "torch"
+
+
+def _scalar_bits(value, compute_is_float: bool, what: str) -> int:
+    """Encode a host scalar for ``_jit.scalar_value``: float64 bits or an int64."""
+    if compute_is_float:
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    value = int(value)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise DTypeError(f"{what}={value} does not fit in int64")
+    return value
+
+
+@dataclass
+class _Call:
+    """A validated call: what the launcher and the PyTorch path both need."""
+
+    kernel: ElementwiseKernel
+    operands: tuple  # tensors on ``device`` and host numbers
+    param: float | int | None
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    out: torch.Tensor | None
+
+
+def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value.dtype}); fusedkit takes real dtypes")
+        if value.dtype not in kernel.dtypes:
+            raise DTypeError(f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; "
+                             f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+        raise DTypeError(f"{kernel.name}(): argument '{name}' must be a Tensor or a real number, "
+                         f"got {type(value).__name__}")
+    if not isinstance(value, numbers.Real):
+        raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
+
+
+def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
+    if len(operands) != kernel.arity:
+        raise TypeError(f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), "
+                        f"got {len(operands)}")
+    for name, value in zip(kernel.arg_names, operands):
+        _check_operand(kernel, name, value)
+    tensors = [(n, t) for n, t in zip(kernel.arg_names, operands) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise DTypeError(f"{kernel.name}(): at least one of {', '.join(kernel.arg_names)} must be a Tensor")
+
+    # The device: that of the first tensor with dims; 0-d CPU tensors act as scalars, as in torch.
+    ranked = [(n, t) for n, t in tensors if not (t.dim() == 0 and t.device.type == "cpu")]
+    device = (ranked or tensors)[0][1].device
+    for n, t in ranked:
+        if t.device != device:
+            raise DeviceError(f"{kernel.name}(): argument '{n}' is on {t.device}, but "
+                              f"'{ranked[0][0]}' is on {device}; move them to one device")
+    if device.type != "cpu":
+        # Host 0-d tensors become host numbers: a kernel cannot read host memory.
+        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != device else t for t in operands)
+
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for _, t in tensors))
+    except RuntimeError:
+        shapes = ", ".join(f"{n}{tuple(t.shape)}" for n, t in tensors)
+        raise ShapeError(f"{kernel.name}(): shapes do not broadcast: {shapes}") from None
+
+    dtype = result_dtype(operands)
+    if dtype not in kernel.dtypes:
+        raise DTypeError(f"{kernel.name}(): result dtype {dtype} is not supported; "
+                         f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
+
+    if kernel.param is not None:
+        if isinstance(param, bool) or not isinstance(param, numbers.Real):
+            raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
+        if not dtype.is_floating_point and not isinstance(param, numbers.Integral):
+            raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
+                             f"got {param!r}")
+
+    grad_inputs = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
+    if out is not None:
+        _check_out(kernel, out, shape, dtype, device, tensors)
+        if grad_inputs or (torch.is_grad_enabled() and out.requires_grad):
+            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, "
+                                "but an argument requires grad")
+    elif grad_inputs:
+        raise NotImplementedError(
+            f"{kernel.name}(): autograd is not supported yet; call it under torch.no_grad(), or use "
+            f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
+    return _Call(kernel, operands, param, shape, dtype, device, out)
+
+
+def _check_out(kernel, out, shape, dtype, device, tensors) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise DTypeError(f"{kernel.name}(): out must be a Tensor, got {type(out).__name__}")
+    if out.device != device:
+        raise DeviceError(f"{kernel.name}(): out is on {out.device}, but the inputs are on {device}")
+    if out.dtype != dtype:
+        raise DTypeError(f"{kernel.name}(): out has dtype {out.dtype}, but the result dtype is {dtype}")
+    if out.shape != shape:
+        raise ShapeError(f"{kernel.name}(): out has shape {tuple(out.shape)}, but the result has "
+                         f"shape {tuple(shape)}")
+    if out.numel() == 0:
+        return
+    if may_self_overlap(out.shape, out.stride()):
+        raise OverlapError(f"{kernel.name}(): out has elements that share memory (an expanded view?); "
+                           "writing it would be ambiguous")
+    lo, hi = span_bytes(out)
+    out_strides = out.stride()
+    for n, t in tensors:
+        if t.numel() == 0 or t.device != out.device:
+            continue
+        t_lo, t_hi = span_bytes(t)
+        if t_hi <= lo or hi <= t_lo:
+            continue
+        # Full aliasing (out=x, in place) is safe: each element is read, then written, by one thread.
+        same = t.data_ptr() == out.data_ptr() and t.element_size() == out.element_size() and all(
+            n_ == 1 or s_in == s_out
+            for n_, s_in, s_out in zip(shape, broadcast_strides(t.shape, t.stride(), shape), out_strides))
+        if not same:
+            raise OverlapError(f"{kernel.name}(): out partially overlaps argument '{n}'; "
+                               "clone one of them first")
+
+
+def _allocate_out(call: _Call) -> torch.Tensor:
+    """The result tensor: the layout of the full-shape inputs when they agree, else contiguous."""
+    full = [t for t in call.operands if isinstance(t, torch.Tensor) and t.shape == call.shape]
+    if full:
+        strides = full[0].stride()
+        if all(t.stride() == strides for t in full) and is_dense_permutation(call.shape, strides):
+            return torch.empty_strided(call.shape, strides, dtype=call.dtype, device=call.device)
+    return torch.empty(call.shape, dtype=call.dtype, device=call.device)
+
+
+def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor):
+    """``(grid, args, meta)`` of the launch that computes ``kernel`` into a non-empty ``out``.
+
+    Works on meta tensors too, so the code a call would compile can be inspected
+    on a machine without a GPU (see ``fusedkit._codegen``).
+    """
+    shape = out.shape
+    is_float = out.dtype.is_floating_point
+    strides = [tuple(out.stride())] + [
+        broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands]
+    plan = plan_elementwise(shape, strides)
+
+    ptrs, bits, flat_strides = [], [], []
+    scalar_mask = 0
+    for k in range(3):
+        value = operands[k] if k < len(operands) else None
+        if isinstance(value, torch.Tensor):
+            ptrs.append(value)
+            bits.append(0)
+            flat_strides.extend(plan.strides[k + 1])
+        else:
+            ptrs.append(out)  # never read: the slot is a scalar or unused
+            bits.append(0 if value is None else _scalar_bits(value, is_float, kernel.arg_names[k]))
+            flat_strides.extend((0,) * 6)
+            if value is not None:
+                scalar_mask |= 1 << (k + 1)
+    param_bits = _scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0
+
+    args = (out, *ptrs, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r, plan.size_c,
+            plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
+    meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
+                SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_mask(-2), UNIT_C_MASK=plan.unit_mask(-1),
+                COMPUTE_DTYPE=_COMPUTE_DTYPE[out.dtype], COMPUTE_IS_FLOAT=is_float,
+                BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
+                num_warps=plan.tile.num_warps)
+    return (plan.grid,), args, meta
+
+
+def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor) -> torch.Tensor:
+    """Launch ``kernel`` on validated operands (tensors on ``out``'s device, or numbers) into ``out``,
+    under ``out``'s device and on its current stream."""
+    if out.numel() == 0:
+        return out
+    grid, args, meta = launch_config(kernel, operands, param, out)
+    device = out.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _elementwise_kernel[grid](*args, **meta)
+    else:
+        _elementwise_kernel[grid](*args, **meta)
+    return out
+
+
+def _run_reference(call: _Call) -> torch.Tensor:
+    args = call.operands + ((call.param,) if call.kernel.param is not None else ())
+    result = call.kernel.reference(*args)
+    if call.out is None:
+        return result
+    call.out.copy_(result)
+    return call.out
+
+
+def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):
+    """Run a registered elementwise kernel: ``elementwise("add_relu", x, y, alpha=2)``.
+
+    ``operands`` are tensors or real numbers that broadcast together; the result
+    has their broadcast shape and PyTorch's promoted dtype. ``param`` is the
+    kernel's one scalar keyword (e.g. ``alpha``), defaulting as registered.
+    ``out`` receives the result when given (it may be one of the inputs).
+    """
+    if isinstance(kernel, str):
+        kernel = get(kernel)
+    if kernel.param is None:
+        if param:
+            raise TypeError(f"{kernel.name}() takes no keyword {', '.join(param)}")
+        value = None
+    else:
+        unknown = set(param) - {kernel.param}
+        if unknown:
+            raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(unknown))}")
+        value = param.get(kernel.param, kernel.param_default)
+    call = _validate(kernel, operands, value, out)
+    if backend_for(call.device) == "torch":
+        return _run_reference(call)
+    result = call.out if call.out is not None else _allocate_out(call)
+    return launch_elementwise(kernel, call.operands, call.param, result)

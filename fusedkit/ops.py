@@ -1,0 +1,47 @@
+"""Public fused elementwise ops. Each is a thin, documented front for one
+registry entry; the work happens in :func:`fusedkit.elementwise.elementwise`."""
+
+from __future__ import annotations
+
+import torch
+
+from .elementwise import elementwise
+from .registry import ADD, ADD_RELU
+
+__all__ = ["add", "add_relu"]
+
+Operand = "torch.Tensor | float | int"
+
+
+def add(x, y, *, alpha=1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + alpha * y`` in one kernel; the same result as ``torch.add(x, y, alpha=alpha)``.
+
+    Args:
+        x, y: tensors of any shapes that broadcast together, or one of them a Python
+            number or a 0-d tensor. Strided, transposed, sliced and broadcast views
+            are read through their strides, never copied.
+        alpha: real number multiplying ``y``; an integer when the result is integral.
+        out: optional tensor of the result's shape, dtype and device; it may be ``x``
+            or ``y`` itself (in place) but must not partially overlap them.
+
+    Returns:
+        A tensor of the broadcast shape and ``torch.result_type(x, y)``: float16,
+        bfloat16, float32, float64, int32 or int64. Half types compute in float32.
+        A new result takes the inputs' layout when they share a dense one.
+
+    Raises:
+        ShapeError, DTypeError, DeviceError, OverlapError (all ``RuntimeError``
+        subclasses), before anything is launched or written.
+    """
+    return elementwise(ADD, x, y, alpha=alpha, out=out)
+
+
+def add_relu(x, y, *, alpha=1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(x + alpha * y)`` in one kernel: reads x and y once and writes once,
+    where ``torch.relu(torch.add(x, y, alpha=alpha))`` also writes and re-reads the sum.
+
+    Same arguments, shapes, dtypes and errors as :func:`add`. ``relu(NaN)`` is NaN
+    and ``relu(-0.0)`` is ``-0.0``, as in PyTorch. ``out=x`` computes in place, as a
+    residual join does.
+    """
+    return elementwise(ADD_RELU, x, y, alpha=alpha, out=out)

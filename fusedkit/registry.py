@@ -1,0 +1,236 @@
+"""The elementwise kernel registry: the single source of truth.
+
+Every fused elementwise op is an :class:`ElementwiseKernel`: its math (a small
+``@triton.jit`` function), its PyTorch reference (the unfused composition it
+replaces), the dtypes it takes and its byte model. One generic launcher
+(:mod:`fusedkit.elementwise`) runs any entry; tests, benchmarks and the docs'
+op table enumerate the registry, so a new entry gets all three.
+
+Register your own::
+
+    import triton, torch, fusedkit
+    from fusedkit.activations import relu
+
+    @triton.jit
+    def sub_relu_math(x, y):
+        return relu(x - y)
+
+    fusedkit.registry.register(fusedkit.registry.ElementwiseKernel(
+        name="sub_relu", math=sub_relu_math,
+        reference=lambda x, y: torch.relu(torch.sub(x, y)),
+        param=None, formula="relu(x - y)", unfused=("torch.sub", "torch.relu")))
+    fusedkit.elementwise("sub_relu", a, b)
+"""
+
+from __future__ import annotations
+
+import inspect
+import math as _math
+import numbers
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+from triton.runtime.jit import KernelInterface
+
+from . import activations
+
+__all__ = [
+    "ElementwiseKernel", "Traffic", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES",
+    "register", "unregister", "get", "kernels", "names",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+#: Every dtype the generic launcher can load, compute in and store.
+SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES
+#: Smallest unit of DRAM traffic on NVIDIA GPUs: a strided read still moves whole sectors.
+SECTOR_BYTES = 32
+#: Arity range the generic kernel has operand slots for.
+MAX_ARITY = 3
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a run moves through device memory: read and written."""
+
+    read: int
+    written: int
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.read + other.read, self.written + other.written)
+
+
+def tensor_read_bytes(t: torch.Tensor) -> int:
+    """Bytes that reading every element of ``t`` once moves.
+
+    Counts unique elements (a broadcast operand is read once, its reuse served by
+    the cache) and whole 32-byte sectors when the fastest dim is strided: a slice
+    ``x[:, ::2]`` of fp32 moves the skipped elements too.
+    """
+    if t.numel() == 0:
+        return 0
+    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0]
+    unique = _math.prod(n for n, _ in dims) if dims else 1
+    inner = min((s for _, s in dims), default=1)
+    per_element = min(inner * t.element_size(), max(SECTOR_BYTES, t.element_size()))
+    return unique * per_element
+
+
+def _result_bytes(shape, dtype) -> int:
+    return _math.prod(shape) * torch.empty((), dtype=dtype).element_size() if shape is not None else 0
+
+
+@dataclass(frozen=True)
+class ElementwiseKernel:
+    """One fused elementwise op, described once.
+
+    Attributes:
+        name: a Python identifier, unique in the registry.
+        math: ``@triton.jit`` function of ``arity`` compute-dtype values (plus the
+            scalar ``param`` when there is one), returning the result. Pure math:
+            no loads, stores or casts.
+        reference: the unfused PyTorch composition with the same signature as the
+            public op's positional operands plus the param, e.g. ``(x, y, alpha)``.
+        arg_names: names of the operands, used in error messages.
+        dtypes: result dtypes the op accepts; inputs must be among them too.
+        param: name of the single scalar keyword parameter, or ``None``.
+        param_default: its default value.
+        formula: human-readable formula for the docs.
+        unfused: the eager ops the reference launches; each one after the first
+            writes and re-reads an intermediate of the output's size.
+    """
+
+    name: str
+    math: KernelInterface
+    reference: Callable[..., torch.Tensor]
+    arg_names: tuple[str, ...] = ("x", "y")
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+    param: str | None = "alpha"
+    param_default: float | int = 1
+    formula: str = ""
+    unfused: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"kernel name must be a Python identifier, got {self.name!r}")
+        if not isinstance(self.math, KernelInterface):
+            raise TypeError(f"{self.name}: math must be a @triton.jit function, got {type(self.math).__name__}")
+        if not callable(self.reference):
+            raise TypeError(f"{self.name}: reference must be callable")
+        if not 1 <= len(self.arg_names) <= MAX_ARITY:
+            raise ValueError(f"{self.name}: arity must be 1..{MAX_ARITY}, got {len(self.arg_names)}")
+        if len(set(self.arg_names)) != len(self.arg_names) or not all(a.isidentifier() for a in self.arg_names):
+            raise ValueError(f"{self.name}: arg_names must be distinct identifiers, got {self.arg_names}")
+        bad = [d for d in self.dtypes if d not in SUPPORTED_DTYPES]
+        if not self.dtypes or bad:
+            raise ValueError(f"{self.name}: dtypes must be a non-empty subset of {SUPPORTED_DTYPES}, got {bad}")
+        if self.param is not None and not self.param.isidentifier():
+            raise ValueError(f"{self.name}: param must be an identifier or None, got {self.param!r}")
+        if not isinstance(self.param_default, numbers.Real):
+            raise TypeError(f"{self.name}: param_default must be a real number")
+        n_math = len(inspect.signature(self.math.fn).parameters)
+        expected = self.arity + (self.param is not None)
+        if n_math != expected:
+            raise ValueError(f"{self.name}: math takes {n_math} arguments, expected {expected} "
+                             f"(the operands{' and ' + self.param if self.param else ''})")
+        if not self.unfused:
+            raise ValueError(f"{self.name}: unfused must name the eager ops of the reference")
+
+    @property
+    def arity(self) -> int:
+        return len(self.arg_names)
+
+    @property
+    def intermediates(self) -> int:
+        """Tensors of the output's size that the unfused run writes and reads back."""
+        return len(self.unfused) - 1
+
+    def bytes_fused(self, *operands, out_dtype: torch.dtype | None = None) -> Traffic:
+        """Modelled DRAM traffic of the fused kernel on these operands."""
+        shape, dtype = _out_shape_dtype(operands, out_dtype)
+        read = sum(tensor_read_bytes(t) for t in operands if isinstance(t, torch.Tensor))
+        return Traffic(read, _result_bytes(shape, dtype))
+
+    def bytes_unfused(self, *operands, out_dtype: torch.dtype | None = None) -> Traffic:
+        """Modelled DRAM traffic of the eager composition: the fused bytes plus one
+        write and one read of each intermediate."""
+        shape, dtype = _out_shape_dtype(operands, out_dtype)
+        extra = self.intermediates * _result_bytes(shape, dtype)
+        return self.bytes_fused(*operands, out_dtype=out_dtype) + Traffic(extra, extra)
+
+
+def _out_shape_dtype(operands, out_dtype):
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    if out_dtype is None:
+        out_dtype = result_dtype(operands)
+    return shape, out_dtype
+
+
+def result_dtype(operands) -> torch.dtype:
+    """PyTorch's result dtype for an elementwise op on ``operands`` (tensors and numbers)."""
+    if len(operands) == 2:
+        return torch.result_type(*operands)
+    return elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+
+
+_REGISTRY: dict[str, ElementwiseKernel] = {}
+
+
+def register(kernel: ElementwiseKernel, *, replace: bool = False) -> ElementwiseKernel:
+    """Add ``kernel`` to the registry; returns it. Refuses a taken name unless ``replace``."""
+    if not isinstance(kernel, ElementwiseKernel):
+        raise TypeError(f"register() takes an ElementwiseKernel, got {type(kernel).__name__}")
+    if kernel.name in _REGISTRY and not replace:
+        raise ValueError(f"an elementwise kernel named {kernel.name!r} is already registered")
+    _REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def unregister(name: str) -> None:
+    """Remove a kernel you registered (the built-in ones are refused)."""
+    if name in BUILTIN_NAMES:
+        raise ValueError(f"{name!r} is built in and cannot be unregistered")
+    del _REGISTRY[name]
+
+
+def get(name: str) -> ElementwiseKernel:
+    """The kernel registered under ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no elementwise kernel named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def kernels() -> Iterator[ElementwiseKernel]:
+    """Every registered kernel, in registration order."""
+    return iter(tuple(_REGISTRY.values()))
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+ADD = register(ElementwiseKernel(
+    name="add",
+    math=activations.add_math,
+    reference=lambda x, y, alpha=1: torch.add(x, y, alpha=alpha),
+    formula="x + alpha * y",
+    unfused=("torch.add",),
+))
+
+ADD_RELU = register(ElementwiseKernel(
+    name="add_relu",
+    math=activations.add_relu_math,
+    reference=lambda x, y, alpha=1: torch.relu(torch.add(x, y, alpha=alpha)),
+    formula="relu(x + alpha * y)",
+    unfused=("torch.add", "torch.relu"),
+))
+
+BUILTIN_NAMES = frozenset(_REGISTRY)
