@@ -8,7 +8,7 @@ lists every fused elementwise op and lets you register your own.
 from __future__ import annotations
 
 from . import registry
-from .elementwise import BACKENDS, backend_for, elementwise
+from ._elementwise import BACKENDS, backend_for, elementwise
 from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
 from .ops import add, add_relu
 

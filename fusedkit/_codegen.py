@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
-from .elementwise import _elementwise_kernel, launch_config
+from ._elementwise import _elementwise_kernel, launch_config
 from .registry import ElementwiseKernel
 
 #: Hopper (H100, H200): compute capability 9.0, 32-thread warps.

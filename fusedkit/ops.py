@@ -1,11 +1,11 @@
 """Public fused elementwise ops. Each is a thin, documented front for one
-registry entry; the work happens in :func:`fusedkit.elementwise.elementwise`."""
+registry entry; the work happens in :func:`fusedkit.elementwise`."""
 
 from __future__ import annotations
 
 import torch
 
-from .elementwise import elementwise
+from ._elementwise import elementwise
 from .registry import ADD, ADD_RELU
 
 __all__ = ["add", "add_relu"]

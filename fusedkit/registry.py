@@ -3,12 +3,13 @@
 Every fused elementwise op is an :class:`ElementwiseKernel`: its math (a small
 ``@triton.jit`` function), its PyTorch reference (the unfused composition it
 replaces), the dtypes it takes and its byte model. One generic launcher
-(:mod:`fusedkit.elementwise`) runs any entry; tests, benchmarks and the docs'
+(:mod:`fusedkit._elementwise`) runs any entry; tests, benchmarks and the docs'
 op table enumerate the registry, so a new entry gets all three.
 
 Register your own::
 
-    import triton, torch, fusedkit
+    import torch, triton, fusedkit
+    import triton.language as tl  # jit functions need it in their module
     from fusedkit.activations import relu
 
     @triton.jit

@@ -1,0 +1,89 @@
+"""Checking fused kernels against PyTorch: one tolerance table, one comparison.
+
+Used by fusedkit's own tests and meant for yours when you register a kernel:
+compute the registry's reference in float64 (exact int64 for integer results),
+round nothing, and compare the kernel's output within the result dtype's bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .registry import ElementwiseKernel
+
+__all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+#: Bounds per result dtype for one elementwise op computed in fp32 (fp64 for
+#: float64) and rounded once on the store. bfloat16's rtol allows one ulp (2**-7)
+#: because Triton's interpreter rounds fp32 -> bf16 by truncation; fp16 allows one
+#: ulp (2**-10). Integers are exact.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float16: Tolerance(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2),
+    torch.float32: Tolerance(atol=1e-5, rtol=1.3e-6),
+    torch.float64: Tolerance(atol=1e-12, rtol=1e-12),
+    torch.int32: Tolerance(atol=0, rtol=0),
+    torch.int64: Tolerance(atol=0, rtol=0),
+}
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise KeyError(f"no tolerance for {dtype}; known: {list(TOLERANCES)}") from None
+
+
+def _widen(value, wide: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device="cpu", dtype=wide)
+    return value
+
+
+def reference_result(kernel: ElementwiseKernel, operands, param=None) -> torch.Tensor:
+    """The registry reference on CPU in float64 (int64 for integer results)."""
+    from .registry import result_dtype
+
+    dtype = result_dtype(tuple(operands))
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    args = tuple(_widen(v, wide) for v in operands)
+    if kernel.param is not None:
+        args += (kernel.param_default if param is None else param,)
+    return kernel.reference(*args)
+
+
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
+                             check_signed_zero: bool = True) -> None:
+    """``actual`` (any device) equals the wide ``expected`` within ``dtype``'s bounds.
+
+    NaN must meet NaN, infinities must match, and with ``check_signed_zero`` a
+    zero must carry the reference's sign (``relu(-0.0)`` is ``-0.0``).
+    """
+    dtype = dtype or actual.dtype
+    tol = tolerance(dtype)
+    got = actual.detach().to("cpu", expected.dtype)
+    torch.testing.assert_close(got, expected.to(got.dtype).expand_as(got), atol=tol.atol, rtol=tol.rtol,
+                               equal_nan=True, check_dtype=False)
+    if check_signed_zero and got.is_floating_point():
+        zeros = expected.expand_as(got) == 0
+        if zeros.any():
+            assert torch.equal(torch.signbit(got[zeros]), torch.signbit(expected.expand_as(got)[zeros])), \
+                "signed zeros differ from the reference"
+
+
+def poisoned(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
+    """An output buffer filled with a value no kernel should leave behind:
+    NaN for floats, the dtype's minimum for integers."""
+    t = (torch.empty(shape, dtype=dtype, device=device) if strides is None
+         else torch.empty_strided(shape, strides, dtype=dtype, device=device))
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    return t.fill_(fill)

@@ -1,0 +1,35 @@
+"""Test set-up: on a machine without a GPU, run the real Triton kernels in the
+interpreter. The variable must be set before fusedkit (and so Triton's
+decorators) is imported, which is why it happens here, at collection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice; keeps its default
+
+import pytest  # noqa: E402
+
+import fusedkit  # noqa: E402
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+ON_GPU = DEVICE.type == "cuda"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_report_header(config):
+    return (f"fusedkit {fusedkit.__version__}: device {DEVICE}, backend {fusedkit.backend_for(DEVICE)}, "
+            f"torch {torch.__version__}, triton {__import__('triton').__version__}")

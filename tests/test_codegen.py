@@ -1,0 +1,119 @@
+"""What the compiler makes of the kernels, checked on any machine.
+
+Triton lowers kernels for ``sm_90`` without a GPU, so these run in CI. They run
+in a subprocess because the test session may have the interpreter on, and
+Triton fixes that choice when it decorates the kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_fresh(script: str, **env) -> dict:
+    """Run ``script`` in a new interpreter without TRITON_INTERPRET; it prints one JSON line."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(env)
+    environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=environ, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CODEGEN = """
+import json, re, torch, fusedkit
+from fusedkit._codegen import compile_elementwise
+from fusedkit.registry import get
+
+M = "meta"
+def facts(name, ops, out):
+    k = compile_elementwise(get(name), ops, out)
+    ptx = k.asm["ptx"]
+    return {"i64": "xi64>" in k.asm["ttir"], "v4": bool(re.search(r"ld\\.global[.\\w]*\\.v4", ptx)),
+            "convert": "convert_layout" in k.asm["ttgir"]}
+
+r = {}
+x = torch.empty(1 << 20, device=M)
+r["small"] = facts("add_relu", (x, x), x)
+big = torch.empty(2**31 + 4096, device=M, dtype=torch.bfloat16)
+r["big"] = facts("add_relu", (big, big), big)
+# Few elements but far-apart rows: offsets past 2**31 need 64 bits though numel does not.
+wide = torch.empty(3, 2**30 + 64, device=M)[:, ::2]
+r["far_rows"] = facts("add", (wide, wide), torch.empty(wide.shape, device=M))
+t = torch.empty(512, 256, device=M)
+r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), torch.empty(256, 512, device=M))
+b = torch.empty(4096, 1024, device=M)
+r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
+r["dtypes"] = []
+for spec in fusedkit.registry.kernels():
+    for dtype in spec.dtypes:
+        v = torch.empty(1000, device=M, dtype=dtype)
+        compile_elementwise(spec, (v,) * spec.arity, v)
+        r["dtypes"].append(f"{spec.name}:{dtype}")
+print(json.dumps(r))
+"""
+
+
+@pytest.fixture(scope="module")
+def codegen():
+    return run_fresh(CODEGEN)
+
+
+def test_small_tensors_keep_32_bit_offsets(codegen):
+    assert not codegen["small"]["i64"]
+    assert not codegen["transposed"]["i64"] and not codegen["bias"]["i64"]
+
+
+def test_64_bit_offsets_where_sizes_need_them(codegen):
+    assert codegen["big"]["i64"]
+    assert codegen["far_rows"]["i64"]
+
+
+def test_loads_are_16_bytes_wide(codegen):
+    for case in ("small", "big", "transposed", "bias"):
+        assert codegen[case]["v4"], case
+
+
+def test_transposed_operand_goes_through_a_layout_change(codegen):
+    """Both operands load coalesced; Triton converts one tile's layout in shared memory."""
+    assert codegen["transposed"]["convert"]
+    assert not codegen["small"]["convert"]
+
+
+def test_every_registered_kernel_and_dtype_compiles_for_hopper(codegen):
+    import fusedkit
+
+    expected = [f"{k.name}:{d}" for k in fusedkit.registry.kernels() for d in k.dtypes]
+    assert codegen["dtypes"] == expected
+
+
+FALLBACK = """
+import json, torch, fusedkit
+x = torch.randn(30, 40, dtype=torch.float64)
+y = torch.randn(40, dtype=torch.float64)
+out = torch.full((30, 40), float("nan"), dtype=torch.float64)
+fusedkit.add_relu(x, y, alpha=2, out=out)
+r = {"backend": fusedkit.backend_for(x),
+     "add_relu": torch.equal(out, torch.relu(torch.add(x, y, alpha=2))),
+     "add": torch.equal(fusedkit.add(x.t(), 1.5), x.t() + 1.5)}
+try:
+    fusedkit.add(x, torch.randn(3))
+except fusedkit.ShapeError as e:
+    r["error"] = "do not broadcast" in str(e)
+print(json.dumps(r))
+"""
+
+
+def test_cpu_without_interpreter_runs_the_pytorch_reference():
+    r = run_fresh(FALLBACK)
+    assert r == {"backend": "torch", "add_relu": True, "add": True, "error": True}

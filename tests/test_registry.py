@@ -1,0 +1,132 @@
+"""The registry: validation, user kernels of every arity, byte models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl  # noqa: F401 - Triton needs it visible to jit functions
+from conftest import DEVICE
+from helpers import rand
+
+import fusedkit
+from fusedkit.activations import relu
+from fusedkit.registry import ElementwiseKernel, Traffic, get, register, unregister
+from fusedkit.testing import assert_matches_reference, reference_result
+
+
+@triton.jit
+def _neg_relu_math(x):
+    return relu(-x)
+
+
+@triton.jit
+def _mul_add_relu_math(a, b, c, alpha):
+    return relu(a * b + c * alpha)
+
+
+def _spec(**overrides):
+    base = dict(name="neg_relu", math=_neg_relu_math, reference=lambda x: torch.relu(torch.neg(x)),
+                arg_names=("x",), param=None, formula="relu(-x)", unfused=("torch.neg", "torch.relu"))
+    base.update(overrides)
+    return ElementwiseKernel(**base)
+
+
+@pytest.fixture
+def user_kernels():
+    unary = register(_spec())
+    ternary = register(ElementwiseKernel(
+        name="mul_add_relu", math=_mul_add_relu_math, arg_names=("a", "b", "c"),
+        reference=lambda a, b, c, alpha=1: torch.relu(torch.add(torch.mul(a, b), c, alpha=alpha)),
+        formula="relu(a * b + alpha * c)", unfused=("torch.mul", "torch.add", "torch.relu")))
+    yield unary, ternary
+    unregister("neg_relu")
+    unregister("mul_add_relu")
+
+
+def test_builtins_listed():
+    assert {"add", "add_relu"} <= set(fusedkit.registry.names())
+    assert get("add_relu").formula == "relu(x + alpha * y)"
+    assert get("add_relu").intermediates == 1 and get("add").intermediates == 0
+
+
+@pytest.mark.parametrize("bad,error,words", [
+    ({"name": "not an identifier"}, ValueError, "identifier"),
+    ({"math": lambda x: x}, TypeError, "@triton.jit"),
+    ({"reference": 3}, TypeError, "callable"),
+    ({"arg_names": ()}, ValueError, "arity"),
+    ({"arg_names": ("x", "x")}, ValueError, "distinct"),
+    ({"arg_names": ("x", "y")}, ValueError, "math takes 1 arguments, expected 2"),
+    ({"dtypes": (torch.complex64,)}, ValueError, "subset"),
+    ({"dtypes": ()}, ValueError, "subset"),
+    ({"param": "alpha"}, ValueError, "math takes 1 arguments, expected 2"),
+    ({"unfused": ()}, ValueError, "unfused"),
+])
+def test_spec_validation(bad, error, words):
+    with pytest.raises(error, match=words):
+        _spec(**bad)
+
+
+def test_spec_is_frozen_and_names_are_guarded():
+    spec = get("add")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "other"
+    with pytest.raises(ValueError, match="already registered"):
+        register(dataclasses.replace(spec))
+    with pytest.raises(ValueError, match="built in"):
+        unregister("add")
+    with pytest.raises(TypeError):
+        register("add")
+
+
+def test_user_unary_kernel(user_kernels):
+    unary, _ = user_kernels
+    assert "neg_relu" in fusedkit.registry.names()
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = rand((13, 7), dtype, DEVICE)
+        for view in (x, x.t()):
+            assert_matches_reference(fusedkit.elementwise("neg_relu", view), reference_result(unary, (view,)))
+    with pytest.raises(TypeError, match="takes no keyword"):
+        fusedkit.elementwise("neg_relu", x, alpha=2)
+
+
+def test_user_ternary_kernel_with_broadcast_and_scalars(user_kernels):
+    _, ternary = user_kernels
+    a = rand((6, 1, 5), torch.float32, DEVICE)
+    b = rand((4, 5), torch.float16, DEVICE).t()[:1].t()  # (5, 1) -> broadcast, strided
+    c = rand((5,), torch.float32, DEVICE)
+    for ops in ((a, b, c), (a, 2.0, c), (1.5, b, c), (a, b, -1.0)):
+        for alpha in (1, -2.5):
+            result = fusedkit.elementwise(ternary, *ops, alpha=alpha)
+            assert_matches_reference(result, reference_result(ternary, ops, alpha), result.dtype)
+
+
+FP32 = 4
+
+
+def test_byte_model_contiguous():
+    x = torch.empty(1000)
+    spec = get("add_relu")
+    assert spec.bytes_fused(x, x) == Traffic(2000 * FP32, 1000 * FP32)
+    assert spec.bytes_unfused(x, x) == Traffic(3000 * FP32, 2000 * FP32)
+    assert spec.bytes_unfused(x, x).total / spec.bytes_fused(x, x).total == pytest.approx(5 / 3)
+    assert get("add").bytes_unfused(x, x) == get("add").bytes_fused(x, x)
+
+
+def test_byte_model_broadcast_views_and_scalars():
+    spec = get("add_relu")
+    x, bias = torch.empty(64, 32), torch.empty(32)
+    assert spec.bytes_fused(x, bias) == Traffic((64 * 32 + 32) * FP32, 64 * 32 * FP32)
+    assert spec.bytes_fused(x.t(), x.t()) == spec.bytes_fused(x, x)  # a transpose moves the same bytes
+    assert spec.bytes_fused(x, 2.0) == Traffic(64 * 32 * FP32, 64 * 32 * FP32)
+    assert spec.bytes_fused(bias.expand(64, 32), x).read == (32 + 64 * 32) * FP32
+    # Reading every other fp32 element moves whole sectors: 8 bytes per element used.
+    wide = torch.empty(64, 64)
+    assert spec.bytes_fused(wide[:, ::2], x).read == 64 * 32 * 8 + 64 * 32 * FP32
+    # A stride of 64 bf16 elements (128 bytes) costs one 32-byte sector per element.
+    assert fusedkit.registry.tensor_read_bytes(torch.empty(640, dtype=torch.bfloat16)[::64]) == 10 * 32
+    # Mixed dtypes write the promoted dtype.
+    assert spec.bytes_fused(torch.empty(10, dtype=torch.float16), torch.empty(10)).written == 10 * FP32
+    assert spec.bytes_fused(torch.empty(0), torch.empty(0)) == Traffic(0, 0)
