@@ -1,0 +1,59 @@
+"""Fused vs unfused vs torch.add for every registered elementwise kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+import fusedkit
+from fusedkit import bench
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+SIZES = (2**16, 2**20, 2**24, 2**28) if ON_GPU else (2**10,)
+DTYPES = (torch.float32, torch.bfloat16)
+KERNELS = list(fusedkit.registry.kernels())
+
+
+def _timed(fn):
+    if ON_GPU:
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+    return fn
+
+
+def _record(benchmark, spec, ops, which):
+    traffic = spec.bytes_fused(*ops) if which == "fused" else spec.bytes_unfused(*ops)
+    info = benchmark.extra_info
+    info.update(kernel=spec.name, which=which, shape=list(ops[0].shape), dtype=str(ops[0].dtype),
+                bytes_read=traffic.read, bytes_written=traffic.written,
+                torch=torch.__version__, triton=triton.__version__,
+                backend=fusedkit.backend_for(DEVICE))
+    if ON_GPU:
+        props = torch.cuda.get_device_properties(DEVICE)
+        info.update(gpu=props.name, fits_l2=traffic.total <= props.L2_cache_size)
+    else:
+        info["note"] = "CPU: Triton interpreter at tiny sizes; not GPU times"
+
+
+@pytest.mark.parametrize("layout", bench.LAYOUTS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("which", ["fused", "unfused", "torch_add"])
+@pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
+def test_elementwise(benchmark, spec, which, dtype, n, layout):
+    ops = bench._operands(spec, layout, n, dtype, DEVICE)
+    args = ops + ((spec.param_default,) if spec.param else ())
+    fn = {"fused": lambda: fusedkit.elementwise(spec, *ops),
+          "unfused": lambda: spec.reference(*args),
+          "torch_add": lambda: torch.add(ops[0], ops[-1])}[which]
+    _record(benchmark, spec, ops, which)
+    if ON_GPU:
+        us = 1e3 * triton.testing.do_bench(fn, return_mode="median")
+        benchmark.extra_info["do_bench_median_us"] = us
+        benchmark.extra_info["gbps"] = benchmark.extra_info["bytes_read"] / us / 1e3 + \
+            benchmark.extra_info["bytes_written"] / us / 1e3
+    benchmark.pedantic(_timed(fn), rounds=20 if ON_GPU else 3, warmup_rounds=3 if ON_GPU else 1)

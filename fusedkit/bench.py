@@ -1,0 +1,243 @@
+"""The fused-vs-unfused report behind ``python -m fusedkit bench``.
+
+For every registered elementwise kernel it times, on the same operands:
+- ``fused``: the fusedkit kernel,
+- ``unfused``: the registry's eager PyTorch composition (``torch.relu(torch.add(x, y))``),
+- ``compiled``: ``torch.compile`` of that composition (GPU only, one fused kernel),
+- ``torch.add``: the single native op, the bandwidth peer every binary op is held to,
+and reports modelled bytes (fused and unfused), GB/s and the share of the copy
+roof measured in the same run. GPU times are ``triton.testing.do_bench`` medians.
+On a CPU the kernels run in Triton's interpreter at small sizes; those times say
+nothing about a GPU, and the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import triton
+
+from . import _elementwise, registry
+from ._elementwise import backend_for, elementwise
+
+LAYOUTS = ("contiguous", "bias", "transposed")
+#: Columns of a ``bias`` layout: a typical hidden size.
+BIAS_COLS = 4096
+GPU_SIZES = (2**20, 2**24, 2**28)
+CPU_SIZES = (2**10, 2**12)
+#: do_bench budget in milliseconds (it repeats until this much time is spent).
+WARMUP_MS, REP_MS = 25, 100
+CPU_REPEATS = 5
+DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class Row:
+    kernel: str
+    layout: str
+    dtype: str
+    n: int
+    shape: str
+    bytes_fused: int
+    bytes_unfused: int
+    fused_us: float
+    unfused_us: float
+    torch_add_us: float
+    compiled_us: float | None = None
+    roof_gbps: float | None = None
+    fits_l2: bool | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def fused_gbps(self) -> float:
+        return self.bytes_fused / self.fused_us / 1e3
+
+    @property
+    def torch_add_gbps(self) -> float:
+        return self.bytes_fused / self.torch_add_us / 1e3 if self.kernel == "add" else math.nan
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(fused_gbps=self.fused_gbps, speedup_vs_unfused=self.unfused_us / self.fused_us,
+                 roof_share=(self.fused_gbps / self.roof_gbps) if self.roof_gbps else None)
+        return d
+
+
+def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, device,
+              bias_cols: int = BIAS_COLS) -> tuple:
+    def rnd(*shape):
+        return torch.randn(shape, device=device, dtype=torch.float32).to(dtype) if dtype.is_floating_point \
+            else torch.randint(-100, 100, shape, device=device, dtype=dtype)
+
+    if layout == "contiguous":
+        ops = [rnd(n) for _ in range(kernel.arity)]
+    elif layout == "bias":
+        cols = min(bias_cols, n)
+        ops = [rnd(n // cols, cols)] + [rnd(cols) for _ in range(kernel.arity - 1)]
+    elif layout == "transposed":
+        side = 1 << (max(n.bit_length() - 1, 0) // 2)
+        rows = n // side
+        ops = [rnd(side, rows).t()] + [rnd(rows, side) for _ in range(kernel.arity - 1)]
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    return tuple(ops)
+
+
+def _timer(device) -> Callable[[Callable[[], object]], float]:
+    """Median time of ``fn`` in microseconds."""
+    if device.type == "cuda":
+        return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    def cpu(fn):
+        fn()
+        times = []
+        for _ in range(CPU_REPEATS):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(times)
+    return cpu
+
+
+def copy_roof_gbps(dtype, device, n: int) -> float:
+    """Bandwidth of ``dst.copy_(src)``, counting bytes read plus written: the roof."""
+    src = torch.randn(n, device=device).to(dtype)
+    dst = torch.empty_like(src)
+    us = _timer(device)(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def _compiled(fn):
+    torch._dynamo.reset()  # each case compiles afresh: no recompile limit, no stale guards
+    return torch.compile(fn, dynamic=False)
+
+
+def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=True,
+        bias_cols: int = BIAS_COLS) -> list[Row]:
+    timer = _timer(device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
+    # The copy roof means something on a GPU only; the interpreter's copy is a numpy memcpy.
+    roofs = {dt: copy_roof_gbps(dt, device, max(sizes)) if device.type == "cuda" else None for dt in dtypes}
+    rows = []
+    total = len(kernels) * len(dtypes) * len(sizes) * len(layouts)
+    for spec in kernels:
+        for dt in dtypes:
+            if dt not in spec.dtypes:
+                continue
+            for n in sizes:
+                for layout in layouts:
+                    ops = _operands(spec, layout, n, dt, device, bias_cols)
+                    args = ops + ((spec.param_default,) if spec.param else ())
+                    fused = lambda: elementwise(spec, *ops)  # noqa: E731
+                    unfused = lambda: spec.reference(*args)  # noqa: E731
+                    torch_add = lambda: torch.add(ops[0], ops[-1])  # noqa: E731
+                    row = Row(spec.name, layout, str(dt).removeprefix("torch."), n,
+                              "x".join(str(s) for s in ops[0].shape),
+                              spec.bytes_fused(*ops).total, spec.bytes_unfused(*ops).total,
+                              timer(fused), timer(unfused), timer(torch_add), roof_gbps=roofs[dt])
+                    if use_compile:
+                        compiled = _compiled(spec.reference)
+                        row.compiled_us = timer(lambda: compiled(*args))
+                    if l2 is not None:
+                        row.fits_l2 = row.bytes_fused <= l2
+                    rows.append(row)
+                    if progress:
+                        print(f"\r[{len(rows)}/{total}] {spec.name} {layout} {row.dtype} n={n}",
+                              end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return rows
+
+
+def _fmt(v, spec="8.1f"):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
+            f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'add us':>9} {'GB/s':>7} {'roof':>5} "
+            f"{'x unfus':>7} {'x compl':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        share = f"{100 * r.fused_gbps / r.roof_gbps:4.0f}%" if r.roof_gbps else "  -"
+        vs_compiled = r.compiled_us / r.fused_us if r.compiled_us else None
+        lines.append(
+            f"{r.kernel:<9} {r.layout:<10} {r.dtype:<8} {r.n:>10} {r.bytes_fused / 1e6:>9.2f} "
+            f"{r.bytes_unfused / 1e6:>9.2f} {_fmt(r.fused_us, '9.1f')} {_fmt(r.unfused_us, '9.1f')} "
+            f"{_fmt(r.compiled_us, '9.1f')} {_fmt(r.torch_add_us, '9.1f')} {r.fused_gbps:>7.0f} {share:>5} "
+            f"{r.unfused_us / r.fused_us:>7.2f} {_fmt(vs_compiled, '7.2f')}")
+    return "\n".join(lines)
+
+
+def environment(device) -> dict:
+    env = {"torch": torch.__version__, "triton": triton.__version__, "device": str(device),
+           "backend": backend_for(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
+        try:
+            import subprocess
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    return env
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"20,24,2**28,4096"``: small numbers are powers of two, others are element counts."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        value = int(eval(part, {"__builtins__": {}})) if "**" in part else int(part)  # noqa: S307
+        sizes.append(1 << value if value < 64 else value)
+    return sizes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fusedkit bench", description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", default=",".join(registry.names()), help="comma-separated registry names")
+    p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {','.join(DTYPE_NAMES)}")
+    p.add_argument("--sizes", default=None, help="element counts or powers of two (20 = 2**20)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {','.join(LAYOUTS)}")
+    p.add_argument("--bias-cols", type=int, default=BIAS_COLS, help="columns of the bias layout")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--json", help="write rows and environment to this JSON file")
+    p.add_argument("--csv", help="write rows to this CSV file")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    kernels = [registry.get(k) for k in args.kernels.split(",")]
+    dtypes = [DTYPE_NAMES[d] for d in args.dtypes.split(",")]
+    sizes = parse_sizes(args.sizes) if args.sizes else list(GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    layouts = args.layouts.split(",")
+    use_compile = device.type == "cuda" and not args.no_compile
+    env = environment(device)
+
+    if device.type != "cuda":
+        print(f"No CUDA GPU: the kernels run in {'Triton''s interpreter' if _elementwise.INTERPRETED else 'PyTorch'} "
+              "on the CPU. These times check the harness; they are NOT GPU times.\n")
+    rows = run(kernels, dtypes, sizes, layouts, device, use_compile, bias_cols=args.bias_cols)
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
+          "bandwidth measured now. x unfus / x compl: time of the peer / time of fusedkit.")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": [r.as_dict() for r in rows]}, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            dicts = [r.as_dict() for r in rows]
+            writer = csv.DictWriter(f, fieldnames=[k for k in dicts[0] if k != "extra"], extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(dicts)
+    return 0

@@ -1,0 +1,37 @@
+"""The README's main job, ``python -m fusedkit bench``, runs and writes its files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_report_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
+    out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedkit", "bench", "--sizes", "1024", "--layouts", "contiguous,bias,transposed",
+         "--dtypes", "fp32", "--no-compile", "--json", str(out_json), "--csv", str(out_csv)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on_gpu = torch.cuda.is_available()
+    assert ("NOT GPU times" in proc.stdout) != on_gpu
+    data = json.loads(out_json.read_text())
+    assert data["environment"]["backend"] == ("triton" if on_gpu else "interpreter")
+    rows = data["rows"]
+    assert {(r["kernel"], r["layout"]) for r in rows} >= {("add_relu", "transposed"), ("add", "bias")}
+    relu = next(r for r in rows if r["kernel"] == "add_relu" and r["layout"] == "contiguous")
+    assert relu["bytes_unfused"] * 3 == relu["bytes_fused"] * 5
+    assert len(out_csv.read_text().splitlines()) == len(rows) + 1
+
+
+def test_unknown_command():
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown command" in proc.stderr
