@@ -62,26 +62,17 @@ def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s
 
 
 @triton.jit
-def _elementwise_kernel(
-    out_ptr, a_ptr, b_ptr, c_ptr,
-    a_bits, b_bits, c_bits, param_bits,
-    size1, size2, size3, size_r, size_c, tiles_c, tiles_per_batch,
-    o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
-    a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-    b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
-    c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
-    SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
-):
+def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
+          i0, i1, i2, i3, rows, cols, mask,
+          o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
+          a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+          b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
+          c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+          FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
+          SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
+          COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr, INT64: tl.constexpr):
+    """Load one tile of every operand, apply ``FN``, store. ``mask`` is None for a full tile."""
     # Operand k (0 = output, 1..3 = inputs) owns bit k of the masks.
-    batch, tile_r, tile_c = _jit.tile_coords(tl.program_id(0), tiles_c, tiles_per_batch)
-    rows = _jit.block_range(tile_r, BLOCK_R, INT64)
-    cols = _jit.block_range(tile_c, BLOCK_C, INT64)
-    mask = _jit.tile_mask(rows, cols, size_r, size_c)
-    i0, i1, i2, i3 = _jit.batch_index(batch, size1, size2, size3)
-
     a = _operand(a_ptr, a_bits, i0, i1, i2, i3, rows, cols, mask, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
                  (SCALAR_MASK >> 1) & 1, (UNIT_R_MASK >> 1) & 1, (UNIT_C_MASK >> 1) & 1,
                  INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
@@ -115,6 +106,43 @@ def _elementwise_kernel(
     out_offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
                                        UNIT_R_MASK & 1, UNIT_C_MASK & 1, INT64)
     _jit.store_result(out_ptr, out_offsets, result, mask)
+
+
+@triton.jit
+def _elementwise_kernel(
+    out_ptr, a_ptr, b_ptr, c_ptr,
+    a_bits, b_bits, c_bits, param_bits,
+    size1, size2, size3, size_r, size_c, tiles_c, tiles_per_batch,
+    o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
+    a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+    b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
+    c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
+    SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
+):
+    batch, tile_r, tile_c = _jit.tile_coords(tl.program_id(0), tiles_c, tiles_per_batch)
+    rows = _jit.block_range(tile_r, BLOCK_R, INT64)
+    cols = _jit.block_range(tile_c, BLOCK_C, INT64)
+    i0, i1, i2, i3 = _jit.batch_index(batch, size1, size2, size3)
+    # Interior tiles skip the mask: a bound that is not a multiple of 16 would
+    # otherwise stop Triton from issuing 16-byte accesses for the whole launch
+    # (H200, n = 2**28 + 1 fp32 add_relu: 1013 us masked everywhere vs 738 us at 2**28).
+    full = _jit.block_is_full(tile_r, BLOCK_R, size_r, INT64) & _jit.block_is_full(tile_c, BLOCK_C, size_c, INT64)
+    if full:
+        _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits, i0, i1, i2, i3, rows, cols, None,
+              o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+              b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+              FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
+              COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
+    else:
+        mask = _jit.tile_mask(rows, cols, size_r, size_c)
+        _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits, i0, i1, i2, i3, rows, cols, mask,
+              o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+              b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+              FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
+              COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
 
 
 #: Whether this process interprets the kernels (decided when Triton decorated them).

@@ -34,6 +34,16 @@ def block_range(tile, BLOCK: tl.constexpr, INT64: tl.constexpr):
 
 
 @triton.jit
+def block_is_full(tile, BLOCK: tl.constexpr, size, INT64: tl.constexpr):
+    """True when block ``tile`` lies wholly inside ``[0, size)``."""
+    if INT64:
+        end = (tile.to(tl.int64) + 1) * BLOCK
+    else:
+        end = (tile + 1) * BLOCK
+    return end <= size
+
+
+@triton.jit
 def tile_mask(rows, cols, size_r, size_c):
     """In-bounds mask of a ``[BLOCK_R, BLOCK_C]`` tile."""
     return (rows < size_r)[:, None] & (cols < size_c)[None, :]

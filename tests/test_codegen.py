@@ -45,7 +45,7 @@ def facts(name, ops, out):
 r = {}
 x = torch.empty(1 << 20, device=M)
 r["small"] = facts("add_relu", (x, x), x)
-big = torch.empty(2**31 + 4096, device=M, dtype=torch.bfloat16)
+big = torch.empty(2**31 + 5, device=M, dtype=torch.bfloat16)
 r["big"] = facts("add_relu", (big, big), big)
 # Few elements but far-apart rows: offsets past 2**31 need 64 bits though numel does not.
 wide = torch.empty(3, 2**30 + 64, device=M)[:, ::2]

@@ -1,0 +1,64 @@
+"""Where a small fused call's host time goes (GPU): a breakdown of one call into
+its layers, per call over a host loop, plus a cProfile of the whole call.
+
+    python benchmarks/probe_latency.py [n]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+import fusedkit
+from fusedkit import _elementwise as ew
+from fusedkit.registry import ADD_RELU
+
+CALLS = 2000
+
+
+def per_call_us(fn, calls=CALLS):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    out = torch.empty_like(x)
+    grid, args, meta = ew.launch_config(ADD_RELU, (x, y), 1, out)
+    rows = [
+        ("torch.add(x, y)", lambda: torch.add(x, y)),
+        ("torch.relu(x + y)", lambda: torch.relu(x + y)),
+        ("fusedkit.add_relu(x, y)", lambda: fusedkit.add_relu(x, y)),
+        ("fusedkit.add_relu(x, y, out=out)", lambda: fusedkit.add_relu(x, y, out=out)),
+        ("  _validate", lambda: ew._validate(ADD_RELU, (x, y), 1, None)),
+        ("  launch_config", lambda: ew.launch_config(ADD_RELU, (x, y), 1, out)),
+        ("  kernel[grid](*args) prepared", lambda: ew._elementwise_kernel[grid](*args, **meta)),
+    ]
+    for name, fn in rows:
+        print(f"{name:40s} {per_call_us(fn):8.1f} us/call  (n={n})")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        fusedkit.add_relu(x, y)
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    print(s.getvalue()[-6000:])
+
+
+if __name__ == "__main__":
+    main()
