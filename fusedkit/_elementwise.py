@@ -23,7 +23,7 @@ import triton.language as tl
 from . import _jit
 from ._compat import is_interpreted
 from ._layout import (
-    broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
+    broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
 )
 from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
 from .registry import ElementwiseKernel, get, result_dtype
@@ -224,11 +224,11 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         # Host 0-d tensors become host numbers: a kernel cannot read host memory.
         operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != device else t for t in operands)
 
-    try:
-        shape = torch.broadcast_shapes(*(t.shape for _, t in tensors))
-    except RuntimeError:
+    shape = broadcast_shape([t.shape for _, t in tensors])
+    if shape is None:
         shapes = ", ".join(f"{n}{tuple(t.shape)}" for n, t in tensors)
-        raise ShapeError(f"{kernel.name}(): shapes do not broadcast: {shapes}") from None
+        raise ShapeError(f"{kernel.name}(): shapes do not broadcast: {shapes}")
+    shape = torch.Size(shape)
 
     dtype = result_dtype(operands)
     if dtype not in kernel.dtypes:
@@ -305,9 +305,9 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
     """
     shape = out.shape
     is_float = out.dtype.is_floating_point
-    strides = [tuple(out.stride())] + [
-        broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands]
-    plan = plan_elementwise(shape, strides)
+    strides = (tuple(out.stride()),) + tuple(
+        broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands)
+    plan = plan_elementwise(tuple(shape), strides)
 
     ptrs, bits, flat_strides = [], [], []
     scalar_mask = 0

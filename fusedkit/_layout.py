@@ -15,6 +15,7 @@ Everything here is plain Python on shapes and strides; it never touches data.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -103,8 +104,37 @@ def span_bytes(t) -> tuple[int, int]:
     return start, start + (reach + 1) * t.element_size()
 
 
-def plan_elementwise(out_shape: Sequence[int], operand_strides: Sequence[Strides | None]) -> Plan:
-    """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast."""
+def broadcast_shape(shapes: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
+    """The broadcast of ``shapes``, or None when they do not broadcast.
+
+    Plain Python: ``torch.broadcast_shapes`` costs about 4 us a call through its
+    reference implementation, a tenth of a small op's budget.
+    """
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return tuple(first)
+    rank = max(len(s) for s in shapes)
+    result = [1] * rank
+    for s in shapes:
+        for i, n in enumerate(s, rank - len(s)):
+            if n != 1:
+                if result[i] not in (1, n):
+                    return None
+                result[i] = n
+    # A 0-size dim broadcasts only against 0 or 1; the loop above already refused 0 vs n > 1.
+    return tuple(result)
+
+
+#: Distinct layouts kept planned; a model calls few shapes over and over.
+PLAN_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides | None, ...]) -> Plan:
+    """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast.
+
+    Pure function of its (hashable) arguments, so plans are cached.
+    """
     tensors = [k for k, s in enumerate(operand_strides) if s is not None]
     dims = [d for d, n in enumerate(out_shape) if n != 1]
     # Output's slowest dim first, fastest last; the output never self-overlaps, so its

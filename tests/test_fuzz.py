@@ -1,0 +1,86 @@
+"""Differential fuzzing against PyTorch: random shapes, broadcasts, views, dtypes,
+scalars, alpha and ``out=`` for every registered binary kernel. Bounded in CI;
+``FUSEDKIT_FUZZ_EXAMPLES`` raises the count (the GPU script uses more)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fusedkit
+from fusedkit.testing import assert_matches_reference, poisoned, reference_result
+
+EXAMPLES = int(os.environ.get("FUSEDKIT_FUZZ_EXAMPLES", "60"))
+BINARY = [k for k in fusedkit.registry.kernels() if k.arity == 2]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
+
+
+@st.composite
+def operand(draw, shape, dtype):
+    """A tensor that reads as ``shape``: maybe broadcast, transposed, sliced or offset."""
+    # Broadcast: drop leading dims and set some dims to 1.
+    rank = draw(st.integers(0, len(shape)))
+    own = [1 if draw(st.booleans()) and draw(st.booleans()) else n for n in shape[len(shape) - rank:]]
+    steps = [draw(st.sampled_from([1, 1, 2, 3])) for _ in own]
+    offset = draw(st.integers(0, 3))
+    base_shape = [n * s for n, s in zip(own, steps)]
+    numel = 1
+    for n in base_shape:
+        numel *= n
+    flat = _rand(numel + offset, dtype)
+    t = flat[offset:].view(base_shape) if base_shape else flat[offset:offset + 1].view(())
+    t = t[tuple(slice(None, None, s) for s in steps)] if steps else t
+    if t.dim() >= 2 and draw(st.booleans()):
+        perm = draw(st.permutations(range(t.dim())))
+        t = t.permute(*perm).contiguous().permute(*[perm.index(i) for i in range(t.dim())])
+    return t
+
+
+def _rand(n, dtype):
+    if dtype.is_floating_point:
+        return (torch.randn(n, device=DEVICE) * 3).to(dtype)
+    return torch.randint(1, 40, (n,), device=DEVICE, dtype=dtype)
+
+
+@st.composite
+def case(draw):
+    kernel = draw(st.sampled_from(BINARY))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=5)))
+    dx, dy = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DTYPES))
+    x = draw(operand(shape, dx))
+    y = draw(operand(shape, dy))
+    scalar = draw(st.sampled_from([None, "x", "y"]))
+    if scalar == "x":
+        x = draw(st.sampled_from([2, -3, 1.5, -0.25]))
+    elif scalar == "y":
+        y = draw(st.sampled_from([2, -3, 1.5, -0.25]))
+    dtype = torch.result_type(x, y)
+    alpha = draw(st.sampled_from([1, 2, -1] + ([0.5, -1.25] if dtype.is_floating_point else [])))
+    use_out = draw(st.sampled_from(["none", "fresh", "transposed"]))
+    return kernel, x, y, alpha, use_out
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case())
+def test_matches_torch(args):
+    kernel, x, y, alpha, use_out = args
+    expected = reference_result(kernel, (x, y), alpha)
+    dtype = torch.result_type(x, y)
+    out = None
+    if use_out == "fresh":
+        out = poisoned(expected.shape, dtype, DEVICE)
+    elif use_out == "transposed" and expected.dim() >= 2:
+        out = poisoned(expected.shape[::-1], dtype, DEVICE).permute(*reversed(range(expected.dim())))
+    result = fusedkit.elementwise(kernel, x, y, alpha=alpha, out=out)
+    assert result.shape == expected.shape and result.dtype == dtype
+    assert_matches_reference(result, expected, dtype)
+    if out is not None:
+        assert result is out
+
+

@@ -1,0 +1,75 @@
+"""Host-side layout planning: broadcast, dim collapse, tile axes, 32/64-bit choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fusedkit._layout import (
+    INT32_MAX, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise,
+)
+
+
+def test_broadcast_shape_agrees_with_torch():
+    sizes = [0, 1, 2, 3]
+    shapes = [s for r in range(4) for s in itertools.product(sizes, repeat=r)]
+    for a, b in itertools.product(shapes, repeat=2):
+        try:
+            expected = tuple(torch.broadcast_shapes(a, b))
+        except RuntimeError:
+            expected = None
+        assert broadcast_shape([a, b]) == expected, (a, b)
+
+
+def plan_for(*tensors, out=None):
+    out = out if out is not None else torch.empty(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    strides = (tuple(out.stride()),) + tuple(broadcast_strides(t.shape, t.stride(), out.shape) for t in tensors)
+    return plan_elementwise(tuple(out.shape), strides)
+
+
+def test_dense_tensors_of_any_rank_collapse_to_one_row():
+    x = torch.empty(2, 3, 4, 5)
+    plan = plan_for(x, x)
+    assert (plan.size_r, plan.size_c, plan.batch_sizes) == (1, 120, (1, 1, 1, 1))
+    assert plan.tile.block_r == 1 and plan.unit_mask(-1) == 0b111
+    xt = torch.empty(5, 4).t()
+    plan = plan_for(xt, xt, out=torch.empty(5, 4).t())
+    assert (plan.size_r, plan.size_c) == (1, 20)
+
+
+def test_bias_keeps_stride_zero_rows():
+    plan = plan_for(torch.empty(64, 32), torch.empty(32))
+    assert (plan.size_r, plan.size_c) == (64, 32)
+    assert plan.strides[2][-2:] == (0, 1)
+
+
+def test_transposed_input_takes_the_row_axis_and_a_square_tile():
+    plan = plan_for(torch.empty(300, 200).t(), torch.empty(200, 300))
+    assert (plan.size_r, plan.size_c) == (200, 300)
+    assert plan.strides[1][-2:] == (1, 200)
+    assert plan.unit_mask(-2) == 0b010 and plan.tile.block_r == plan.tile.block_c
+
+
+def test_int64_only_when_offsets_need_it():
+    assert not plan_for(torch.empty(1 << 20, device="meta")).int64
+    big = torch.empty(2**31 + 5, device="meta")
+    assert plan_for(big).int64
+    far = torch.empty(3, 2**30 + 64, device="meta")[:, ::2]
+    assert far.numel() < INT32_MAX and plan_for(far, out=torch.empty(far.shape, device="meta")).int64
+
+
+def test_too_many_uncollapsible_dims_is_a_clear_error():
+    x = torch.empty([2] * 7).permute(6, 4, 2, 0, 5, 3, 1)
+    with pytest.raises(ValueError, match="non-mergeable dims"):
+        plan_for(x, torch.empty([2] * 7))
+
+
+@pytest.mark.parametrize("shape,strides,dense,overlap", [
+    ((2, 3), (3, 1), True, False), ((2, 3), (1, 2), True, False), ((2, 3), (4, 1), False, False),
+    ((2, 3), (0, 1), False, True), ((2, 3), (1, 1), False, True), ((4, 1), (1, 0), True, False),
+])
+def test_dense_and_overlap_predicates(shape, strides, dense, overlap):
+    assert is_dense_permutation(shape, strides) == dense
+    assert may_self_overlap(shape, strides) == overlap
