@@ -20,15 +20,16 @@ tail -5 "$OUT/pytest.txt"
 
 if [ "$mode" = quick ]; then
   python3 -m fusedkit bench --sizes 24 --no-compile > "$OUT/bench.txt" 2>"$OUT/bench.err"
+  bench_rc=$?
 else
   python3 -m fusedkit bench --sizes 20,24,28 --json "$OUT/bench.json" --csv "$OUT/bench.csv" \
     > "$OUT/bench.txt" 2>"$OUT/bench.err"
+  bench_rc=$?
   # Odd sizes defeat Triton's 16-divisibility specialisation (no 16-byte loads): how much does it cost?
   python3 -m fusedkit bench --kernels add_relu --dtypes fp32 --sizes 268435456,268435457 \
     --layouts contiguous --no-compile > "$OUT/bench_odd.txt" 2>>"$OUT/bench.err"
   PYTHONPATH=. python3 benchmarks/probe_latency.py 1024 > "$OUT/probe.txt" 2>&1
 fi
-bench_rc=$?
 tr '\r' '\n' < "$OUT/bench.err" | grep -v '^\[' | tail -3
 echo "pytest rc=$test_rc bench rc=$bench_rc"
 tail -n +4 "$OUT/bench_odd.txt" 2>/dev/null
