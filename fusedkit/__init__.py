@@ -7,14 +7,15 @@ lists every fused elementwise op and lets you register your own.
 
 from __future__ import annotations
 
-from . import registry
+from . import nn, registry
 from ._elementwise import BACKENDS, backend_for, elementwise
 from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from ._matmul import linear_relu, matmul, matmul_relu
 from .ops import add, add_relu
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "add", "add_relu", "elementwise", "registry", "backend_for", "BACKENDS",
+    "add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError",
 ]

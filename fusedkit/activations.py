@@ -8,6 +8,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: 1/sqrt(2), for the erf form of GELU.
+SQRT_1_2 = tl.constexpr(0.7071067811865476)
+#: sqrt(2/pi), for the tanh form of GELU.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+#: Cubic coefficient of the tanh form of GELU.
+GELU_TANH_CUBIC = tl.constexpr(0.044715)
+
+#: Activation codes, the compile-time switch of kernels with an epilogue. Strings
+#: map to them once, at the Python boundary (:data:`ACTIVATIONS`).
+ACT_NONE = tl.constexpr(0)
+ACT_RELU = tl.constexpr(1)
+ACT_GELU = tl.constexpr(2)
+ACT_GELU_TANH = tl.constexpr(3)
+ACT_SILU = tl.constexpr(4)
+ACTIVATIONS = {None: 0, "none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+
 
 @triton.jit
 def relu(v):
@@ -16,6 +32,40 @@ def relu(v):
     Written as ``v < 0 ? 0 : v`` because ``v > 0 ? v : 0`` would turn NaN into 0.
     """
     return tl.where(v < 0, 0, v)
+
+
+@triton.jit
+def gelu(v):
+    """``0.5 v (1 + erf(v / sqrt 2))``, PyTorch's default GELU."""
+    return 0.5 * v * (1 + tl.math.erf(v * SQRT_1_2))
+
+
+@triton.jit
+def gelu_tanh(v):
+    """PyTorch's ``gelu(approximate="tanh")``, written as ``v * sigmoid(2 z)``
+    since ``0.5 (1 + tanh z) == sigmoid(2 z)``."""
+    z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
+    return v * tl.sigmoid(2 * z)
+
+
+@triton.jit
+def silu(v):
+    """``v * sigmoid(v)``."""
+    return v * tl.sigmoid(v)
+
+
+@triton.jit
+def apply_activation(v, ACTIVATION: tl.constexpr):
+    """The activation selected by a compile-time code from :data:`ACTIVATIONS`."""
+    if ACTIVATION == ACT_RELU:
+        v = relu(v)
+    elif ACTIVATION == ACT_GELU:
+        v = gelu(v)
+    elif ACTIVATION == ACT_GELU_TANH:
+        v = gelu_tanh(v)
+    elif ACTIVATION == ACT_SILU:
+        v = silu(v)
+    return v
 
 
 @triton.jit

@@ -158,6 +158,56 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
     return rows
 
 
+#: (M, N, K) of the matmul report: square, tall, an MLP up-projection, and decode-sized M.
+MATMUL_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096), (4096, 11008, 4096),
+                 (512, 4096, 4096), (64, 4096, 4096), (16, 4096, 4096), (1, 4096, 4096))
+
+
+def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict]:
+    """relu(a @ b + bias): fusedkit against cuBLASLt's fused epilogue, eager addmm + relu, and a bare matmul."""
+    from ._matmul import matmul_relu
+
+    timer = _timer(device)
+    rows = []
+    for dt in dtypes:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device=device, dtype=dt)
+            b = torch.randn(k, n, device=device, dtype=dt)
+            bias = torch.randn(n, device=device, dtype=dt)
+            flops = 2 * m * n * k
+            cases = {
+                "fusedkit": lambda: matmul_relu(a, b, bias),
+                "cublaslt_epilogue": lambda: torch._addmm_activation(bias, a, b),
+                "addmm_relu": lambda: torch.relu(torch.addmm(bias, a, b)),
+                "matmul_bare": lambda: torch.matmul(a, b),
+            }
+            row = {"m": m, "n": n, "k": k, "dtype": str(dt).removeprefix("torch.")}
+            for name, fn in cases.items():
+                us = timer(fn)
+                row[f"{name}_us"] = us
+                row[f"{name}_tflops"] = flops / us / 1e6
+            rows.append(row)
+            if progress:
+                print(f"\r[{len(rows)}/{len(dtypes) * len(shapes)}] matmul {m}x{n}x{k} {row['dtype']}",
+                      end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return rows
+
+
+def format_matmul_table(rows: list[dict]) -> str:
+    head = (f"{'M':>6} {'N':>6} {'K':>6} {'dtype':<9} {'fusedkit':>9} {'cuBLASLt':>9} {'addmm+relu':>10} "
+            f"{'bare mm':>8}  {'x LtEpi':>7} {'x addmm':>7} {'x bare':>7}   (TFLOP/s; x = peer time / fusedkit time)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f = r["fusedkit_us"]
+        lines.append(
+            f"{r['m']:>6} {r['n']:>6} {r['k']:>6} {r['dtype']:<9} {r['fusedkit_tflops']:>9.1f} "
+            f"{r['cublaslt_epilogue_tflops']:>9.1f} {r['addmm_relu_tflops']:>10.1f} {r['matmul_bare_tflops']:>8.1f}  "
+            f"{r['cublaslt_epilogue_us'] / f:>7.2f} {r['addmm_relu_us'] / f:>7.2f} {r['matmul_bare_us'] / f:>7.2f}")
+    return "\n".join(lines)
+
+
 def _fmt(v, spec="8.1f"):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -211,6 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {','.join(LAYOUTS)}")
     p.add_argument("--bias-cols", type=int, default=BIAS_COLS, help="columns of the bias layout")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     args = p.parse_args(argv)
@@ -223,6 +274,15 @@ def main(argv=None) -> int:
     use_compile = device.type == "cuda" and not args.no_compile
     env = environment(device)
 
+    if args.matmul:
+        shapes = MATMUL_SHAPES if device.type == "cuda" else ((64, 48, 40), (7, 33, 65))
+        mrows = run_matmul(dtypes, device, shapes)
+        print(" ".join(f"{k}={v}" for k, v in env.items()))
+        print(format_matmul_table(mrows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "matmul": mrows}, f, indent=1)
+        return 0
     if device.type != "cuda":
         print(f"No CUDA GPU: the kernels run in {'Triton''s interpreter' if _elementwise.INTERPRETED else 'PyTorch'} "
               "on the CPU. These times check the harness; they are NOT GPU times.\n")

@@ -43,3 +43,57 @@ def elementwise_tile(size_r: int, size_c: int, transposed: bool) -> TileConfig:
     block_c = min(MAX_BLOCK_C, _pow2_at_least(size_c))
     block_r = min(_pow2_at_least(size_r), max(1, TILE_ELEMS_2D // block_c))
     return TileConfig(block_r, block_c, ELEMENTWISE_WARPS)
+
+
+# --- matmul -------------------------------------------------------------------
+
+#: Tile of the interpreter (CPU) runs: small, so tests stay fast; tl.dot needs >= 16.
+MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+#: Programs along M that share a band of B before moving on (L2 reuse).
+MATMUL_GROUP_M = 8
+#: Largest M bucket: every M above it shares one tuning result.
+MATMUL_MAX_M_BUCKET = 8192
+
+
+def matmul_configs():
+    """Autotune candidates for Hopper (H100/H200), bf16/fp16 first.
+
+    Big square-ish tiles with 3-4 stages feed wgmma at large M; the 64-row tiles
+    serve small M (decode steps, M <= 64). The last one fits fp32/fp64 operands in
+    shared memory when the others do not (the autotuner skips configs that fail).
+    """
+    from triton import Config
+
+    def cfg(bm, bn, bk, stages, warps):
+        return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M),
+                      num_stages=stages, num_warps=warps)
+
+    return [
+        cfg(128, 256, 64, 3, 8),
+        cfg(256, 128, 64, 3, 8),
+        cfg(128, 128, 64, 4, 8),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 256, 64, 4, 4),
+        cfg(64, 128, 128, 3, 4),
+        cfg(64, 64, 128, 4, 4),
+        cfg(64, 64, 32, 2, 4),
+    ]
+
+
+#: A tile that fits shared memory for every dtype, fp64 included: the config used
+#: when autotuning is off (``FUSEDKIT_AUTOTUNE=0``), e.g. for deterministic runs and
+#: for test suites that would otherwise tune hundreds of variants.
+MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M)
+MATMUL_FIXED_STAGES, MATMUL_FIXED_WARPS = 2, 4
+
+
+def autotune_enabled() -> bool:
+    """Autotuning is on unless ``FUSEDKIT_AUTOTUNE=0``."""
+    import os
+
+    return os.environ.get("FUSEDKIT_AUTOTUNE", "1") != "0"
+
+
+def matmul_m_bucket(m: int) -> int:
+    """Tuning key for M: the next power of two, capped, so a new batch size rarely re-tunes."""
+    return min(MATMUL_MAX_M_BUCKET, 1 << max(0, (m - 1).bit_length()))

@@ -13,7 +13,8 @@ import torch
 
 from .registry import ElementwiseKernel
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned"]
+__all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned",
+           "MATMUL_REL_ERR", "matmul_rel_err", "assert_rel_err"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,36 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.int32: Tolerance(atol=0, rtol=0),
     torch.int64: Tolerance(atol=0, rtol=0),
 }
+
+
+#: Bounds on ``||out - ref|| / ||ref||`` for a matmul against a float64 reference:
+#: one rounding of the output plus fp32 accumulation; TF32 products (10-bit
+#: mantissas) land near 3e-4, so fp32 allows 2e-3 when TF32 may be on.
+MATMUL_REL_ERR: dict[torch.dtype, float] = {
+    torch.float16: 5e-3,
+    torch.bfloat16: 1.5e-2,
+    torch.float32: 1e-5,
+    torch.float64: 1e-12,
+}
+MATMUL_REL_ERR_TF32 = 2e-3
+
+
+def matmul_rel_err(dtype: torch.dtype) -> float:
+    """The relative-error bound for a matmul result of ``dtype`` on this machine's settings."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return MATMUL_REL_ERR_TF32
+    return MATMUL_REL_ERR[dtype]
+
+
+def assert_rel_err(actual: torch.Tensor, expected: torch.Tensor, bound: float) -> None:
+    """``||actual - expected|| / ||expected|| <= bound``, computed in float64; NaN fails."""
+    got = actual.detach().to("cpu", torch.float64)
+    ref = expected.detach().to("cpu", torch.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not got.isnan().any(), "NaN in the result"
+    denom = ref.norm().item() or 1.0
+    err = (got - ref).norm().item() / denom
+    assert err <= bound, f"relative error {err:.3g} > {bound:.3g}"
 
 
 def tolerance(dtype: torch.dtype) -> Tolerance:

@@ -1,0 +1,318 @@
+"""Matmul with a fused epilogue: ``act(a @ b + bias)`` in one kernel.
+
+Bias and activation are applied to the fp32 accumulator while it is still in
+registers, and the output is written once. Layers, by name:
+- ``_matmul_kernel``: the ``@triton.jit`` kernel (compile-time switches for bias,
+  activation and a stored pre-activation for backward);
+- ``launch_matmul``: validates nothing, picks 32/64-bit offsets, autotunes, launches;
+- ``_MatmulFunction``: autograd;
+- ``matmul``, ``matmul_relu``, ``linear_relu``: the public functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import activations as act
+from ._compat import is_interpreted
+from .configs import (
+    MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, autotune_enabled,
+    matmul_configs, matmul_m_bucket,
+)
+from .errors import DeviceError, DTypeError, ShapeError
+
+__all__ = ["matmul", "matmul_relu", "linear_relu", "MATMUL_DTYPES", "ACTIVATION_NAMES"]
+
+MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu")
+_INT32_MAX = 2**31 - 1
+#: Activations whose derivative needs the pre-activation (ReLU's needs only the output).
+_NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile col), walking GROUP_M tile rows per column band for L2 reuse."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % size_m)
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    M, N, K, M_BUCKET,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
+    # Wrapped indices keep every A/B load in bounds without a row/column mask
+    # (masks there would cost the vectorised loads); the store is masked instead.
+    rows_in = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M)
+    cols_in = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols_in[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        if UPCAST_OPERANDS:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue, on the accumulator in registers.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols_in * stride_bias)
+        acc = acc + bias[None, :].to(ACC_DTYPE)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    if STORE_PRE:
+        tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+    acc = act.apply_activation(acc, ACTIVATION)
+    tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+_matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
+_matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk"])(_matmul_even_k)
+INTERPRETED = is_interpreted(_matmul_kernel)
+
+_ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
+              torch.float64: tl.float64}
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  out: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
+
+    ``pre``, when given, receives the pre-activation (for a backward pass).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    code = act.ACTIVATIONS[activation]
+    int64 = max(_max_offset(a), _max_offset(b), _max_offset(out)) > _INT32_MAX
+    if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    else:
+        precision = "ieee"
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out,
+            M, N, K, matmul_m_bucket(M),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=code, STORE_PRE=pre is not None,
+                ACC_DTYPE=_ACC_DTYPE[a.dtype], INPUT_PRECISION=precision, INT64=int64,
+                # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies
+                # those integers; products of exactly widened values are the same math.
+                UPCAST_OPERANDS=INTERPRETED and a.dtype == torch.bfloat16)
+
+    def grid(m):
+        return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
+
+    if INTERPRETED:
+        tile = MATMUL_INTERPRETER_TILE
+        _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
+        return out
+    if a.device.index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):
+            return launch_matmul(a, b, bias, activation, out, pre)
+    if autotune_enabled():
+        _matmul_tuned[grid](*args, **meta)
+    else:
+        tile = MATMUL_FIXED_TILE
+        _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
+                                   num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
+    return out
+
+
+def _torch_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
+def matmul_reference(a, b, bias=None, activation=None) -> torch.Tensor:
+    """The unfused PyTorch composition: ``act(a @ b + bias)``."""
+    y = torch.matmul(a, b)
+    if bias is not None:
+        y = y + bias
+    return _torch_activation(y, activation)
+
+
+def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """dL/d(pre-activation) from dL/d(output); ``saved`` is the output for ReLU, else the pre-activation."""
+    if activation is None:
+        return grad
+    if activation == "relu":
+        return grad * (saved > 0)
+    x = saved.float()
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(x * act.SQRT_1_2.value))
+        pdf = torch.exp(-0.5 * x * x) * (0.5 * act.SQRT_2_OVER_PI.value)  # 1/sqrt(2 pi)
+        d = cdf + x * pdf
+    elif activation == "gelu_tanh":
+        z = act.SQRT_2_OVER_PI.value * (x + act.GELU_TANH_CUBIC.value * x ** 3)
+        t = torch.tanh(z)
+        dz = act.SQRT_2_OVER_PI.value * (1 + 3 * act.GELU_TANH_CUBIC.value * x * x)
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dz
+    else:  # silu
+        s = torch.sigmoid(x)
+        d = s * (1 + x * (1 - s))
+    return (grad.float() * d).to(grad.dtype)
+
+
+def _validate(a, b, bias, activation, name: str):
+    for arg, value in (("a", a), ("b", b)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"{name}(): argument '{arg}' must be a Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise DTypeError(f"{name}(): bias must be a Tensor or None, got {type(bias).__name__}")
+    if activation not in (None, *ACTIVATION_NAMES):
+        raise ValueError(f"{name}(): unknown activation {activation!r}; choose from None, "
+                         f"{', '.join(repr(x) for x in ACTIVATION_NAMES)}")
+    for arg, value in (("a", a), ("b", b), ("bias", bias)):
+        if value is not None and value.dtype not in MATMUL_DTYPES:
+            raise DTypeError(f"{name}(): argument '{arg}' has dtype {value.dtype}; supported: "
+                             f"{', '.join(str(d) for d in MATMUL_DTYPES)}")
+    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        raise DTypeError(f"{name}(): a, b and bias must share a dtype; got a {a.dtype}, b {b.dtype}"
+                         + (f", bias {bias.dtype}" if bias is not None else ""))
+    for arg, value in (("b", b), ("bias", bias)):
+        if value is not None and value.device != a.device:
+            raise DeviceError(f"{name}(): argument '{arg}' is on {value.device}, but 'a' is on {a.device}")
+    if a.dim() < 2:
+        raise ShapeError(f"{name}(): a must have at least 2 dims (..., M, K), got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        raise ShapeError(f"{name}(): b must be 2-D (K, N), got shape {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ShapeError(f"{name}(): a{tuple(a.shape)} @ b{tuple(b.shape)}: K differs ({a.shape[-1]} vs {b.shape[0]})")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        raise ShapeError(f"{name}(): bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
+
+
+def _forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool):
+    M, N = a2.shape[0], b.shape[1]
+    out = torch.empty((M, N), dtype=a2.dtype, device=a2.device)
+    pre = torch.empty_like(out) if store_pre else None
+    if out.numel() == 0:
+        return out, pre
+    if a2.shape[1] == 0:  # K == 0: the product is zeros
+        z = torch.zeros_like(out) + (bias if bias is not None else 0)
+        if pre is not None:
+            pre.copy_(z)
+        out.copy_(_torch_activation(z, activation))
+        return out, pre
+    launch_matmul(a2, b, bias, activation, out, pre)
+    return out, pre
+
+
+class _MatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a2, b, bias, activation):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        out, pre = _forward(a2, b, bias, activation, store_pre=needs_grad and activation in _NEEDS_PRE)
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        # ReLU's backward needs only the output; GELU/SiLU need the pre-activation,
+        # saved in the input dtype (never an fp32 copy).
+        ctx.save_for_backward(a2, b, pre if pre is not None else out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a2, b, saved = ctx.saved_tensors
+        g = _activation_grad(grad_out, saved, ctx.activation).contiguous()
+        grad_a = grad_b = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _apply(g, b.t(), None, None)
+        if ctx.needs_input_grad[1]:
+            grad_b = _apply(a2.t(), g, None, None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0, dtype=torch.float32 if g.dtype != torch.float64 else torch.float64).to(g.dtype)
+        return grad_a, grad_b, grad_bias, None
+
+
+def _apply(a2, b, bias, activation):
+    """One 2-D matmul on the best path for the tensors' device."""
+    from ._elementwise import backend_for
+
+    if backend_for(a2.device) == "torch":
+        return matmul_reference(a2, b, bias, activation)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias)):
+        return _MatmulFunction.apply(a2, b, bias, activation)
+    return _forward(a2, b, bias, activation, store_pre=False)[0]
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """``act(a @ b + bias)`` in one kernel: bias and activation run on the accumulator.
+
+    Args:
+        a: (..., M, K). Leading dims are flattened, without a copy when the strides allow.
+        b: (K, N), any strides (an ``nn.Linear`` weight's ``.t()`` is read as is).
+        bias: optional (N,).
+        activation: None, "relu", "gelu", "gelu_tanh" or "silu".
+
+    Returns:
+        (..., M, N) in the inputs' dtype: float16, bfloat16, float32 (TF32 when
+        ``torch.backends.cuda.matmul.allow_tf32``) or float64. Accumulates in fp32
+        (fp64 for float64). Differentiable in a, b and bias.
+
+    Raises:
+        ShapeError, DTypeError, DeviceError, ValueError (unknown activation), before any launch.
+    """
+    _validate(a, b, bias, activation, "matmul")
+    lead = a.shape[:-1]
+    a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
+    return _apply(a2, b, bias, activation).view(*lead, b.shape[1])
+
+
+def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.relu(a @ b + bias)`` in one kernel; see :func:`matmul`."""
+    return matmul(a, b, bias, "relu")
+
+
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.relu(F.linear(x, weight, bias))`` in one kernel: x (..., in), weight (out, in), bias (out,).
+
+    The weight is read transposed through its strides, never copied."""
+    if not isinstance(weight, torch.Tensor):
+        raise DTypeError(f"linear_relu(): weight must be a Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
+    return matmul(x, weight.t(), bias, "relu")

@@ -1,0 +1,183 @@
+"""matmul / matmul_relu / linear_relu / nn.LinearReLU against float64 PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import rand
+
+import fusedkit
+from fusedkit.errors import DeviceError, DTypeError, ShapeError
+from fusedkit import _matmul as mm
+from fusedkit._matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
+from fusedkit.testing import assert_rel_err, matmul_rel_err, poisoned
+
+# Autotuning every odd test shape and variant on a GPU would compile hundreds of
+# kernels; the suite uses the fixed config, and test_autotuned_path covers tuning.
+pytestmark = pytest.mark.usefixtures("fixed_matmul_config")
+
+
+@pytest.fixture
+def fixed_matmul_config(monkeypatch, request):
+    if "autotuned" not in request.node.name:
+        monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+
+ACTS = [None, *ACTIVATION_NAMES]
+DT_IDS = [str(d).removeprefix("torch.") for d in MATMUL_DTYPES]
+
+
+def ref64(a, b, bias=None, activation=None):
+    wide = lambda t: None if t is None else t.detach().to("cpu", torch.float64)  # noqa: E731
+    return matmul_reference(wide(a), wide(b), wide(bias), activation)
+
+
+def mk(*shape, dtype=torch.float32):
+    return rand(shape, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES, ids=DT_IDS)
+def test_every_activation_and_dtype(dtype, activation):
+    a, b, bias = mk(70, 33, dtype=dtype), mk(33, 45, dtype=dtype), mk(45, dtype=dtype)
+    for with_bias in (bias, None):
+        out = fusedkit.matmul(a, b, with_bias, activation)
+        assert out.dtype == dtype and out.shape == (70, 45)
+        assert_rel_err(out, ref64(a, b, with_bias, activation), matmul_rel_err(dtype))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 129, 250), (129, 7, 33), (250, 250, 7), (1, 250, 129),
+                                   (64, 64, 64), (33, 65, 97)])
+def test_odd_sizes(m, n, k):
+    a, b, bias = mk(m, k), mk(k, n), mk(n)
+    assert_rel_err(fusedkit.matmul_relu(a, b, bias), ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
+
+
+def test_every_output_element_is_written():
+    a, b, bias = mk(50, 40), mk(40, 70), mk(70)
+    out = poisoned((50, 70), torch.float32, DEVICE)
+    launch_matmul(a, b, bias, "relu", out)
+    assert_rel_err(out, ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
+
+
+def test_strided_transposed_and_batched_operands():
+    w = mk(45, 60)  # an nn.Linear weight (out, in)
+    a = mk(3, 4, 60)
+    out = fusedkit.matmul(a, w.t(), mk(45), "relu")
+    assert out.shape == (3, 4, 45)
+    bias = mk(45)
+    assert_rel_err(fusedkit.matmul(a, w.t(), bias, "gelu"), ref64(a, w.t(), bias, "gelu"),
+                   matmul_rel_err(torch.float32))
+    big = mk(80, 130)
+    a_strided = big[::2, 1:121:2]  # (40, 60), both strides > 1
+    assert_rel_err(fusedkit.matmul(a_strided, w.t()), ref64(a_strided, w.t()), matmul_rel_err(torch.float32))
+    a_t = mk(60, 40).t()
+    b_t = mk(45, 60).t()
+    assert_rel_err(fusedkit.matmul(a_t, b_t), ref64(a_t, b_t), matmul_rel_err(torch.float32))
+
+
+def test_linear_weight_is_not_copied(monkeypatch):
+    seen = []
+    real = launch_matmul
+
+    def spy(a, b, *rest, **kw):
+        seen.append(b)
+        return real(a, b, *rest, **kw)
+    monkeypatch.setattr(mm, "launch_matmul", spy)
+    w = mk(30, 20)
+    fusedkit.linear_relu(mk(5, 20), w)
+    assert seen and seen[0].data_ptr() == w.data_ptr() and seen[0].stride() == (1, 20)
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 5, 7), (5, 0, 7), (5, 7, 0)])
+def test_empty_dims_like_torch(m, n, k):
+    a, b, bias = mk(m, k), mk(k, n), mk(n)
+    out = fusedkit.matmul(a, b, bias, "relu")
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.cpu(), torch.relu(a.cpu() @ b.cpu() + bias.cpu()))
+
+
+def test_bad_input_is_refused_before_launch(monkeypatch):
+    monkeypatch.setattr(mm, "launch_matmul", lambda *a, **k: pytest.fail("launched on bad input"))
+    a, b = mk(4, 5), mk(5, 6)
+    cases = [
+        ((a, mk(6, 6)), {}, ShapeError, "K differs"),
+        ((a, mk(5)), {}, ShapeError, "2-D"),
+        ((mk(5), b), {}, ShapeError, "at least 2 dims"),
+        ((a, b, mk(5)), {}, ShapeError, r"bias must have shape \(6,\)"),
+        ((a, b.double()), {}, DTypeError, "share a dtype"),
+        ((a.int(), b.int()), {}, DTypeError, "'a' has dtype torch.int32"),
+        ((a, "b"), {}, DTypeError, "'b' must be a Tensor"),
+        ((a, b.to("meta")), {}, DeviceError, "'b' is on meta"),
+        ((a, b), {"activation": "tanh"}, ValueError, "unknown activation"),
+    ]
+    for args, kw, error, words in cases:
+        with pytest.raises(error, match=words):
+            fusedkit.matmul(*args, **kw)
+    with pytest.raises(ShapeError, match="weight must be 2-D"):
+        fusedkit.linear_relu(a, mk(5))
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_gradcheck_float64(activation):
+    a = mk(6, 5, dtype=torch.float64).requires_grad_()
+    b = mk(5, 4, dtype=torch.float64).requires_grad_()
+    bias = mk(4, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, y, z: fusedkit.matmul(x, y, z, activation), (a, b, bias),
+                                    eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gradients_match_torch(dtype, activation):
+    a = mk(2, 17, 24, dtype=dtype).requires_grad_()
+    w = mk(31, 24, dtype=dtype).requires_grad_()
+    bias = mk(31, dtype=dtype).requires_grad_()
+    out = fusedkit.matmul(a, w.t(), bias, activation)
+    g = mk(*out.shape, dtype=dtype)
+    out.backward(g)
+    a64, w64, b64 = (t.detach().double().cpu().requires_grad_() for t in (a, w, bias))
+    matmul_reference(a64, w64.t(), b64, activation).backward(g.double().cpu())
+    bound = 3e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32) * 10
+    for got, ref in ((a.grad, a64.grad), (w.grad, w64.grad), (bias.grad, b64.grad)):
+        assert_rel_err(got, ref, bound)
+
+
+def test_relu_saves_output_not_pre_activation():
+    a, b = mk(8, 6).requires_grad_(), mk(6, 5).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        fusedkit.matmul_relu(a, b)
+    assert saved == [(8, 6), (6, 5), (8, 5)]  # a, b and the output: no extra pre-activation
+
+
+def test_linear_relu_module_is_a_drop_in():
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Linear(24, 31), torch.nn.ReLU()).to(DEVICE)
+    mod = fusedkit.nn.LinearReLU(24, 31, device=DEVICE)
+    mod.load_state_dict(ref[0].state_dict())
+    x = mk(3, 7, 24)
+    assert_rel_err(mod(x), ref(x), matmul_rel_err(torch.float32))
+    mod(x).sum().backward()
+    ref(x).sum().backward()
+    assert_rel_err(mod.weight.grad, ref[0].weight.grad, matmul_rel_err(torch.float32) * 10)
+    assert_rel_err(mod.bias.grad, ref[0].bias.grad, matmul_rel_err(torch.float32) * 10)
+    half = fusedkit.nn.LinearReLU.from_linear(ref[0]).to(torch.float64)
+    assert half.weight.dtype == torch.float64 and half(x.double()).dtype == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
+def test_autotuned_path():
+    for dtype in (torch.bfloat16, torch.float16):
+        a, w, bias = mk(300, 512, dtype=dtype), mk(384, 512, dtype=dtype), mk(384, dtype=dtype)
+        out = fusedkit.linear_relu(a, w, bias)
+        assert_rel_err(out, ref64(a, w.t(), bias, "relu"), matmul_rel_err(dtype))
+    a, b = mk(1024, 256), mk(256, 512)
+    assert_rel_err(fusedkit.matmul(a, b, None, "silu"), ref64(a, b, None, "silu"), matmul_rel_err(torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_large_shapes_on_gpu(dtype):
+    a, b, bias = mk(512, 4096, dtype=dtype), mk(4096, 1024, dtype=dtype), mk(1024, dtype=dtype)
+    assert_rel_err(fusedkit.matmul_relu(a, b, bias), ref64(a, b, bias, "relu"), matmul_rel_err(dtype))
