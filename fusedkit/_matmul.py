@@ -63,23 +63,24 @@ def _matmul_kernel(
     if INT64:
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
-    # Wrapped indices keep every A/B load in bounds without a row/column mask
-    # (masks there would cost the vectorised loads); the store is masked instead.
-    rows_in = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M)
-    cols_in = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    # Row and column masks are constant along K, so A and B loads stay 16 bytes wide.
+    # (Wrapping indices with ``% M`` instead, as Triton's tutorial does, breaks the
+    # alignment its hints promise: a misaligned-address fault for fp16 with K = 33.)
+    row_ok = (rows < M)[:, None]
+    col_ok = (cols < N)[None, :]
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols_in[None, :] * stride_bn
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok & (ks[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
         if UPCAST_OPERANDS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -89,9 +90,9 @@ def _matmul_kernel(
 
     # Epilogue, on the accumulator in registers.
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols_in * stride_bias)
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
         acc = acc + bias[None, :].to(ACC_DTYPE)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = row_ok & col_ok
     c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if STORE_PRE:
         tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=mask)
