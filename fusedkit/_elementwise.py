@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _jit
+from . import _jit, _library
 from ._compat import is_interpreted
 from ._layout import (
     broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
@@ -186,6 +186,7 @@ class _Call:
     dtype: torch.dtype
     device: torch.device
     out: torch.Tensor | None
+    needs_grad: bool = False
 
 
 def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
@@ -220,9 +221,6 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         if t.device != device:
             raise DeviceError(f"{kernel.name}(): argument '{n}' is on {t.device}, but "
                               f"'{ranked[0][0]}' is on {device}; move them to one device")
-    if device.type != "cpu":
-        # Host 0-d tensors become host numbers: a kernel cannot read host memory.
-        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != device else t for t in operands)
 
     shape = broadcast_shape([t.shape for _, t in tensors])
     if shape is None:
@@ -248,11 +246,11 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         if grad_inputs or (torch.is_grad_enabled() and out.requires_grad):
             raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, "
                                 "but an argument requires grad")
-    elif grad_inputs:
+    elif grad_inputs and kernel.backward is None:
         raise NotImplementedError(
-            f"{kernel.name}(): autograd is not supported yet; call it under torch.no_grad(), or use "
+            f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
             f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
-    return _Call(kernel, operands, param, shape, dtype, device, out)
+    return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs)
 
 
 def _check_out(kernel, out, shape, dtype, device, tensors) -> None:
@@ -378,8 +376,25 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
         if unknown:
             raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(unknown))}")
         value = param.get(kernel.param, kernel.param_default)
+    if torch.compiler.is_compiling() or _library.traced(operands, out):
+        # Traced code goes straight to the registered op: its fake implementation
+        # validates and infers the result on fake tensors, outside Dynamo's tracing.
+        return _library.call_op(kernel, operands, value, out)
     call = _validate(kernel, operands, value, out)
+    if call.needs_grad:
+        return _library.call_op(call.kernel, call.operands, call.param, call.out)
+    return run_validated(call)
+
+
+def run_validated(call: _Call) -> torch.Tensor:
+    """The eager path of a validated call: no dispatcher, straight to the launcher."""
     if backend_for(call.device) == "torch":
         return _run_reference(call)
     result = call.out if call.out is not None else _allocate_out(call)
-    return launch_elementwise(kernel, call.operands, call.param, result)
+    operands = call.operands
+    if call.device.type != "cpu":
+        # Host 0-d tensors become host numbers (after promotion, which treats them as
+        # tensors): a kernel cannot read host memory.
+        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
+                         for t in operands)
+    return launch_elementwise(call.kernel, operands, call.param, result)

@@ -84,3 +84,11 @@ def add_math(x, y, alpha):
 def add_relu_math(x, y, alpha):
     """Registry math of ``add_relu``."""
     return relu(add_scaled(x, y, alpha))
+
+
+@triton.jit
+def relu_grad_math(grad, out, alpha):
+    """Registry math of ``relu_grad``: the gradient through a ReLU from its output,
+    scaled by ``alpha``. Like PyTorch's ``threshold_backward``, a NaN output passes
+    the gradient."""
+    return tl.where(out <= 0, 0, grad * alpha)

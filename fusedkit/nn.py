@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from ._matmul import linear_relu
+from .ops import add_relu
 
-__all__ = ["LinearReLU"]
+__all__ = ["LinearReLU", "AddReLU"]
 
 
 class LinearReLU(nn.Linear):
@@ -28,3 +29,25 @@ class LinearReLU(nn.Linear):
                 device=linear.weight.device, dtype=linear.weight.dtype)
         m.load_state_dict(linear.state_dict())
         return m
+
+
+class AddReLU(nn.Module):
+    """A residual join: ``relu(x + alpha * residual)`` in one kernel (``fusedkit.add_relu``).
+
+    ``inplace=True`` writes into ``x`` (as ``out=x``) when no gradient is needed,
+    saving an allocation; under autograd it falls back to a new tensor.
+    """
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.alpha = alpha
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.inplace and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad)) \
+                and x.shape == torch.broadcast_shapes(x.shape, residual.shape):
+            return add_relu(x, residual, alpha=self.alpha, out=x)
+        return add_relu(x, residual, alpha=self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, inplace={self.inplace}"

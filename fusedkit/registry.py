@@ -50,6 +50,8 @@ SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES
 SECTOR_BYTES = 32
 #: Arity range the generic kernel has operand slots for.
 MAX_ARITY = 3
+#: What a kernel may keep for its backward pass.
+SAVES = ("none", "output", "inputs")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,11 @@ class ElementwiseKernel:
         formula: human-readable formula for the docs.
         unfused: the eager ops the reference launches; each one after the first
             writes and re-reads an intermediate of the output's size.
+        saves: what autograd keeps for ``backward``: "none", "output" or "inputs".
+        backward: ``backward(grad, saved, param) -> grads``, one per operand (None
+            where no gradient flows), each of the output's shape; ``saved`` is the
+            output, the tuple of operands or None, per ``saves``. It should compute
+            with fusedkit kernels. None: the kernel is not differentiable.
     """
 
     name: str
@@ -116,6 +123,8 @@ class ElementwiseKernel:
     param_default: float | int = 1
     formula: str = ""
     unfused: tuple[str, ...] = field(default=())
+    saves: str = "none"
+    backward: Callable[..., tuple] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -142,6 +151,10 @@ class ElementwiseKernel:
                              f"(the operands{' and ' + self.param if self.param else ''})")
         if not self.unfused:
             raise ValueError(f"{self.name}: unfused must name the eager ops of the reference")
+        if self.saves not in SAVES:
+            raise ValueError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
+        if self.backward is not None and not callable(self.backward):
+            raise TypeError(f"{self.name}: backward must be callable or None")
 
     @property
     def arity(self) -> int:
@@ -218,12 +231,38 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def _run(name, *operands, **param):
+    from ._elementwise import elementwise
+
+    return elementwise(name, *operands, **param)
+
+
+def _add_backward(grad, saved, alpha):
+    # d/dx = grad itself (no copy); d/dy = alpha * grad, computed as 0 + alpha * grad.
+    return grad, grad if alpha == 1 else _run("add", 0, grad, alpha=alpha)
+
+
+def _add_relu_backward(grad, out, alpha):
+    # Only the output is saved: relu's mask is out > 0, so x and y need not be kept.
+    gx = _run("relu_grad", grad, out)
+    return gx, gx if alpha == 1 else _run("relu_grad", grad, out, alpha=alpha)
+
+
+def _relu_grad_reference(grad, out, alpha=1):
+    scaled = torch.mul(grad, alpha) if isinstance(grad, torch.Tensor) else grad * alpha
+    if isinstance(out, torch.Tensor):
+        return torch.where(out <= 0, 0, scaled)
+    # A host-number ``out``: the mask is a Python bool (NaN passes, as in PyTorch).
+    return torch.zeros_like(scaled) if out <= 0 else scaled
+
+
 ADD = register(ElementwiseKernel(
     name="add",
     math=activations.add_math,
     reference=lambda x, y, alpha=1: torch.add(x, y, alpha=alpha),
     formula="x + alpha * y",
     unfused=("torch.add",),
+    backward=_add_backward,
 ))
 
 ADD_RELU = register(ElementwiseKernel(
@@ -232,6 +271,18 @@ ADD_RELU = register(ElementwiseKernel(
     reference=lambda x, y, alpha=1: torch.relu(torch.add(x, y, alpha=alpha)),
     formula="relu(x + alpha * y)",
     unfused=("torch.add", "torch.relu"),
+    saves="output",
+    backward=_add_relu_backward,
+))
+
+RELU_GRAD = register(ElementwiseKernel(
+    name="relu_grad",
+    math=activations.relu_grad_math,
+    reference=_relu_grad_reference,
+    arg_names=("grad", "out"),
+    dtypes=FLOAT_DTYPES,
+    formula="where(out <= 0, 0, alpha * grad)",
+    unfused=("torch.mul", "torch.where"),
 ))
 
 BUILTIN_NAMES = frozenset(_REGISTRY)

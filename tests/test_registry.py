@@ -90,6 +90,8 @@ def test_user_unary_kernel(user_kernels):
             assert_matches_reference(fusedkit.elementwise("neg_relu", view), reference_result(unary, (view,)))
     with pytest.raises(TypeError, match="takes no keyword"):
         fusedkit.elementwise("neg_relu", x, alpha=2)
+    with pytest.raises(NotImplementedError, match="declares no backward"):
+        fusedkit.elementwise("neg_relu", rand((3,), torch.float32, DEVICE).requires_grad_())
 
 
 def test_user_ternary_kernel_with_broadcast_and_scalars(user_kernels):
