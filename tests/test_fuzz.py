@@ -17,7 +17,6 @@ from fusedkit.testing import assert_matches_reference, poisoned, reference_resul
 
 EXAMPLES = int(os.environ.get("FUSEDKIT_FUZZ_EXAMPLES", "60"))
 BINARY = [k for k in fusedkit.registry.kernels() if k.arity == 2]
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 
 
 @st.composite
@@ -51,7 +50,7 @@ def _rand(n, dtype):
 def case(draw):
     kernel = draw(st.sampled_from(BINARY))
     shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=5)))
-    dx, dy = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DTYPES))
+    dx, dy = draw(st.sampled_from(kernel.dtypes)), draw(st.sampled_from(kernel.dtypes))
     x = draw(operand(shape, dx))
     y = draw(operand(shape, dy))
     scalar = draw(st.sampled_from([None, "x", "y"]))
