@@ -242,40 +242,60 @@ def _forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: boo
     return out, pre
 
 
-class _MatmulFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a2, b, bias, activation):
-        needs_grad = any(ctx.needs_input_grad[:3])
-        out, pre = _forward(a2, b, bias, activation, store_pre=needs_grad and activation in _NEEDS_PRE)
-        ctx.activation = activation
-        ctx.has_bias = bias is not None
-        # ReLU's backward needs only the output; GELU/SiLU need the pre-activation,
-        # saved in the input dtype (never an fp32 copy).
-        ctx.save_for_backward(a2, b, pre if pre is not None else out)
-        return out
+@torch.library.custom_op("fusedkit::matmul", mutates_args=())
+def matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              store_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``act(a @ b + bias)`` and, when ``store_pre``, the pre-activation (else an empty tensor)."""
+    out, pre = _forward(a, b, bias, activation, store_pre)
+    return out, pre if pre is not None else out.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        a2, b, saved = ctx.saved_tensors
-        g = _activation_grad(grad_out, saved, ctx.activation).contiguous()
-        grad_a = grad_b = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_a = _apply(g, b.t(), None, None)
-        if ctx.needs_input_grad[1]:
-            grad_b = _apply(a2.t(), g, None, None)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0, dtype=torch.float32 if g.dtype != torch.float64 else torch.float64).to(g.dtype)
-        return grad_a, grad_b, grad_bias, None
+
+@matmul_op.register_fake
+def _(a, b, bias, activation, store_pre):
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    return out, a.new_empty(out.shape if store_pre else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, activation, store_pre = inputs
+    out, pre = output
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+    # ReLU's backward needs only the output; GELU/SiLU need the pre-activation,
+    # saved in the input dtype (never an fp32 copy); no activation needs neither.
+    saved = pre if activation in _NEEDS_PRE else out if activation == "relu" else None
+    ctx.save_for_backward(a, b, saved)
+
+
+def _backward(ctx, grad_out, _grad_pre):
+    a2, b, saved = ctx.saved_tensors
+    g = _activation_grad(grad_out, saved, ctx.activation).contiguous()
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_a = _apply(g, b.t(), None, None)
+    if ctx.needs_input_grad[1]:
+        grad_b = _apply(a2.t(), g, None, None)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32).to(g.dtype)
+    return grad_a, grad_b, grad_bias, None, None
+
+
+matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _apply(a2, b, bias, activation):
-    """One 2-D matmul on the best path for the tensors' device."""
+    """One 2-D matmul on the best path for the tensors' device.
+
+    Eager calls launch directly; autograd and tracing go through the registered op.
+    """
     from ._elementwise import backend_for
+    from ._library import traced
 
     if backend_for(a2.device) == "torch":
         return matmul_reference(a2, b, bias, activation)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias)):
-        return _MatmulFunction.apply(a2, b, bias, activation)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias))
+    if needs_grad or torch.compiler.is_compiling() or traced((a2, b, bias), None):
+        return matmul_op(a2, b, bias, activation, needs_grad and activation in _NEEDS_PRE)[0]
     return _forward(a2, b, bias, activation, store_pre=False)[0]
 
 

@@ -138,3 +138,78 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(out, fusedkit.add_relu(x, y))
     assert torch.equal(mm_g, fusedkit.linear_relu(out, w))
     del mm
+
+
+# --- matmul and modules ------------------------------------------------------------
+
+def test_matmul_opcheck():
+    from fusedkit._matmul import matmul_op
+
+    a, b, bias = rand((6, 5), torch.float32, DEVICE), rand((5, 7), torch.float32, DEVICE), rand((7,), torch.float32,
+                                                                                               DEVICE)
+    for activation, store_pre in ((None, False), ("relu", False), ("gelu", True)):
+        torch.library.opcheck(matmul_op, (a.requires_grad_(), b, bias, activation, store_pre))
+
+
+def _mlp_step(layers, x):
+    h = x
+    for layer in layers:
+        h = layer(h)
+    return h.square().mean()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compile_linear_relu_fullgraph(dynamic):
+    torch._dynamo.reset()
+    m = fusedkit.nn.LinearReLU(12, 10, device=DEVICE)
+    x = rand((4, 12), torch.float32, DEVICE)
+    assert torch._dynamo.explain(m)(x).graph_break_count == 0
+    compiled = torch.compile(m, fullgraph=True, dynamic=dynamic)
+    torch.testing.assert_close(compiled(x), m(x))
+    compiled(x).sum().backward()
+    assert m.weight.grad is not None and m.weight.grad.shape == m.weight.shape
+
+
+class _Block(torch.nn.Module):
+    """A small ResNet basic block whose residual join is fusedkit's add_relu (or torch's)."""
+
+    def __init__(self, channels: int, fused: bool):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.fused = fused
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        h = self.conv2(h)
+        return fusedkit.add_relu(h, x) if self.fused else torch.relu(h + x)
+
+
+def _train(model, data, steps=5):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for x in data[:steps]:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_matches_torch_mlp_and_resnet_block():
+    torch.manual_seed(3)
+    ref_mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU())
+    ref_mlp = ref_mlp.to(DEVICE).double()
+    mlp = torch.nn.Sequential(fusedkit.nn.LinearReLU.from_linear(ref_mlp[0]),
+                              fusedkit.nn.LinearReLU.from_linear(ref_mlp[2]))
+    data = [rand((8, 16), torch.float64, DEVICE) for _ in range(5)]
+    torch.testing.assert_close(_train(mlp, data), _train(ref_mlp, data), rtol=1e-9, atol=1e-12)
+    for fused, ref in ((mlp[0], ref_mlp[0]), (mlp[1], ref_mlp[2])):
+        torch.testing.assert_close(fused.weight, ref.weight, rtol=1e-9, atol=1e-12)
+
+    block_ref = _Block(4, fused=False).to(DEVICE).double()
+    block = _Block(4, fused=True).to(DEVICE).double()
+    block.load_state_dict(block_ref.state_dict())
+    images = [rand((2, 4, 6, 6), torch.float64, DEVICE) for _ in range(5)]
+    torch.testing.assert_close(_train(block, images), _train(block_ref, images), rtol=1e-9, atol=1e-12)
