@@ -92,6 +92,11 @@ def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, de
     return tuple(ops)
 
 
+def case_name(kernel: str, layout: str, dtype, n: int) -> str:
+    """A case's label, as NVTX ranges and reports spell it."""
+    return f"{kernel}-{layout}-{str(dtype).removeprefix('torch.')}-{n}"
+
+
 def _timer(device) -> Callable[[Callable[[], object]], float]:
     """Median time of ``fn`` in microseconds."""
     if device.type == "cuda":
@@ -243,6 +248,46 @@ def environment(device) -> dict:
     return env
 
 
+def run_ncu(rows, kernels, dtypes, sizes, layouts, device, env) -> list[dict] | None:
+    """Counters beside the model for every case; None (with a note) where ncu cannot run."""
+    from . import ncu
+
+    if device.type != "cuda" or not ncu.ncu_available():
+        print("\n--ncu: Nsight Compute needs a CUDA GPU and `ncu` on PATH; measured traffic skipped.")
+        return None
+    counters = ncu.measure([",".join(k.name for k in kernels), ",".join(
+        next(k for k, v in DTYPE_NAMES.items() if v == d) for d in dtypes),
+        ",".join(str(n) for n in sizes), ",".join(layouts)])
+    l2 = env.get("l2_bytes") or 0
+    out = []
+    for r in rows:
+        name = case_name(r.kernel, r.layout, r.dtype, r.n)
+        fused, unfused = counters.get(f"{name}|fused"), counters.get(f"{name}|unfused")
+        if fused is None or unfused is None:
+            continue
+        spec = registry.get(r.kernel)
+        ops = _operands(spec, r.layout, r.n, DTYPE_NAMES[_short(r.dtype)], "meta")
+        model_f, model_u = spec.bytes_fused(*ops), spec.bytes_unfused(*ops)
+        fits = model_f.total <= l2
+        out.append(dict(case=name, model_fused_read=model_f.read, model_fused_written=model_f.written,
+                        model_unfused_total=model_u.total, ncu_fused_read=fused.read,
+                        ncu_fused_written=fused.written, ncu_unfused_read=unfused.read,
+                        ncu_unfused_written=unfused.written, fused_kernels=len(fused.kernels),
+                        unfused_kernels=len(unfused.kernels), fits_l2=fits,
+                        verdict=ncu.verdict(model_f, model_u, fused, unfused, fits)))
+    print("\nDRAM bytes, Nsight Compute (--clock-control none --cache-control all) beside the model, MB:")
+    print(f"{'case':<36} {'model rd':>9} {'ncu rd':>9} {'ncu wr':>9} {'unf model':>9} {'unf ncu':>9}  verdict")
+    for t in out:
+        print(f"{t['case']:<36} {t['model_fused_read'] / 1e6:>9.2f} {t['ncu_fused_read'] / 1e6:>9.2f} "
+              f"{t['ncu_fused_written'] / 1e6:>9.2f} {t['model_unfused_total'] / 1e6:>9.2f} "
+              f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:>9.2f}  {t['verdict']}")
+    return out
+
+
+def _short(dtype_name: str) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[dtype_name]
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"20,24,2**28,4096"``: small numbers are powers of two, others are element counts."""
     sizes = []
@@ -261,6 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {','.join(LAYOUTS)}")
     p.add_argument("--bias-cols", type=int, default=BIAS_COLS, help="columns of the bias layout")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--ncu", action="store_true",
+                   help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib) into DIR")
     p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
@@ -282,6 +330,10 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"environment": env, "matmul": mrows}, f, indent=1)
+        if args.plots:
+            from .plots import plot_matmul
+
+            print("wrote", plot_matmul(mrows, env, args.plots))
         return 0
     if device.type != "cuda":
         print(f"No CUDA GPU: the kernels run in {'Triton''s interpreter' if _elementwise.INTERPRETED else 'PyTorch'} "
@@ -291,9 +343,17 @@ def main(argv=None) -> int:
     print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
           "bandwidth measured now. x unfus / x compl: time of the peer / time of fusedkit.")
     print(format_table(rows))
+    traffic = None
+    if args.ncu:
+        traffic = run_ncu(rows, kernels, dtypes, sizes, layouts, device, env)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "rows": [r.as_dict() for r in rows]}, f, indent=1)
+            json.dump({"environment": env, "rows": [r.as_dict() for r in rows], "ncu": traffic}, f, indent=1)
+    if args.plots:
+        from .plots import plot_elementwise
+
+        for path in plot_elementwise([r.as_dict() for r in rows], env, args.plots, traffic):
+            print("wrote", path)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             dicts = [r.as_dict() for r in rows]

@@ -1,0 +1,51 @@
+"""Nsight Compute support: the counters parser on a real H200 capture, the
+verdict against the model, and --ncu without ncu."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedkit import ncu, registry
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPTURE = ROOT / "benchmarks/results/2026-12-02-h200/ncu_raw.csv"
+
+
+def test_parse_real_capture():
+    ranges = ncu.parse_ncu_csv(CAPTURE.read_text())
+    # Kernels outside NVTX ranges (torch.randn filling the inputs) are dropped.
+    assert set(ranges) == {"fused add_relu", "unfused add_relu", "fused add_relu bias", "unfused add_relu bias",
+                           "fused add_relu transposed", "unfused add_relu transposed"}
+    fused, unfused = ranges["fused add_relu"], ranges["unfused add_relu"]
+    assert fused.kernels == ["_elementwise_kernel"] and len(unfused.kernels) == 2
+    assert (fused.read, fused.written) == (536_882_944, 246_177_024)
+    assert unfused.read == 536_883_200 + 268_477_696
+
+
+def test_verdict_on_the_capture_agrees_with_the_model():
+    n = 1 << 26
+    x = torch.empty(n, device="meta")
+    spec = registry.get("add_relu")
+    ranges = ncu.parse_ncu_csv(CAPTURE.read_text())
+    words = ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), ranges["fused add_relu"],
+                        ranges["unfused add_relu"], fits_l2=False)
+    assert words.startswith("agrees"), words
+    tiny = ncu.RangeCounters("t", read=1, written=1)
+    assert ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), tiny, tiny, fits_l2=False).startswith("DIFF")
+    assert "L2" in ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), tiny, tiny, fits_l2=True)
+
+
+@pytest.mark.skipif(ncu.ncu_available() and torch.cuda.is_available(), reason="ncu present: the GPU script runs it")
+def test_ncu_flag_without_ncu_says_so():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--ncu", "--sizes", "1024", "--layouts",
+                           "contiguous", "--dtypes", "fp32", "--kernels", "add_relu", "--no-compile"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "measured traffic skipped" in proc.stdout
