@@ -1,0 +1,63 @@
+"""GPU-only guarantees: no host-device synchronisation, no allocation beyond the
+output, bit-identical reruns, launches on the tensors' own device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rand
+
+import fusedkit
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = torch.device("cuda")
+
+
+def _ops():
+    x, y = rand((300, 257), torch.float32, DEV), rand((257,), torch.float32, DEV)
+    w = rand((96, 257), torch.bfloat16, DEV)
+    xb = x.to(torch.bfloat16)
+    return [lambda: fusedkit.add(x, y, alpha=2), lambda: fusedkit.add_relu(x.t(), 1.5),
+            lambda: fusedkit.add_relu(x, torch.tensor(0.5)), lambda: fusedkit.linear_relu(xb, w)]
+
+
+def test_no_host_device_sync():
+    ops = _ops()
+    for op in ops:  # compile and tune first: that may synchronise
+        op()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for op in ops:
+            op()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_forward_allocates_only_its_output():
+    x, y = rand((1024, 1024), torch.float32, DEV), rand((1024,), torch.float32, DEV)
+    fusedkit.add_relu(x, y)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fusedkit.add_relu(x, y)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before == out.numel() * out.element_size()
+
+
+def test_reruns_are_bit_identical():
+    x, y = rand((4097, 333), torch.bfloat16, DEV), rand((333,), torch.float32, DEV)
+    first = fusedkit.add_relu(x, y, alpha=0.3)
+    for _ in range(3):
+        assert torch.equal(fusedkit.add_relu(x, y, alpha=0.3), first)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_launches_on_the_inputs_device():
+    x = rand((1000,), torch.float32, torch.device("cuda:1"))
+    with torch.cuda.device(0):
+        out = fusedkit.add_relu(x, x)
+    assert out.device == x.device
+    torch.testing.assert_close(out, torch.relu(x + x))
+    with pytest.raises(fusedkit.DeviceError):
+        fusedkit.add(x, rand((1000,), torch.float32, torch.device("cuda:0")))
