@@ -92,6 +92,11 @@ def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, de
     return tuple(ops)
 
 
+def _progress(done: int, total: int, label: str) -> None:
+    """One-line progress on stderr, redrawn in place."""
+    print(f"\r[{done}/{total}] {label}", end="", file=sys.stderr, flush=True)
+
+
 def case_name(kernel: str, layout: str, dtype, n: int) -> str:
     """A case's label, as NVTX ranges and reports spell it."""
     return f"{kernel}-{layout}-{str(dtype).removeprefix('torch.')}-{n}"
@@ -156,8 +161,7 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                         row.fits_l2 = row.bytes_fused <= l2
                     rows.append(row)
                     if progress:
-                        print(f"\r[{len(rows)}/{total}] {spec.name} {layout} {row.dtype} n={n}",
-                              end="", file=sys.stderr, flush=True)
+                        _progress(len(rows), total, f"{spec.name} {layout} {row.dtype} n={n}")
     if progress:
         print(file=sys.stderr)
     return rows
@@ -193,8 +197,7 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
                 row[f"{name}_tflops"] = flops / us / 1e6
             rows.append(row)
             if progress:
-                print(f"\r[{len(rows)}/{len(dtypes) * len(shapes)}] matmul {m}x{n}x{k} {row['dtype']}",
-                      end="", file=sys.stderr, flush=True)
+                _progress(len(rows), len(dtypes) * len(shapes), f"matmul {m}x{n}x{k} {row['dtype']}")
     if progress:
         print(file=sys.stderr)
     return rows

@@ -22,6 +22,14 @@ def _stamp(env: dict) -> str:
     return f"{where}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date', '')}"
 
 
+def _save(plt, fig, env: dict, path: str) -> str:
+    fig.suptitle(_stamp(env), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[dict] | None = None) -> list[str]:
     """GB/s against size with the copy roof, and bytes moved fused vs unfused."""
     plt = _pyplot()
@@ -48,11 +56,7 @@ def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[di
         ax.set_ylabel("GB/s of the fused byte model")
         ax.set_title(f"{dtype}: fusedkit (solid) vs eager unfused (dotted)")
         ax.legend(fontsize=7)
-    fig.suptitle(_stamp(env), fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "elementwise_gbps.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, env, os.path.join(out_dir, "elementwise_gbps.png")))
 
     largest = max(r["n"] for r in rows)
     cases = [r for r in rows if r["n"] == largest]
@@ -73,11 +77,7 @@ def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[di
     ax.set_ylabel("MB moved per call")
     ax.set_title(f"DRAM bytes at n = {largest}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.suptitle(_stamp(env), fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "elementwise_bytes.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, env, os.path.join(out_dir, "elementwise_bytes.png")))
     return paths
 
 
@@ -95,9 +95,4 @@ def plot_matmul(rows: list[dict], env: dict, out_dir: str) -> str:
     ax.set_xticks(range(len(rows)), [f"{r['m']}x{r['n']}x{r['k']}\n{r['dtype']}" for r in rows], fontsize=6)
     ax.set_ylabel("TFLOP/s (2MNK / time)")
     ax.legend(fontsize=7)
-    fig.suptitle(_stamp(env), fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "matmul_tflops.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, env, os.path.join(out_dir, "matmul_tflops.png"))
