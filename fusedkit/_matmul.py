@@ -315,7 +315,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         (fp64 for float64). Differentiable in a, b and bias.
 
     Raises:
-        ShapeError, DTypeError, DeviceError, ValueError (unknown activation), before any launch.
+        ShapeError: ``a`` with fewer than 2 dims, ``b`` not 2-D, mismatched K, or a bias not (N,).
+        DTypeError: a non-tensor, an unsupported dtype, or operands of different dtypes.
+        DeviceError: operands on different devices.
+        ValueError: an unknown activation.
+
+    Each is raised before any launch.
     """
     _validate(a, b, bias, activation, "matmul")
     lead = a.shape[:-1]

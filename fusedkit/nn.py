@@ -24,7 +24,7 @@ class LinearReLU(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "LinearReLU":
-        """A LinearReLU sharing ``linear``'s parameters."""
+        """A new LinearReLU holding a copy of ``linear``'s weight and bias."""
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype)
         m.load_state_dict(linear.state_dict())

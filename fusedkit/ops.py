@@ -3,6 +3,8 @@ registry entry; the work happens in :func:`fusedkit.elementwise`."""
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 from ._elementwise import elementwise
@@ -10,16 +12,18 @@ from .registry import ADD, ADD_RELU
 
 __all__ = ["add", "add_relu"]
 
-Operand = "torch.Tensor | float | int"
+#: What an operand may be: a tensor, or a host number standing for a scalar.
+Operand = typing.Union[torch.Tensor, float, int]
 
 
-def add(x, y, *, alpha=1, out: torch.Tensor | None = None) -> torch.Tensor:
+def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x + alpha * y`` in one kernel; the same result as ``torch.add(x, y, alpha=alpha)``.
 
     Args:
-        x, y: tensors of any shapes that broadcast together, or one of them a Python
-            number or a 0-d tensor. Strided, transposed, sliced and broadcast views
+        x: a tensor, or a Python number / 0-d tensor when ``y`` is a tensor. Any shape
+            that broadcasts with ``y``; strided, transposed, sliced and broadcast views
             are read through their strides, never copied.
+        y: the same, for the second operand.
         alpha: real number multiplying ``y``; an integer when the result is integral.
         out: optional tensor of the result's shape, dtype and device; it may be ``x``
             or ``y`` itself (in place) but must not partially overlap them.
@@ -30,13 +34,19 @@ def add(x, y, *, alpha=1, out: torch.Tensor | None = None) -> torch.Tensor:
         A new result takes the inputs' layout when they share a dense one.
 
     Raises:
-        ShapeError, DTypeError, DeviceError, OverlapError (all ``RuntimeError``
-        subclasses), before anything is launched or written.
+        ShapeError: shapes that do not broadcast, or an ``out`` of the wrong shape.
+        DTypeError: an unsupported or complex dtype, a non-tensor operand, a float
+            ``alpha`` for an integral result, or an ``out`` of the wrong dtype.
+        DeviceError: operands (or ``out``) on different devices.
+        OverlapError: an ``out`` that partially overlaps an input or itself.
+
+    All are ``RuntimeError`` subclasses, raised before anything is launched or written.
     """
     return elementwise(ADD, x, y, alpha=alpha, out=out)
 
 
-def add_relu(x, y, *, alpha=1, out: torch.Tensor | None = None) -> torch.Tensor:
+def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """``relu(x + alpha * y)`` in one kernel: reads x and y once and writes once,
     where ``torch.relu(torch.add(x, y, alpha=alpha))`` also writes and re-reads the sum.
 

@@ -18,7 +18,8 @@ def test_bench_report_runs(tmp_path):
     out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
     proc = subprocess.run(
         [sys.executable, "-m", "fusedkit", "bench", "--sizes", "1024", "--layouts", "contiguous,bias,transposed",
-         "--dtypes", "fp32", "--no-compile", "--json", str(out_json), "--csv", str(out_csv)],
+         "--dtypes", "fp32", "--no-compile", "--json", str(out_json), "--csv", str(out_csv),
+         "--plots", str(tmp_path / "plots")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     on_gpu = torch.cuda.is_available()
@@ -30,6 +31,21 @@ def test_bench_report_runs(tmp_path):
     relu = next(r for r in rows if r["kernel"] == "add_relu" and r["layout"] == "contiguous")
     assert relu["bytes_unfused"] * 3 == relu["bytes_fused"] * 5
     assert len(out_csv.read_text().splitlines()) == len(rows) + 1
+    for png in ("elementwise_gbps.png", "elementwise_bytes.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matmul_report_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out_json = tmp_path / "m.json"
+    args = ["--dtypes", "bf16"] if torch.cuda.is_available() else ["--dtypes", "fp32"]
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--matmul", *args, "--json", str(out_json),
+                           "--plots", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out_json.read_text())["matmul"]
+    assert rows and all(r["fusedkit_us"] > 0 and r["cublaslt_epilogue_us"] > 0 for r in rows)
+    assert (tmp_path / "matmul_tflops.png").exists()
 
 
 def test_unknown_command():
