@@ -19,7 +19,9 @@ import torch
 from . import _elementwise
 from .registry import get
 
-Scalar = int | float | bool
+#: torch.library's own spelling of a "Scalar" argument (int, float or bool), so the schema
+#: inference of every torch version recognises it.
+Scalar = torch.types.Number
 
 
 def _assemble(arity: int, tensors, tensor_slots, scalars) -> tuple:
