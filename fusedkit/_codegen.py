@@ -35,6 +35,40 @@ def _arg_type(value) -> str:
     return "i32" if _I32_MIN <= value <= _I32_MAX else "i64"
 
 
+def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_stages: int | None = None):
+    names = kernel.arg_names
+    signature = {name: _arg_type(value) for name, value in zip(names, args)}
+    signature.update({name: "constexpr" for name in meta})
+    # What the JIT would specialise at launch: 16-byte aligned pointers (meta tensors
+    # report address 0) and integers divisible by 16.
+    backend = make_backend(target)
+    attrs = {(i,): backend.parse_attr("D") for i, (name, value) in enumerate(zip(names, args))
+             if (isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
+             or (isinstance(value, int) and not isinstance(value, bool) and value % ALIGNMENT == 0)}
+    # Integers equal to 1 are compile-time constants at launch too.
+    constexprs = dict(meta)
+    for name, value in zip(names, args):
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+            attrs.pop((names.index(name),), None)
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options=options)
+
+
+def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torch.Tensor,
+                   tile: dict, num_warps: int = 4, num_stages: int = 3, target: GPUTarget = HOPPER):
+    """Compile the matmul launch for ``out = act(a @ b + bias)`` with one tile config (meta tensors work)."""
+    from ._matmul import _matmul_kernel, launch_config as matmul_config
+
+    args, meta = matmul_config(a, b, bias, activation, out)
+    meta = dict(meta, **tile, EVEN_K=a.shape[1] % tile["BLOCK_K"] == 0)
+    return _compile(_matmul_kernel, args, meta, num_warps, target, num_stages)
+
+
 def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.Tensor, param=1,
                         target: GPUTarget = HOPPER):
     """Compile the launch ``elementwise(kernel, *operands, out=out)`` would make.
@@ -45,14 +79,5 @@ def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.T
     """
     _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out)
     num_warps = meta.pop("num_warps")
-    names = _elementwise_kernel.arg_names
-    signature = {name: _arg_type(value) for name, value in zip(names, args)}
-    signature.update({name: "constexpr" for name in meta})
-    # What the JIT would specialise at launch: 16-byte aligned pointers (meta tensors
-    # report address 0) and integers divisible by 16.
-    backend = make_backend(target)
-    attrs = {(i,): backend.parse_attr("D") for i, (name, value) in enumerate(zip(names, args))
-             if (isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
-             or (isinstance(value, int) and not isinstance(value, bool) and value % ALIGNMENT == 0)}
-    source = ASTSource(_elementwise_kernel, signature, constexprs=dict(meta), attrs=attrs)
-    return triton.compile(source, target=target, options={"num_warps": num_warps})
+    return _compile(_elementwise_kernel, args, meta, num_warps, target)
+

@@ -112,11 +112,11 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
-def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                  out: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
+def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  out: torch.Tensor, pre: torch.Tensor | None = None) -> tuple[tuple, dict]:
+    """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``.
 
-    ``pre``, when given, receives the pre-activation (for a backward pass).
+    Works on meta tensors, so the code a call would compile can be inspected anywhere.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -135,6 +135,18 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
                 # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies
                 # those integers; products of exactly widened values are the same math.
                 UPCAST_OPERANDS=INTERPRETED and a.dtype == torch.bfloat16)
+    return args, meta
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  out: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
+
+    ``pre``, when given, receives the pre-activation (for a backward pass).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    args, meta = launch_config(a, b, bias, activation, out, pre)
 
     def grid(m):
         return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)

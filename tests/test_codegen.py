@@ -54,6 +54,15 @@ t = torch.empty(512, 256, device=M)
 r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), torch.empty(256, 512, device=M))
 b = torch.empty(4096, 1024, device=M)
 r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
+from fusedkit._codegen import compile_matmul
+tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+def mm_facts(m, n, k):
+    a, b = torch.empty(m, k, device=M, dtype=torch.bfloat16), torch.empty(k, n, device=M, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=M, dtype=torch.bfloat16)
+    c = compile_matmul(a, b, torch.empty(n, device=M, dtype=torch.bfloat16), "relu", out, tile, num_warps=8)
+    return {"i64": "xi64>" in c.asm["ttir"], "wgmma": "wgmma.mma_async" in c.asm["ptx"]}
+r["mm_small"] = mm_facts(256, 384, 512)
+r["mm_big"] = mm_facts(3, 16, 2**30)
 r["dtypes"] = []
 for spec in fusedkit.registry.kernels():
     for dtype in spec.dtypes:
@@ -88,6 +97,11 @@ def test_transposed_operand_goes_through_a_layout_change(codegen):
     """Both operands load coalesced; Triton converts one tile's layout in shared memory."""
     assert codegen["transposed"]["convert"]
     assert not codegen["small"]["convert"]
+
+
+def test_matmul_uses_wgmma_and_64_bit_offsets_only_when_needed(codegen):
+    assert codegen["mm_small"] == {"i64": False, "wgmma": True}
+    assert codegen["mm_big"]["i64"]
 
 
 def test_every_registered_kernel_and_dtype_compiles_for_hopper(codegen):

@@ -83,3 +83,40 @@ def test_matches_torch(args):
         assert result is out
 
 
+
+
+MATMUL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+MATMUL_ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
+
+
+@st.composite
+def matmul_case(draw):
+    m, n, k = (draw(st.integers(0, 70)) for _ in range(3))
+    dtype = draw(st.sampled_from(MATMUL_DTYPES))
+    a = _rand(m * k * 2, dtype).view(m, 2 * k)[:, ::2] if draw(st.booleans()) else _rand(m * k, dtype).view(m, k)
+    b = _rand(n * k, dtype).view(n, k).t() if draw(st.booleans()) else _rand(k * n, dtype).view(k, n)
+    bias = _rand(n, dtype) if draw(st.booleans()) else None
+    return a, b, bias, draw(st.sampled_from(MATMUL_ACTS))
+
+
+@settings(max_examples=max(10, EXAMPLES // 2), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(matmul_case())
+def test_matmul_matches_torch(args):
+    from fusedkit._matmul import matmul_reference
+    from fusedkit.testing import assert_rel_err, matmul_rel_err
+
+    a, b, bias, activation = args
+    previous = os.environ.get("FUSEDKIT_AUTOTUNE")
+    os.environ["FUSEDKIT_AUTOTUNE"] = "0"  # every random shape would otherwise be tuned afresh
+    try:
+        out = fusedkit.matmul(a, b, bias, activation)
+    finally:
+        if previous is None:
+            del os.environ["FUSEDKIT_AUTOTUNE"]
+        else:
+            os.environ["FUSEDKIT_AUTOTUNE"] = previous
+    wide = [None if t is None else t.double().cpu() for t in (a, b, bias)]
+    expected = matmul_reference(*wide, activation)
+    assert out.shape == expected.shape and out.dtype == a.dtype
+    assert_rel_err(out, expected, matmul_rel_err(a.dtype))
