@@ -339,7 +339,8 @@ def main(argv=None) -> int:
             print("wrote", plot_matmul(mrows, env, args.plots))
         return 0
     if device.type != "cuda":
-        print(f"No CUDA GPU: the kernels run in {'Triton''s interpreter' if _elementwise.INTERPRETED else 'PyTorch'} "
+        where = "Triton's interpreter" if _elementwise.INTERPRETED else "PyTorch"
+        print(f"No CUDA GPU: the kernels run in {where} "
               "on the CPU. These times check the harness; they are NOT GPU times.\n")
     rows = run(kernels, dtypes, sizes, layouts, device, use_compile, bias_cols=args.bias_cols)
     print(" ".join(f"{k}={v}" for k, v in env.items()))
