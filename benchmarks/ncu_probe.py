@@ -1,4 +1,5 @@
-"""Kernels to read DRAM bytes from under Nsight Compute (run by scripts/gpu_run.sh):
+"""A stand-alone set of kernels to read DRAM bytes from under Nsight Compute (the
+report's own ``python -m fusedkit bench --ncu`` covers the registry):
 
     ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum \
         python benchmarks/ncu_probe.py [log2 n]

@@ -44,20 +44,19 @@ _COMPUTE_DTYPE = {
     torch.int64: tl.int64,
 }
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-#: Bit of operand ``k`` in the kernel's per-operand masks: 0 is the output.
-_OUT_BIT = 1
 
 
 @triton.jit
 def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s_c,
              IS_SCALAR: tl.constexpr, UNIT_R: tl.constexpr, UNIT_C: tl.constexpr,
-             INT64: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr):
+             INT64: tl.constexpr, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+             COMPUTE_IS_FLOAT: tl.constexpr):
     if IS_SCALAR:
         value = _jit.scalar_value(bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     else:
         offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
                                        UNIT_R, UNIT_C, INT64)
-        value = _jit.load_operand(ptr, offsets, mask, COMPUTE_DTYPE)
+        value = _jit.load_operand(ptr, offsets, mask, RESULT_DTYPE, COMPUTE_DTYPE)
     return value
 
 
@@ -75,17 +74,17 @@ def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
     # Operand k (0 = output, 1..3 = inputs) owns bit k of the masks.
     a = _operand(a_ptr, a_bits, i0, i1, i2, i3, rows, cols, mask, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
                  (SCALAR_MASK >> 1) & 1, (UNIT_R_MASK >> 1) & 1, (UNIT_C_MASK >> 1) & 1,
-                 INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+                 INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     if HAS_PARAM:
         p = _jit.scalar_value(param_bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     if NUM_INPUTS >= 2:
         b = _operand(b_ptr, b_bits, i0, i1, i2, i3, rows, cols, mask, b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
                      (SCALAR_MASK >> 2) & 1, (UNIT_R_MASK >> 2) & 1, (UNIT_C_MASK >> 2) & 1,
-                     INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+                     INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     if NUM_INPUTS == 3:
         c = _operand(c_ptr, c_bits, i0, i1, i2, i3, rows, cols, mask, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
                      (SCALAR_MASK >> 3) & 1, (UNIT_R_MASK >> 3) & 1, (UNIT_C_MASK >> 3) & 1,
-                     INT64, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+                     INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
 
     if NUM_INPUTS == 1:
         if HAS_PARAM:
@@ -239,6 +238,8 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         if not dtype.is_floating_point and not isinstance(param, numbers.Integral):
             raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
                              f"got {param!r}")
+        if not dtype.is_floating_point and not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
+            raise DTypeError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
 
     grad_inputs = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
     if out is not None:
@@ -351,10 +352,10 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
 def _run_reference(call: _Call) -> torch.Tensor:
     args = call.operands + ((call.param,) if call.kernel.param is not None else ())
     result = call.kernel.reference(*args)
-    if call.out is None:
-        return result
-    call.out.copy_(result)
-    return call.out
+    # Same layout and dtype as the kernel path (and the op's fake implementation).
+    out = call.out if call.out is not None else _allocate_out(call)
+    out.copy_(result)
+    return out
 
 
 def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):

@@ -103,13 +103,19 @@ def scalar_value(bits, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constex
 
 
 @triton.jit
-def load_operand(ptr, offsets, mask, COMPUTE_DTYPE: tl.constexpr):
+def load_operand(ptr, offsets, mask, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
     """Load a tile in its storage dtype and widen it to the compute dtype.
 
     fp16 and bf16 compute in fp32: it costs no bandwidth and matches PyTorch's
     "opmath" (and the interpreter's bf16 arithmetic is not faithful anyway).
+    An integer operand of a float result is first rounded to the result dtype,
+    as PyTorch casts every input to the common dtype (int32 2049 + fp16 x is
+    2048 + x), and through float32 as PyTorch's own int -> half conversion goes.
     """
-    return tl.load(ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
+    value = tl.load(ptr + offsets, mask=mask)
+    if value.dtype.is_int() and COMPUTE_DTYPE.is_floating():
+        value = value.to(tl.float32).to(RESULT_DTYPE)
+    return value.to(COMPUTE_DTYPE)
 
 
 @triton.jit

@@ -130,6 +130,9 @@ def traced(operands, out) -> bool:
 
 def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """Call ``kernel`` through the registered op (autograd records it; Dynamo traces it)."""
+    if get(kernel.name) is not kernel:
+        raise KeyError(f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
+                       "fusedkit.registry.register() it first")
     tensors, slots, scalars = _split(operands)
     param = param if param is not None else 0
     if out is not None:

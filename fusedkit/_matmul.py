@@ -108,6 +108,19 @@ _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float
               torch.float64: tl.float64}
 
 
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls may use TF32, by PyTorch's setting.
+
+    Newer PyTorch spells it ``fp32_precision`` and raises on reading the old
+    ``allow_tf32`` once the new one was set; setting the old flag updates the new one.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
 def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
@@ -121,11 +134,8 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     M, K = a.shape
     N = b.shape[1]
     code = act.ACTIVATIONS[activation]
-    int64 = max(_max_offset(a), _max_offset(b), _max_offset(out)) > _INT32_MAX
-    if a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        precision = "tf32"
-    else:
-        precision = "ieee"
+    int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
+    precision = "tf32" if a.dtype == torch.float32 and tf32_enabled() else "ieee"
     args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out,
             M, N, K, matmul_m_bucket(M),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -192,7 +202,9 @@ def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | 
     if activation is None:
         return grad
     if activation == "relu":
-        return grad * (saved > 0)
+        from ._elementwise import elementwise
+
+        return elementwise("relu_grad", grad, saved)  # torch's threshold_backward: NaN passes
     x = saved.float()
     if activation == "gelu":
         cdf = 0.5 * (1 + torch.erf(x * act.SQRT_1_2.value))

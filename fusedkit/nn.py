@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._layout import broadcast_shape
 from ._matmul import linear_relu
 from .ops import add_relu
 
@@ -34,8 +35,9 @@ class LinearReLU(nn.Linear):
 class AddReLU(nn.Module):
     """A residual join: ``relu(x + alpha * residual)`` in one kernel (``fusedkit.add_relu``).
 
-    ``inplace=True`` writes into ``x`` (as ``out=x``) when no gradient is needed,
-    saving an allocation; under autograd it falls back to a new tensor.
+    ``inplace=True`` writes into ``x`` (as ``out=x``) when no gradient is needed and
+    the result has ``x``'s shape and dtype, saving an allocation; otherwise it
+    returns a new tensor.
     """
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False):
@@ -45,7 +47,8 @@ class AddReLU(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.inplace and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad)) \
-                and x.shape == torch.broadcast_shapes(x.shape, residual.shape):
+                and torch.result_type(x, residual) == x.dtype \
+                and tuple(x.shape) == broadcast_shape([x.shape, residual.shape]):
             return add_relu(x, residual, alpha=self.alpha, out=x)
         return add_relu(x, residual, alpha=self.alpha)
 

@@ -86,7 +86,7 @@ def tensor_read_bytes(t: torch.Tensor) -> int:
 
 
 def _result_bytes(shape, dtype) -> int:
-    return _math.prod(shape) * torch.empty((), dtype=dtype).element_size() if shape is not None else 0
+    return _math.prod(shape) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -249,11 +249,17 @@ def _add_relu_backward(grad, out, alpha):
 
 
 def _relu_grad_reference(grad, out, alpha=1):
-    scaled = torch.mul(grad, alpha) if isinstance(grad, torch.Tensor) else grad * alpha
-    if isinstance(out, torch.Tensor):
-        return torch.where(out <= 0, 0, scaled)
-    # A host-number ``out``: the mask is a Python bool (NaN passes, as in PyTorch).
-    return torch.zeros_like(scaled) if out <= 0 else scaled
+    dtype = torch.result_type(grad, out)
+    device = (grad if isinstance(grad, torch.Tensor) else out).device
+    g = torch.as_tensor(grad, dtype=dtype, device=device) * alpha
+    o = torch.as_tensor(out, device=device)
+    # NaN in ``out`` passes the gradient, as PyTorch's threshold_backward does.
+    return torch.where(o <= 0, torch.zeros((), dtype=dtype, device=device), g)
+
+
+def _relu_grad_backward(grad, saved, alpha):
+    # Linear in its gradient input with the same mask; no gradient flows to ``out``.
+    return _run("relu_grad", grad, saved[1], alpha=alpha), None
 
 
 ADD = register(ElementwiseKernel(
@@ -283,6 +289,8 @@ RELU_GRAD = register(ElementwiseKernel(
     dtypes=FLOAT_DTYPES,
     formula="where(out <= 0, 0, alpha * grad)",
     unfused=("torch.mul", "torch.where"),
+    saves="inputs",
+    backward=_relu_grad_backward,
 ))
 
 BUILTIN_NAMES = frozenset(_REGISTRY)

@@ -51,7 +51,9 @@ MATMUL_REL_ERR_TF32 = 2e-3
 
 def matmul_rel_err(dtype: torch.dtype) -> float:
     """The relative-error bound for a matmul result of ``dtype`` on this machine's settings."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    from ._matmul import tf32_enabled
+
+    if dtype == torch.float32 and tf32_enabled():
         return MATMUL_REL_ERR_TF32
     return MATMUL_REL_ERR[dtype]
 

@@ -125,6 +125,22 @@ def test_mixed_dtypes(kernel, dtypes):
     assert r2.dtype == torch.result_type(ops[0], 0.5)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_integer_and_half_operands_round_like_torch(kernel, half):
+    """torch casts an int operand to the half result dtype before computing: 2049 -> 2048 in fp16."""
+    if half not in kernel.dtypes or torch.int32 not in kernel.dtypes:
+        pytest.skip(f"{kernel.name} does not take int32 and {half} operands")
+    if half == torch.bfloat16 and ew.INTERPRETED:
+        pytest.skip("Triton's interpreter rounds fp32 -> bf16 by truncation; exact bf16 runs on the GPU")
+    ints = torch.tensor([2049, 70000, -4097, 255, 3], dtype=torch.int32, device=DEVICE)
+    halves = torch.tensor([1.0, -60000.0, 0.5, -0.25, 2.0], dtype=half, device=DEVICE)
+    ours = fusedkit.elementwise(kernel, *operands_for(kernel, (ints, halves)))
+    theirs = kernel.reference(ints.cpu(), halves.cpu(), *((kernel.param_default,) if kernel.param else ()))
+    assert ours.dtype == theirs.dtype == half
+    assert torch.equal(ours.cpu(), theirs)
+
+
 SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.5, -2.25]
 
 

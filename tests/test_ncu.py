@@ -49,3 +49,25 @@ def test_ncu_flag_without_ncu_says_so():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "measured traffic skipped" in proc.stdout
+
+
+def test_parse_the_reports_own_range_names():
+    """The names `python -m fusedkit bench --ncu` writes: "<case>|fused" and "<case>|unfused"."""
+    from fusedkit.bench import case_name
+
+    case = case_name("add_relu", "contiguous", torch.float32, 1024)
+    head = ('"ID","Process ID","Process Name","Host Name","thread Domain:Push/Pop_Range:PL_Type:PL_Value",'
+            '"Id:Domain","Kernel Name","Metric Name","Metric Unit","Metric Value"')
+    rows = [head]
+    for launch, (which, kernel, read, wrote) in enumerate([("fused", "_elementwise_kernel", 8192, 4096),
+                                                            ("unfused", "add_kernel", 8192, 4096),
+                                                            ("unfused", "relu_kernel", 4096, 4096)]):
+        for metric, value in (("dram__bytes_read.sum", read), ("dram__bytes_write.sum", wrote)):
+            rows.append(f'"{launch}","1","python","h","1  \"<default domain>:{case}|{which}:none\" ","",'
+                        f'"{kernel}","{metric}","byte","{value:,}"')
+    rows.append('"9","1","python","h","","","warmup_kernel","dram__bytes_read.sum","byte","1"')
+    ranges = ncu.parse_ncu_csv("\n".join(rows))
+    assert set(ranges) == {f"{case}|fused", f"{case}|unfused"}
+    assert (ranges[f"{case}|fused"].read, ranges[f"{case}|fused"].written) == (8192, 4096)
+    assert ranges[f"{case}|unfused"].kernels == ["add_kernel", "relu_kernel"]
+    assert ranges[f"{case}|unfused"].read == 12288

@@ -27,6 +27,11 @@ def _mul_add_relu_math(a, b, c, alpha):
     return relu(a * b + c * alpha)
 
 
+@triton.jit
+def _mul_math(x, y):
+    return x * y
+
+
 def _spec(**overrides):
     base = dict(name="neg_relu", math=_neg_relu_math, reference=lambda x: torch.relu(torch.neg(x)),
                 arg_names=("x",), param=None, formula="relu(-x)", unfused=("torch.neg", "torch.relu"))
@@ -132,3 +137,29 @@ def test_byte_model_broadcast_views_and_scalars():
     # Mixed dtypes write the promoted dtype.
     assert spec.bytes_fused(torch.empty(10, dtype=torch.float16), torch.empty(10)).written == 10 * FP32
     assert spec.bytes_fused(torch.empty(0), torch.empty(0)) == Traffic(0, 0)
+
+
+def test_user_kernel_saving_inputs_is_differentiable():
+    def backward(grad, saved, _param):
+        x, y = saved
+        return (fusedkit.elementwise("mul_test", grad, y) if isinstance(y, torch.Tensor) else grad * y,
+                fusedkit.elementwise("mul_test", grad, x) if isinstance(x, torch.Tensor) else grad * x)
+
+    register(ElementwiseKernel(name="mul_test", math=_mul_math, reference=lambda x, y: torch.mul(x, y),
+                               param=None, formula="x * y", unfused=("torch.mul",), saves="inputs",
+                               backward=backward))
+    try:
+        a = rand((4, 5), torch.float64, DEVICE).requires_grad_()
+        b = rand((5,), torch.float64, DEVICE).requires_grad_()
+        assert torch.autograd.gradcheck(lambda p, q: fusedkit.elementwise("mul_test", p, q), (a, b))
+        assert torch.autograd.gradcheck(lambda p: fusedkit.elementwise("mul_test", p, 2.5), (a,))
+    finally:
+        unregister("mul_test")
+
+
+def test_unregistered_kernel_objects_are_refused_where_the_op_needs_the_registry():
+    spec = _spec(name="never_registered", backward=lambda grad, saved, param: (grad,))
+    x = rand((3,), torch.float32, DEVICE)
+    assert fusedkit.elementwise(spec, x).shape == (3,)  # eager: fine
+    with pytest.raises(KeyError, match="never_registered"):
+        fusedkit.elementwise(spec, x.requires_grad_())
