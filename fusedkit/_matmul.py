@@ -335,8 +335,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     Returns:
         (..., M, N) in the inputs' dtype: float16, bfloat16, float32 (TF32 when
-        ``torch.backends.cuda.matmul.allow_tf32``) or float64. Accumulates in fp32
-        (fp64 for float64). Differentiable in a, b and bias.
+        PyTorch's matmul setting allows it, see ``tf32_enabled``) or float64.
+        Accumulates in fp32 (fp64 for float64). Differentiable in a, b and bias.
 
     Raises:
         ShapeError: ``a`` with fewer than 2 dims, ``b`` not 2-D, mismatched K, or a bias not (N,).
