@@ -327,7 +327,7 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
     args = (out, *ptrs, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r, plan.size_c,
             plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
     meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
-                SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_mask(-2), UNIT_C_MASK=plan.unit_mask(-1),
+                SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
                 COMPUTE_DTYPE=_COMPUTE_DTYPE[out.dtype], COMPUTE_IS_FLOAT=is_float,
                 BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
                 num_warps=plan.tile.num_warps)

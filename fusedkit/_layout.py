@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .configs import TileConfig, elementwise_tile
@@ -36,7 +36,8 @@ class Plan:
     """How one elementwise launch walks its operands.
 
     ``strides[k]`` holds operand ``k``'s (s0, s1, s2, s3, s_r, s_c) in elements,
-    operand 0 being the output; ``None`` marks a scalar operand.
+    operand 0 being the output; ``None`` marks a scalar operand. Plans are cached,
+    so everything a launch reads is computed once, here.
     """
 
     batch_sizes: tuple[int, int, int, int]
@@ -45,22 +46,23 @@ class Plan:
     strides: tuple[Strides | None, ...]
     tile: TileConfig
     int64: bool
+    tiles_c: int = field(init=False)
+    tiles_per_batch: int = field(init=False)
+    grid: int = field(init=False)
+    #: Bit ``k`` set when operand ``k``'s row (column) stride is 1.
+    unit_r_mask: int = field(init=False)
+    unit_c_mask: int = field(init=False)
 
-    @property
-    def tiles_c(self) -> int:
-        return _cdiv(self.size_c, self.tile.block_c)
-
-    @property
-    def tiles_per_batch(self) -> int:
-        return _cdiv(self.size_r, self.tile.block_r) * self.tiles_c
-
-    @property
-    def grid(self) -> int:
-        return math.prod(self.batch_sizes) * self.tiles_per_batch
-
-    def unit_mask(self, axis: int) -> int:
-        """Bit ``k`` set when operand ``k``'s stride along ``axis`` (-2 rows, -1 cols) is 1."""
-        return sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[axis] == 1)
+    def __post_init__(self) -> None:
+        tiles_c = _cdiv(self.size_c, self.tile.block_c)
+        tiles_per_batch = _cdiv(self.size_r, self.tile.block_r) * tiles_c
+        derived = dict(
+            tiles_c=tiles_c, tiles_per_batch=tiles_per_batch,
+            grid=math.prod(self.batch_sizes) * tiles_per_batch,
+            unit_r_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-2] == 1),
+            unit_c_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-1] == 1))
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: set once, at construction
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -138,7 +138,7 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
     # The copy roof means something on a GPU only; the interpreter's copy is a numpy memcpy.
     roofs = {dt: copy_roof_gbps(dt, device, max(sizes)) if device.type == "cuda" else None for dt in dtypes}
     rows = []
-    total = len(kernels) * len(dtypes) * len(sizes) * len(layouts)
+    total = sum(dt in k.dtypes for k in kernels for dt in dtypes) * len(sizes) * len(layouts)
     for spec in kernels:
         for dt in dtypes:
             if dt not in spec.dtypes:

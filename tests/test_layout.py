@@ -33,7 +33,7 @@ def test_dense_tensors_of_any_rank_collapse_to_one_row():
     x = torch.empty(2, 3, 4, 5)
     plan = plan_for(x, x)
     assert (plan.size_r, plan.size_c, plan.batch_sizes) == (1, 120, (1, 1, 1, 1))
-    assert plan.tile.block_r == 1 and plan.unit_mask(-1) == 0b111
+    assert plan.tile.block_r == 1 and plan.unit_c_mask == 0b111
     xt = torch.empty(5, 4).t()
     plan = plan_for(xt, xt, out=torch.empty(5, 4).t())
     assert (plan.size_r, plan.size_c) == (1, 20)
@@ -49,7 +49,7 @@ def test_transposed_input_takes_the_row_axis_and_a_square_tile():
     plan = plan_for(torch.empty(300, 200).t(), torch.empty(200, 300))
     assert (plan.size_r, plan.size_c) == (200, 300)
     assert plan.strides[1][-2:] == (1, 200)
-    assert plan.unit_mask(-2) == 0b010 and plan.tile.block_r == plan.tile.block_c
+    assert plan.unit_r_mask == 0b010 and plan.tile.block_r == plan.tile.block_c
 
 
 def test_int64_only_when_offsets_need_it():
