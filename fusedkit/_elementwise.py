@@ -377,7 +377,7 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
         if unknown:
             raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(unknown))}")
         value = param.get(kernel.param, kernel.param_default)
-    if torch.compiler.is_compiling() or _library.traced(operands, out):
+    if _library.tracing(operands, out):
         # Traced code goes straight to the registered op: its fake implementation
         # validates and infers the result on fake tensors, outside Dynamo's tracing.
         return _library.call_op(kernel, operands, value, out)

@@ -122,10 +122,12 @@ def _(name, tensors, tensor_slots, scalars, param, out):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def traced(operands, out) -> bool:
-    """True when an operand is a tensor subclass (a FakeTensor or FunctionalTensor
-    during AOT tracing, for instance): such calls must go through the op."""
-    return any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in (*operands, out))
+def tracing(operands, out) -> bool:
+    """True while Dynamo traces, or when an operand is a tensor subclass (a FakeTensor
+    or FunctionalTensor during AOT tracing, for instance): such calls must go through
+    the registered op."""
+    return torch.compiler.is_compiling() or any(
+        isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in (*operands, out))
 
 
 def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:

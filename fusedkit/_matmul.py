@@ -18,6 +18,8 @@ import triton.language as tl
 
 from . import activations as act
 from ._compat import is_interpreted
+from ._elementwise import backend_for, elementwise
+from ._library import tracing
 from .configs import (
     MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, autotune_enabled,
     matmul_configs, matmul_m_bucket,
@@ -202,8 +204,6 @@ def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | 
     if activation is None:
         return grad
     if activation == "relu":
-        from ._elementwise import elementwise
-
         return elementwise("relu_grad", grad, saved)  # torch's threshold_backward: NaN passes
     x = saved.float()
     if activation == "gelu":
@@ -312,13 +312,10 @@ def _apply(a2, b, bias, activation):
 
     Eager calls launch directly; autograd and tracing go through the registered op.
     """
-    from ._elementwise import backend_for
-    from ._library import traced
-
     if backend_for(a2.device) == "torch":
         return matmul_reference(a2, b, bias, activation)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias))
-    if needs_grad or torch.compiler.is_compiling() or traced((a2, b, bias), None):
+    if needs_grad or tracing((a2, b, bias), None):
         return matmul_op(a2, b, bias, activation, needs_grad and activation in _NEEDS_PRE)[0]
     return _forward(a2, b, bias, activation, store_pre=False)[0]
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import ElementwiseKernel
+from ._matmul import tf32_enabled
+from .registry import ElementwiseKernel, result_dtype
 
 __all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned",
            "MATMUL_REL_ERR", "matmul_rel_err", "assert_rel_err"]
@@ -51,8 +52,6 @@ MATMUL_REL_ERR_TF32 = 2e-3
 
 def matmul_rel_err(dtype: torch.dtype) -> float:
     """The relative-error bound for a matmul result of ``dtype`` on this machine's settings."""
-    from ._matmul import tf32_enabled
-
     if dtype == torch.float32 and tf32_enabled():
         return MATMUL_REL_ERR_TF32
     return MATMUL_REL_ERR[dtype]
@@ -84,8 +83,6 @@ def _widen(value, wide: torch.dtype):
 
 def reference_result(kernel: ElementwiseKernel, operands, param=None) -> torch.Tensor:
     """The registry reference on CPU in float64 (int64 for integer results)."""
-    from .registry import result_dtype
-
     dtype = result_dtype(tuple(operands))
     wide = torch.float64 if dtype.is_floating_point else torch.int64
     args = tuple(_widen(v, wide) for v in operands)
