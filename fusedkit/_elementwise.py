@@ -107,7 +107,16 @@ def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
     _jit.store_result(out_ptr, out_offsets, result, mask)
 
 
-@triton.jit
+#: Arguments Triton must not specialise on: scalar bit patterns (a new ``alpha``
+#: would otherwise compile a new kernel when its bits happen to be 1 or a multiple
+#: of 16) and the batch sizes and tile counts, which only feed index arithmetic.
+#: Strides and the row / column sizes stay specialised: their divisibility by 16
+#: is what lets Triton prove 16-byte accesses.
+_NOT_SPECIALISED = ("a_bits", "b_bits", "c_bits", "param_bits", "size1", "size2", "size3",
+                    "tiles_c", "tiles_per_batch")
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALISED)
 def _elementwise_kernel(
     out_ptr, a_ptr, b_ptr, c_ptr,
     a_bits, b_bits, c_bits, param_bits,

@@ -172,6 +172,21 @@ MATMUL_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096), (4
                  (512, 4096, 4096), (64, 4096, 4096), (16, 4096, 4096), (1, 4096, 4096))
 
 
+#: The interpreter's stand-in: small, odd sizes.
+CPU_MATMUL_SHAPES = ((64, 48, 40), (7, 33, 65))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"4096x4096x4096,1x4096x4096"`` -> [(M, N, K), ...]."""
+    shapes = []
+    for item in text.split(","):
+        dims = item.lower().split("x")
+        if len(dims) != 3 or not all(d.isdigit() for d in dims):
+            raise SystemExit(f"--shapes: {item!r} is not MxNxK")
+        shapes.append(tuple(int(d) for d in dims))
+    return shapes
+
+
 def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict]:
     """relu(a @ b + bias): fusedkit against cuBLASLt's fused epilogue, eager addmm + relu, and a bare matmul."""
     from ._matmul import matmul_relu
@@ -313,6 +328,8 @@ def main(argv=None) -> int:
                    help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib) into DIR")
     p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
+    p.add_argument("--shapes", default=None,
+                   help="matmul shapes MxNxK, comma-separated (default: the report's set)")
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     args = p.parse_args(argv)
@@ -326,7 +343,10 @@ def main(argv=None) -> int:
     env = environment(device)
 
     if args.matmul:
-        shapes = MATMUL_SHAPES if device.type == "cuda" else ((64, 48, 40), (7, 33, 65))
+        if args.shapes:
+            shapes = parse_shapes(args.shapes)
+        else:
+            shapes = MATMUL_SHAPES if device.type == "cuda" else CPU_MATMUL_SHAPES
         mrows = run_matmul(dtypes, device, shapes)
         print(" ".join(f"{k}={v}" for k, v in env.items()))
         print(format_matmul_table(mrows))

@@ -11,6 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice; keeps its default
+# On a GPU every new matmul shape would be tuned over all configs (8 compiles each);
+# the suite runs the fixed config and test_matmul.py::test_autotuned_path covers tuning.
+os.environ.setdefault("FUSEDKIT_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 
