@@ -16,6 +16,7 @@ import torch
 
 import fusedkit
 from fusedkit import _elementwise as ew
+from fusedkit import _launch
 from fusedkit.registry import ADD_RELU
 
 CALLS = 2000
@@ -38,17 +39,27 @@ def main():
     y = torch.randn(n, device="cuda")
     out = torch.empty_like(x)
     grid, args, meta = ew.launch_config(ADD_RELU, (x, y), 1, out)
+    fusedkit.add_relu(x, y)
+    key = ew._call_key(ADD_RELU, (x, y), 1)
+    recipe = ew._RECIPES[key]
+    compiled = ew._elementwise_kernel[grid](*args, **meta)
+    entry = (compiled, (grid[0], 1, 1), recipe.constexprs)
+    index = x.device.index
     rows = [
         ("torch.add(x, y)", lambda: torch.add(x, y)),
+        ("torch.empty_like(x)", lambda: torch.empty_like(x)),
         ("torch.relu(x + y)", lambda: torch.relu(x + y)),
-        ("fusedkit.add_relu(x, y)", lambda: fusedkit.add_relu(x, y)),
-        ("fusedkit.add_relu(x, y, out=out)", lambda: fusedkit.add_relu(x, y, out=out)),
+        ("fusedkit.add_relu(x, y)  [fast path]", lambda: fusedkit.add_relu(x, y)),
+        ("fusedkit.add_relu(x, y, out=out)  [full path]", lambda: fusedkit.add_relu(x, y, out=out)),
+        ("  _call_key", lambda: ew._call_key(ADD_RELU, (x, y), 1)),
+        ("  recipe.run", lambda: recipe.run((x, y), 1)),
+        ("  CompiledKernel.run direct", lambda: _launch.CompiledCache.run(entry, args, index)),
         ("  _validate", lambda: ew._validate(ADD_RELU, (x, y), 1, None)),
         ("  launch_config", lambda: ew.launch_config(ADD_RELU, (x, y), 1, out)),
         ("  kernel[grid](*args) prepared", lambda: ew._elementwise_kernel[grid](*args, **meta)),
     ]
     for name, fn in rows:
-        print(f"{name:40s} {per_call_us(fn):8.1f} us/call  (n={n})")
+        print(f"{name:48s} {per_call_us(fn):8.1f} us/call  (n={n})")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):

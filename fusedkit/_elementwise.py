@@ -20,11 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _jit, _library
+from . import _jit, _launch, _library
 from ._compat import is_interpreted
 from ._layout import (
     broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
 )
+from .configs import CALL_CACHE_SIZE
 from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
 from .registry import ElementwiseKernel, get, result_dtype
 
@@ -242,13 +243,7 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
                          f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
 
     if kernel.param is not None:
-        if isinstance(param, bool) or not isinstance(param, numbers.Real):
-            raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
-        if not dtype.is_floating_point and not isinstance(param, numbers.Integral):
-            raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
-                             f"got {param!r}")
-        if not dtype.is_floating_point and not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
-            raise DTypeError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
+        _check_param(kernel, param, dtype)
 
     grad_inputs = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
     if out is not None:
@@ -261,6 +256,17 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
             f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
             f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
     return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs)
+
+
+def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
+    if isinstance(param, bool) or not isinstance(param, numbers.Real):
+        raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
+    if not dtype.is_floating_point:
+        if not isinstance(param, numbers.Integral):
+            raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
+                             f"got {param!r}")
+        if not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
+            raise DTypeError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
 
 
 def _check_out(kernel, out, shape, dtype, device, tensors) -> None:
@@ -390,10 +396,18 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
         # Traced code goes straight to the registered op: its fake implementation
         # validates and infers the result on fake tensors, outside Dynamo's tracing.
         return _library.call_op(kernel, operands, value, out)
+    key = _call_key(kernel, operands, value) if out is None else None
+    if key is not None:
+        recipe = _RECIPES.get(key)
+        if recipe is not None:
+            return recipe.run(operands, value)
     call = _validate(kernel, operands, value, out)
     if call.needs_grad:
         return _library.call_op(call.kernel, call.operands, call.param, call.out)
-    return run_validated(call)
+    result = run_validated(call)
+    if key is not None:
+        _remember(key, call, result)
+    return result
 
 
 def run_validated(call: _Call) -> torch.Tensor:
@@ -408,3 +422,121 @@ def run_validated(call: _Call) -> torch.Tensor:
         operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
                          for t in operands)
     return launch_elementwise(call.kernel, operands, call.param, result)
+
+
+# --- The eager fast path -------------------------------------------------------------
+# A call whose signature (kernel, operand types, dtypes, devices, shapes, strides)
+# was validated once reuses that validation, the layout plan, the grid and the
+# compiled kernel: per call it only allocates the result, reads the pointers and
+# scalars, and launches (see fusedkit._launch). Everything validation reads is in
+# the key or re-checked per call (an integral alpha's range, scalars' range), so a
+# call that differs in any of it takes the full path above.
+
+_CONSTEXPR_NAMES = _launch.constexpr_names(_elementwise_kernel)
+#: Kernel arguments before the planned sizes and strides: out, three operand slots,
+#: three scalar bit patterns and the parameter's.
+_PER_CALL_ARGS = 8
+_RECIPES: dict = {}
+
+
+def _call_key(kernel: ElementwiseKernel, operands: tuple, param) -> tuple | None:
+    """The signature of an eager ``out=None`` call, or None when it cannot take the fast path."""
+    key = [kernel, type(param)]
+    grad = None
+    for v in operands:
+        cls = type(v)
+        if cls is torch.Tensor:  # exactly: subclasses (fake, functional) are traced
+            if v.requires_grad:
+                grad = torch.is_grad_enabled() if grad is None else grad
+                if grad:
+                    return None
+            key += (v.dtype, v.device, v.shape, v.stride())
+        elif cls is float:
+            key += (cls, torch.get_default_dtype())  # an integral tensor + a float promotes to it
+        elif cls is int:
+            key.append(cls)
+        else:
+            return None
+    return tuple(key)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """The prepared launch of one validated call signature."""
+
+    kernel: ElementwiseKernel
+    shape: torch.Size
+    out_strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    #: Per kernel operand slot: the operand's index for a tensor, ``~index`` for a
+    #: host number, None for an unused slot.
+    slots: tuple
+    static_args: tuple  # planned sizes and strides
+    constexprs: tuple   # in signature order
+    meta: dict
+    grid: tuple[int, int, int] | None  # None: an empty result
+    compiled: _launch.CompiledCache
+
+    def run(self, operands: tuple, param) -> torch.Tensor:
+        kernel, is_float = self.kernel, self.dtype.is_floating_point
+        if kernel.param is not None and not is_float:
+            _check_param(kernel, param, self.dtype)
+        out = torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
+        if self.grid is None:
+            return out
+        ptrs, bits = [out], []
+        for slot in self.slots:
+            if slot is None:
+                ptrs.append(out)
+                bits.append(0)
+            elif slot >= 0:
+                ptrs.append(operands[slot])
+                bits.append(0)
+            else:
+                ptrs.append(out)
+                bits.append(_scalar_bits(operands[~slot], is_float, kernel.arg_names[~slot]))
+        bits.append(_scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0)
+        # Triton specialises on pointer alignment and on whether an unspecialised int fits in 32 bits.
+        spec = (*map(_launch.is_aligned, ptrs), *map(_launch.int_class, bits))
+        args = (*ptrs, *bits, *self.static_args)
+        index = self.device.index
+        if self.device.type == "cuda" and index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):
+                self._launch(spec, args, index)
+        else:
+            self._launch(spec, args, index)
+        return out
+
+    def _launch(self, spec, args, index):
+        entry = self.compiled.get(spec)
+        if entry is not None:
+            _launch.CompiledCache.run(entry, args, index)
+        else:
+            compiled = _elementwise_kernel[self.grid](*args, **self.meta)
+            self.compiled.put(spec, compiled, self.grid, self.constexprs)
+
+
+def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
+    """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
+    if call.out is not None or backend_for(call.device) == "torch":
+        return
+    slots = []
+    for k, v in enumerate(call.operands):
+        if isinstance(v, torch.Tensor):
+            if v.device != call.device:  # a host 0-d tensor: read with .item() per call
+                return
+            slots.append(k)
+        else:
+            slots.append(~k)
+    slots += [None] * (3 - len(slots))
+    grid, static_args, constexprs, meta = None, (), (), {}
+    if result.numel() > 0:
+        grid_1d, args, meta = launch_config(call.kernel, call.operands, call.param, result)
+        grid = (grid_1d[0], 1, 1)
+        static_args = args[_PER_CALL_ARGS:]
+        constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
+    if len(_RECIPES) >= CALL_CACHE_SIZE:
+        _RECIPES.clear()
+    _RECIPES[key] = _Recipe(call.kernel, result.shape, tuple(result.stride()), result.dtype, result.device,
+                            tuple(slots), static_args, constexprs, meta, grid, _launch.CompiledCache())

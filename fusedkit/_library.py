@@ -126,8 +126,12 @@ def tracing(operands, out) -> bool:
     """True while Dynamo traces, or when an operand is a tensor subclass (a FakeTensor
     or FunctionalTensor during AOT tracing, for instance): such calls must go through
     the registered op."""
-    return torch.compiler.is_compiling() or any(
-        isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in (*operands, out))
+    if torch.compiler.is_compiling():
+        return True
+    for t in operands:
+        if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
+            return True
+    return isinstance(out, torch.Tensor) and type(out) not in _PLAIN
 
 
 def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:

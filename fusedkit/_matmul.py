@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import activations as act
+from . import _launch, activations as act
 from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
 from ._library import tracing
@@ -105,6 +105,9 @@ def _matmul_kernel(
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
 _matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk"])(_matmul_even_k)
 INTERPRETED = is_interpreted(_matmul_kernel)
+_CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_kernel)
+#: Direct launches of eager matmuls (fusedkit._launch).
+_LAUNCHES = _launch.CompiledCache()
 
 _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -167,15 +170,27 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         tile = MATMUL_INTERPRETER_TILE
         _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
         return out
-    if a.device.index != torch.cuda.current_device():
+    index = a.device.index
+    if index != torch.cuda.current_device():
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre)
-    if autotune_enabled():
-        _matmul_tuned[grid](*args, **meta)
+    tuned = autotune_enabled()
+    # Everything Triton specialises on: the integers exactly (they refine its
+    # classes), pointer dtypes and alignment, the switches, the config source.
+    key = (tuned, index, a.dtype, *args[5:], *map(_launch.is_aligned, args[:5]), *meta.values())
+    entry = _LAUNCHES.get(key)
+    if entry is not None:
+        _launch.CompiledCache.run(entry, args, index)
+        return out
+    if tuned:
+        compiled = _matmul_tuned[grid](*args, **meta)
+        tile = dict(_matmul_tuned.best_config.kwargs)
     else:
         tile = MATMUL_FIXED_TILE
-        _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
-                                   num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
+        compiled = _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
+                                              num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
+    constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
+    _LAUNCHES.put(key, compiled, (grid(tile)[0], 1, 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
     return out
 
 

@@ -328,6 +328,8 @@ def main(argv=None) -> int:
                    help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib) into DIR")
     p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
+    p.add_argument("--latency", action="store_true",
+                   help="the small-tensor report instead: host time per call against torch")
     p.add_argument("--shapes", default=None,
                    help="matmul shapes MxNxK, comma-separated (default: the report's set)")
     p.add_argument("--json", help="write rows and environment to this JSON file")
@@ -342,6 +344,20 @@ def main(argv=None) -> int:
     use_compile = device.type == "cuda" and not args.no_compile
     env = environment(device)
 
+    if args.latency:
+        from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
+
+        gpu = device.type == "cuda"
+        if not gpu:
+            print("No CUDA GPU: these per-call times are the CPU path's, NOT GPU times.\n")
+        result = run_latency(dtypes, device, sizes if args.sizes or not gpu else LATENCY_SIZES,
+                             LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile)
+        print(" ".join(f"{k}={v}" for k, v in env.items()))
+        print(format_latency_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, **result}, f, indent=1)
+        return 0
     if args.matmul:
         if args.shapes:
             shapes = parse_shapes(args.shapes)

@@ -97,3 +97,14 @@ def autotune_enabled() -> bool:
 def matmul_m_bucket(m: int) -> int:
     """Tuning key for M: the next power of two, capped, so a new batch size rarely re-tunes."""
     return min(MATMUL_MAX_M_BUCKET, 1 << max(0, (m - 1).bit_length()))
+
+
+# --- Eager fast path (fusedkit._launch) ---------------------------------------------
+
+#: Compiled kernels kept per launch site for direct launches; a cache that fills up
+#: is cleared (each entry is a few hundred bytes; the binaries stay in Triton's cache).
+COMPILED_CACHE_SIZE = 1024
+
+#: Validated call signatures (kernel, dtypes, shapes, strides, devices) whose
+#: launch is prepared; the same size bound and clearing rule.
+CALL_CACHE_SIZE = 4096

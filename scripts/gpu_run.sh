@@ -37,14 +37,16 @@ for s in $stages; do case $s in
          --sizes 26 --no-compile --json "$OUT/ncu.json" ;;
   matmul) step matmul 240 python3 -m fusedkit bench --matmul --dtypes bf16,fp16 \
             --json "$OUT/matmul.json" --plots "$OUT/plots" ;;
-  latency) PYTHONPATH=. step latency 120 python3 benchmarks/probe_latency.py 1024 ;;
+  latency) step latency 200 python3 -m fusedkit bench --latency --json "$OUT/latency.json"
+           PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   *) echo "unknown stage $s"; rc=1 ;;
 esac; done
 [ -d "$OUT/plots" ] && tar czf "$OUT/plots.tgz" -C "$OUT" plots && rm -rf "$OUT/plots"
 cat "$OUT/env.txt" 2>/dev/null
 cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
-head -8 "$OUT/latency.txt" 2>/dev/null
+head -12 "$OUT/probe.txt" 2>/dev/null
+tail -16 "$OUT/latency.txt" 2>/dev/null
 grep -A12 "DRAM bytes" "$OUT/ncu.txt" 2>/dev/null
 tail -18 "$OUT/matmul.txt" 2>/dev/null
 tail -30 "$OUT/bench.txt" 2>/dev/null

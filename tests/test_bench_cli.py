@@ -50,6 +50,20 @@ def test_matmul_report_runs(tmp_path):
     assert (tmp_path / "matmul_tflops.png").exists()
 
 
+def test_latency_report_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out_json = tmp_path / "l.json"
+    # On a GPU: one size and the torch.compile peer off, to keep the suite short.
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--latency", "--dtypes", "fp32", "--sizes",
+                           "1024", "--no-compile", "--json", str(out_json)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    (row,) = data["elementwise"]
+    assert row["n"] == 1024 and row["fusedkit.add_relu"] > 0 and row["torch.add"] > 0
+    assert data["linear"] and "ratios to torch.add" in proc.stdout
+
+
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr

@@ -1,0 +1,129 @@
+"""Small-tensor latency: ``python -m fusedkit bench --latency``.
+
+At small sizes a call costs host time (validation, launch), not bytes. Each case
+is called ``CALLS`` times back to back and synchronised once at the end, so the
+per-call time is whichever is slower, the host issuing calls or the GPU running
+them; the peers run in the same process on the same operands:
+- elementwise (n = 1K, 64K, 1M): ``fusedkit.add`` / ``add_relu`` against
+  ``torch.add``, ``torch.relu(x + y)`` and ``torch.compile`` of the latter; the
+  registered ``torch.library`` op beside the direct eager path; and the cost
+  per call inside a replayed CUDA graph of ``GRAPH_CALLS`` calls.
+- linear + ReLU at decode-sized M: ``fusedkit.linear_relu`` against
+  ``torch.relu(F.linear(x, w, b))``.
+On a CPU the same harness runs the interpreter or the PyTorch path; those are not GPU times.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fusedkit
+
+from . import _library
+from .registry import ADD_RELU
+
+__all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES"]
+
+#: Calls per timing, and rounds (the median is reported) on a GPU; far fewer on a CPU.
+CALLS, ROUNDS = 2000, 5
+CPU_CALLS, CPU_ROUNDS = 20, 3
+GRAPH_CALLS = 200
+LATENCY_SIZES = (1 << 10, 1 << 16, 1 << 20)
+#: (M, K = N) of the decode-sized linear + ReLU cases.
+LINEAR_SHAPES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_call_us(fn, device, calls: int | None = None, rounds: int | None = None) -> float:
+    """Median over rounds of (time for ``calls`` back-to-back calls, synchronised at the end) / calls."""
+    gpu = device.type == "cuda"
+    calls = calls or (CALLS if gpu else CPU_CALLS)
+    rounds = rounds or (ROUNDS if gpu else CPU_ROUNDS)
+    for _ in range(min(calls, 50)):  # warm-up: compile, tune, fill caches
+        fn()
+    samples = []
+    for _ in range(rounds):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def graph_call_us(fn, device) -> float | None:
+    """Per-call time of ``fn`` replayed from one CUDA graph holding ``GRAPH_CALLS`` calls."""
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return per_call_us(graph.replay, device, calls=20) / GRAPH_CALLS
+
+
+def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True) -> dict:
+    rows, linear = [], []
+    for dt in dtypes:
+        for n in sizes:
+            x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
+            cases = {
+                "torch.add": lambda: torch.add(x, y),
+                "relu(x + y)": lambda: torch.relu(x + y),
+                "fusedkit.add": lambda: fusedkit.add(x, y),
+                "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y),
+                "add_relu via op": lambda: _library.call_op(ADD_RELU, (x, y), 1, None),
+            }
+            if use_compile and device.type == "cuda":
+                compiled = torch.compile(lambda a, b: torch.relu(a + b))
+                cases["compiled relu(x + y)"] = lambda: compiled(x, y)
+            row = {"dtype": str(dt).removeprefix("torch."), "n": n}
+            for name, fn in cases.items():
+                row[name] = per_call_us(fn, device)
+            row["graph torch.add"] = graph_call_us(lambda: torch.add(x, y), device)
+            row["graph fusedkit.add_relu"] = graph_call_us(lambda: fusedkit.add_relu(x, y), device)
+            rows.append(row)
+        if not dt.is_floating_point or dt == torch.float64:
+            continue
+        for m, k in linear_shapes:
+            a = torch.randn(m, k, device=device).to(dt)
+            w = torch.randn(k, k, device=device).to(dt) / k ** 0.5
+            b = torch.randn(k, device=device).to(dt)
+            linear.append({
+                "dtype": str(dt).removeprefix("torch."), "m": m, "k": k, "n": k,
+                "fusedkit.linear_relu": per_call_us(lambda: fusedkit.linear_relu(a, w, b), device),
+                "relu(F.linear)": per_call_us(lambda: torch.relu(F.linear(a, w, b)), device),
+            })
+    return {"elementwise": rows, "linear": linear}
+
+
+def format_latency_table(result: dict) -> str:
+    rows, linear = result["elementwise"], result["linear"]
+    lines = []
+    if rows:
+        names = [k for k in rows[0] if k not in ("dtype", "n")]
+        head = f"{'dtype':<9} {'n':>8} " + " ".join(f"{k:>{max(9, len(k))}}" for k in names)
+        lines += ["us per call (back-to-back calls, synchronised at the end; graph = per call inside a "
+                  "replayed CUDA graph)", head, "-" * len(head)]
+        for r in rows:
+            cells = " ".join(f"{'-' if r[k] is None else format(r[k], '.1f'):>{max(9, len(k))}}" for k in names)
+            lines.append(f"{r['dtype']:<9} {r['n']:>8} {cells}")
+        lines.append("ratios to torch.add: " + "; ".join(
+            f"{r['dtype']} n={r['n']}: add {r['fusedkit.add'] / r['torch.add']:.2f}x, "
+            f"add_relu {r['fusedkit.add_relu'] / r['torch.add']:.2f}x" for r in rows))
+    if linear:
+        lines += ["", f"{'dtype':<9} {'M':>4} {'K=N':>6} {'fusedkit':>9} {'relu(F.linear)':>14} {'ratio':>6}"]
+        for r in linear:
+            f, t = r["fusedkit.linear_relu"], r["relu(F.linear)"]
+            lines.append(f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f}")
+    return "\n".join(lines)

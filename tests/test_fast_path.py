@@ -1,0 +1,171 @@
+"""The eager fast path: a repeated call signature reuses its validation, plan and
+compiled kernel (``_elementwise._RECIPES``, ``fusedkit._launch``), and nothing it
+reuses may go stale. On the CPU the recipes run through the interpreter; the
+direct launches of compiled kernels are checked on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU
+from helpers import rand
+
+import fusedkit
+from fusedkit import _elementwise as ew
+from fusedkit import _matmul as mm
+from fusedkit.errors import DTypeError
+from fusedkit.registry import ADD, ADD_RELU
+from fusedkit.testing import assert_rel_err, matmul_rel_err
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="direct launches of compiled kernels need a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    ew._RECIPES.clear()
+    mm._LAUNCHES.clear()
+    yield
+
+
+def _recipe(kernel, *operands, alpha=1):
+    return ew._RECIPES[ew._call_key(kernel, operands, alpha)]
+
+
+def test_repeated_signature_reuses_one_recipe_with_new_values():
+    x, y = rand((37, 19), torch.float32, DEVICE), rand((37, 19), torch.float32, DEVICE)
+    for alpha in (2, 0.0, -1.5, 3e38):
+        x.copy_(rand((37, 19), torch.float32, DEVICE))
+        torch.testing.assert_close(fusedkit.add_relu(x, y, alpha=alpha), torch.relu(torch.add(x, y, alpha=alpha)))
+    # int and float alpha are two signatures (the type is in the key), nothing more
+    assert len(ew._RECIPES) == 2
+
+
+def test_each_layout_and_dtype_takes_its_own_recipe():
+    base = rand((64, 65), torch.float32, DEVICE)
+    y = rand((64, 64), torch.float32, DEVICE)
+    cases = [base[:, :64], base[:, 1:], base[:, :64].t(), base[:1, :64].expand(64, 64), base[:, :64].bfloat16()]
+    for x in cases * 2:
+        got = fusedkit.add(x, y if x.dtype == torch.float32 else y.bfloat16(), alpha=3)
+        want = torch.add(x, y.to(x.dtype), alpha=3)
+        torch.testing.assert_close(got, want)
+    # base[:, :64] and base[:, 1:] share shape and strides: one signature, two offsets
+    assert len(ew._RECIPES) == len(cases) - 1
+
+
+def test_scalar_operands_and_default_dtype():
+    xi = rand((33,), torch.int32, DEVICE)
+    for s in (3, 5, -7):
+        assert torch.equal(fusedkit.add(xi, s), xi + s)
+    torch.testing.assert_close(fusedkit.add(xi, 2.5), xi + 2.5)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = fusedkit.add(xi, 2.5)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, xi + 2.5)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_cached_signature_still_checks_integral_alpha():
+    x, y = rand((10,), torch.int32, DEVICE), rand((10,), torch.int32, DEVICE)
+    assert torch.equal(fusedkit.add(x, y, alpha=3), torch.add(x, y, alpha=3))
+    with pytest.raises(DTypeError, match="does not fit"):
+        fusedkit.add(x, y, alpha=2**40)
+    assert torch.equal(fusedkit.add(x, y, alpha=-4), torch.add(x, y, alpha=-4))
+
+
+def test_grad_calls_do_not_take_the_recipe():
+    x = rand((20,), torch.float32, DEVICE).requires_grad_()
+    y = rand((20,), torch.float32, DEVICE)
+    with torch.no_grad():
+        assert fusedkit.add_relu(x, y).grad_fn is None
+    assert len(ew._RECIPES) == 1
+    out = fusedkit.add_relu(x, y)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, ((x + y) > 0).float())
+
+
+def test_empty_results_repeat():
+    x = torch.empty((0, 5), device=DEVICE)
+    for _ in range(2):
+        assert fusedkit.add_relu(x, 1.0).shape == (0, 5)
+
+
+@gpu_only
+def test_direct_launch_after_the_first_call():
+    x, y = rand((1000,), torch.float32, DEVICE), rand((1000,), torch.float32, DEVICE)
+    fusedkit.add_relu(x, y)
+    recipe = _recipe(ADD_RELU, x, y)
+    assert len(recipe.compiled) == 1
+    for _ in range(3):
+        x.copy_(rand((1000,), torch.float32, DEVICE))
+        assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
+    assert len(recipe.compiled) == 1
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_misaligned_view_takes_its_own_kernel(dtype):
+    # Same shape and strides, 16-byte aligned vs not: an aligned kernel's vector
+    # loads on the misaligned pointer would fault or read wrong.
+    n = 4096
+    base = rand((n + 8,), dtype, DEVICE)
+    aligned, misaligned = base[:n], base[1:n + 1]
+    y = rand((n,), dtype, DEVICE)
+    for x in (aligned, misaligned, aligned, misaligned):
+        assert torch.equal(fusedkit.add(x, y), torch.add(x, y))
+    assert len(_recipe(ADD, aligned, y).compiled) == 2
+    torch.cuda.synchronize()
+
+
+@gpu_only
+def test_alpha_bit_classes():
+    x, y = rand((512,), torch.float32, DEVICE), rand((512,), torch.float32, DEVICE)
+    # 0.0 has all-zero bits (an int32 argument); other doubles need int64
+    for alpha in (0.0, 1.5, 0.0, -2.0):
+        assert torch.equal(fusedkit.add(x, y, alpha=alpha), torch.add(x, y, alpha=alpha))
+    assert len(_recipe(ADD, x, y, alpha=1.5).compiled) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matmul_direct_launch_and_alignment(dtype):
+    base = rand((64, 129), dtype, DEVICE)
+    w = rand((96, 128), dtype, DEVICE)
+    bias = rand((96,), dtype, DEVICE)
+    for a in (base[:, :128], base[:, 1:], base[:, :128]):
+        out = fusedkit.linear_relu(a, w, bias)
+        ref = torch.relu(torch.nn.functional.linear(a.double(), w.double(), bias.double()))
+        assert_rel_err(out, ref, matmul_rel_err(dtype))
+    assert len(mm._LAUNCHES) == 2
+    a = base[:, :128]
+    first = fusedkit.linear_relu(a, w, bias)
+    assert torch.equal(fusedkit.linear_relu(a, w, bias), first)
+
+
+@gpu_only
+def test_fast_path_calls_capture_in_a_cuda_graph():
+    x, y = rand((300, 64), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
+    w = rand((48, 64), torch.float32, DEVICE)
+    fusedkit.linear_relu(fusedkit.add_relu(x, y), w)  # warm-up: compile before capture
+    fusedkit.linear_relu(fusedkit.add_relu(x, y), w)  # and a direct launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = fusedkit.add_relu(x, y)
+        out = fusedkit.linear_relu(h, w)
+    x.copy_(rand((300, 64), torch.float32, DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, fusedkit.add_relu(x, y))
+    assert torch.equal(out, fusedkit.linear_relu(h, w))
+
+
+@gpu_only
+def test_fast_launch_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("FUSEDKIT_FAST_LAUNCH", "0")
+    x, y = rand((100,), torch.float32, DEVICE), rand((100,), torch.float32, DEVICE)
+    for _ in range(2):
+        assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
+    assert len(_recipe(ADD_RELU, x, y).compiled) == 0
