@@ -328,6 +328,8 @@ def main(argv=None) -> int:
                    help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib) into DIR")
     p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
+    p.add_argument("--backward", action="store_true",
+                   help="the add_relu backward and memory report instead (against eager and compiled torch)")
     p.add_argument("--latency", action="store_true",
                    help="the small-tensor report instead: host time per call against torch")
     p.add_argument("--shapes", default=None,
@@ -344,6 +346,19 @@ def main(argv=None) -> int:
     use_compile = device.type == "cuda" and not args.no_compile
     env = environment(device)
 
+    if args.backward:
+        from .bench_backward import BACKWARD_SIZES, CPU_BACKWARD_SIZES, format_backward_table, run_backward
+
+        if device.type != "cuda":
+            print("No CUDA GPU: these times are the CPU path's, NOT GPU times.\n")
+        default = BACKWARD_SIZES if device.type == "cuda" else CPU_BACKWARD_SIZES
+        brows = run_backward(dtypes, device, sizes if args.sizes else default, use_compile=use_compile)
+        print(" ".join(f"{k}={v}" for k, v in env.items()))
+        print(format_backward_table(brows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "backward": brows}, f, indent=1)
+        return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
 

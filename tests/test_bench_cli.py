@@ -64,6 +64,19 @@ def test_latency_report_runs(tmp_path):
     assert data["linear"] and "ratios to torch.add" in proc.stdout
 
 
+def test_backward_report_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out_json = tmp_path / "b.json"
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--backward", "--dtypes", "fp32", "--sizes",
+                           "4096", "--no-compile", "--json", str(out_json)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out_json.read_text())["backward"]
+    assert row["n"] == 4096 and row["bytes_backward"] == 3 * 4096 * 4
+    # add_relu keeps only its output (x and y are not saved), as eager relu does
+    assert row["fusedkit_saved_bytes"] == 4096 * 4 == row["eager_saved_bytes"]
+
+
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr

@@ -1,0 +1,118 @@
+"""Backward and memory report: ``python -m fusedkit bench --backward``.
+
+For ``z = add_relu(x, y)`` with x, y requiring grad:
+- backward time (``torch.autograd.grad`` of a retained graph, ``do_bench`` median)
+  and GB/s over the bytes a backward must move (read the incoming gradient and
+  the saved output, write one gradient: alpha = 1 gives y the same tensor), for
+  fusedkit, eager ``torch.relu(x + y)`` and ``torch.compile`` of it;
+- bytes saved for backward, counted with ``torch.autograd.graph.saved_tensors_hooks``
+  (distinct storages), and the peak memory above the inputs of forward + backward
+  (``torch.cuda.max_memory_allocated``), for the same three.
+On a CPU the harness runs at small sizes; its times are not GPU times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fusedkit
+
+__all__ = ["run_backward", "format_backward_table", "BACKWARD_SIZES"]
+
+BACKWARD_SIZES = (1 << 24, 1 << 28)
+CPU_BACKWARD_SIZES = (1 << 10,)
+
+
+def _eager(x, y):
+    return torch.relu(x + y)
+
+
+def _saved_bytes(fn, x, y) -> int:
+    """Bytes of the distinct storages autograd keeps for backward after ``fn(x, y)``."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        z = fn(x, y)
+    # the output itself is allocated either way; count what is kept beyond the inputs
+    for t in (x, y):
+        seen.pop(t.untyped_storage().data_ptr(), None)
+    del z
+    return sum(seen.values())
+
+
+def _peak_bytes(fn, x, y, g, device) -> int | None:
+    """Peak allocation above the live inputs during one forward + backward."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    z = fn(x, y)
+    gx, gy = torch.autograd.grad(z, (x, y), g)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del z, gx, gy
+    return peak
+
+
+def _time_us(fn, device) -> float:
+    if device.type == "cuda":
+        import triton
+
+        return 1e3 * triton.testing.do_bench(fn, return_mode="median")
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - t0) / 3 * 1e6
+
+
+def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list[dict]:
+    impls = {"fusedkit": fusedkit.add_relu, "eager": _eager}
+    if use_compile and device.type == "cuda":
+        impls["compiled"] = torch.compile(_eager)
+    rows = []
+    for dt in dtypes:
+        for n in sizes:
+            x, y = (torch.randn(n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
+            g = torch.randn(n, device=device, dtype=dt)
+            row = {"dtype": str(dt).removeprefix("torch."), "n": n,
+                   "bytes_backward": 3 * n * x.element_size()}
+            for name, fn in impls.items():
+                z = fn(x, y)
+                grads = torch.autograd.grad(z, (x, y), g, retain_graph=True)
+                want = torch.autograd.grad(_eager(x, y), (x, y), g)
+                for got, ref in zip(grads, want):
+                    torch.testing.assert_close(got, ref)
+                us = _time_us(lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True), device)
+                row[f"{name}_bwd_us"] = us
+                row[f"{name}_bwd_gbps"] = row["bytes_backward"] / us / 1e3
+                row[f"{name}_fwd_bwd_us"] = _time_us(lambda: torch.autograd.grad(fn(x, y), (x, y), g), device)
+                row[f"{name}_saved_bytes"] = _saved_bytes(fn, x, y)
+                row[f"{name}_peak_bytes"] = _peak_bytes(fn, x, y, g, device)
+                del z, grads
+            rows.append(row)
+    return rows
+
+
+def format_backward_table(rows: list[dict]) -> str:
+    impls = [k.removesuffix("_bwd_gbps") for k in rows[0] if k.endswith("_bwd_gbps")] if rows else []
+    head = f"{'dtype':<9} {'n':>10} " + " ".join(
+        f"{i + ' bwd us':>16} {'GB/s':>6} {'fwd+bwd us':>10} {'saved MB':>8} {'peak MB':>8}" for i in impls)
+    lines = ["add_relu backward (do_bench medians; GB/s over grad + saved output read, one gradient written)",
+             head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for i in impls:
+            peak = r[f"{i}_peak_bytes"]
+            cells.append(f"{r[f'{i}_bwd_us']:>16.1f} {r[f'{i}_bwd_gbps']:>6.0f} {r[f'{i}_fwd_bwd_us']:>10.1f} "
+                         f"{r[f'{i}_saved_bytes'] / 1e6:>8.2f} {'-' if peak is None else format(peak / 1e6, '.2f'):>8}")
+        lines.append(f"{r['dtype']:<9} {r['n']:>10} " + " ".join(cells))
+    return "\n".join(lines)
