@@ -400,7 +400,9 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
     if key is not None:
         recipe = _RECIPES.get(key)
         if recipe is not None:
-            return recipe.run(operands, value)
+            result = recipe.run(operands, value)
+            if result is not None:
+                return result
     call = _validate(kernel, operands, value, out)
     if call.needs_grad:
         return _library.call_op(call.kernel, call.operands, call.param, call.out)
@@ -415,7 +417,8 @@ def run_validated(call: _Call) -> torch.Tensor:
     if backend_for(call.device) == "torch":
         return _run_reference(call)
     result = call.out if call.out is not None else _allocate_out(call)
-    operands = call.operands
+    # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
+    operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in call.operands)
     if call.device.type != "cpu":
         # Host 0-d tensors become host numbers (after promotion, which treats them as
         # tensors): a kernel cannot read host memory.
@@ -441,15 +444,19 @@ _RECIPES: dict = {}
 
 def _call_key(kernel: ElementwiseKernel, operands: tuple, param) -> tuple | None:
     """The signature of an eager ``out=None`` call, or None when it cannot take the fast path."""
-    key = [kernel, type(param)]
+    # id(): the recipe holds the kernel, so the id stays its own while the entry lives
+    # (and a kernel spec need not be hashable).
+    key = [id(kernel), type(param)]
     grad = None
     for v in operands:
         cls = type(v)
-        if cls is torch.Tensor:  # exactly: subclasses (fake, functional) are traced
+        if cls is torch.Tensor or cls is torch.nn.Parameter:  # subclasses (fake, functional) are traced
             if v.requires_grad:
                 grad = torch.is_grad_enabled() if grad is None else grad
                 if grad:
                     return None
+            if v.is_neg():  # a lazily negated view: the full path resolves it
+                return None
             key += (v.dtype, v.device, v.shape, v.stride())
         elif cls is float:
             key += (cls, torch.get_default_dtype())  # an integral tensor + a float promotes to it
@@ -478,8 +485,14 @@ class _Recipe:
     grid: tuple[int, int, int] | None  # None: an empty result
     compiled: _launch.CompiledCache
 
-    def run(self, operands: tuple, param) -> torch.Tensor:
+    def run(self, operands: tuple, param) -> torch.Tensor | None:
+        """Launch on new operands of this signature; None sends the call down the full path."""
         kernel, is_float = self.kernel, self.dtype.is_floating_point
+        for slot in self.slots:
+            # Python ints outside int64 take the full path, which raises as torch does.
+            if slot is not None and slot < 0 and type(operands[~slot]) is int \
+                    and not _INT64_MIN <= operands[~slot] <= _INT64_MAX:
+                return None
         if kernel.param is not None and not is_float:
             _check_param(kernel, param, self.dtype)
         out = torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
@@ -519,7 +532,7 @@ class _Recipe:
 
 def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
     """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.out is not None or backend_for(call.device) == "torch":
+    if call.out is not None or backend_for(call.device) == "torch" or not _launch.enabled():
         return
     slots = []
     for k, v in enumerate(call.operands):

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - a PyTorch without CUDA support
     def _current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
-__all__ = ["CompiledCache", "constexpr_names", "enabled", "int_class", "is_aligned"]
+__all__ = ["CompiledCache", "GridRecorder", "constexpr_names", "enabled", "int_class", "is_aligned"]
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
@@ -72,6 +72,24 @@ def constexpr_names(kernel) -> tuple[str, ...]:
     # when the constexprs come last.
     assert all(flags[first:]), f"{fn.__name__}: compile-time parameters must come last"
     return tuple(name for (name, _), flag in zip(params, flags) if flag)
+
+
+class GridRecorder:
+    """A grid callable that remembers the meta-parameters of the last launch it sized.
+
+    Triton calls a callable grid with the launch's bound arguments, the autotuner's
+    config included, and the final launch of a tuning call is the last one; reading
+    the config here rather than ``Autotuner.best_config`` (one attribute shared by
+    every thread) ties the cached grid to the kernel that was actually launched.
+    """
+
+    def __init__(self, grid_fn):
+        self._grid_fn = grid_fn
+        self.meta: dict | None = None
+
+    def __call__(self, meta):
+        self.meta = dict(meta)
+        return self._grid_fn(meta)
 
 
 def _hooks():

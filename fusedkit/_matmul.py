@@ -16,13 +16,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _launch, activations as act
+from . import _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
 from ._library import tracing
 from .configs import (
-    MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, autotune_enabled,
-    matmul_configs, matmul_m_bucket,
+    COMPILED_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
+    MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
+    matmul_m_bucket, matmul_tma_fixed_tile,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -106,8 +107,10 @@ _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLO
 _matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk"])(_matmul_even_k)
 INTERPRETED = is_interpreted(_matmul_kernel)
 _CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_kernel)
-#: Direct launches of eager matmuls (fusedkit._launch).
+_TMA_CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_tma._matmul_tma_kernel)
+#: Direct launches of eager matmuls (fusedkit._launch), and of the TMA kernel with its tile.
 _LAUNCHES = _launch.CompiledCache()
+_TMA_LAUNCHES: dict = {}
 
 _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -166,7 +169,11 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     def grid(m):
         return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
+    use_tma = matmul_kernel_choice() == "tma" and _matmul_tma.eligible(a, b, out, pre, INTERPRETED)
     if INTERPRETED:
+        if use_tma:
+            _launch_tma(a, b, bias, out, pre, meta, tuned=False)
+            return out
         tile = MATMUL_INTERPRETER_TILE
         _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
         return out
@@ -177,14 +184,24 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     tuned = autotune_enabled()
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
-    key = (tuned, index, a.dtype, *args[5:], *map(_launch.is_aligned, args[:5]), *meta.values())
+    key = (use_tma, tuned, index, a.dtype, *args[5:], *map(_launch.is_aligned, args[:5]), *meta.values())
+    if use_tma:
+        hit = _TMA_LAUNCHES.get(key)
+        if hit is not None:
+            entry, tile = hit
+            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile)
+            _launch.CompiledCache.run(entry, (*descs, *_tma_tail_args(a, b, bias, out)), index)
+        else:
+            _launch_tma(a, b, bias, out, pre, meta, tuned, key)
+        return out
     entry = _LAUNCHES.get(key)
     if entry is not None:
         _launch.CompiledCache.run(entry, args, index)
         return out
     if tuned:
-        compiled = _matmul_tuned[grid](*args, **meta)
-        tile = dict(_matmul_tuned.best_config.kwargs)
+        recorder = _launch.GridRecorder(grid)
+        compiled = _matmul_tuned[recorder](*args, **meta)
+        tile = {name: recorder.meta[name] for name in MATMUL_FIXED_TILE}
     else:
         tile = MATMUL_FIXED_TILE
         compiled = _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
@@ -192,6 +209,31 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
     _LAUNCHES.put(key, compiled, (grid(tile)[0], 1, 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
     return out
+
+
+def _tma_tail_args(a, b, bias, out) -> tuple:
+    """The TMA kernel's runtime arguments after the four descriptors."""
+    return (bias if bias is not None else out, a.shape[0], b.shape[1], a.shape[1], matmul_m_bucket(a.shape[0]),
+            bias.stride(0) if bias is not None else 0)
+
+
+def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
+    """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
+    compiled, tile, grid = _matmul_tma.launch_tma(
+        a, b, bias, meta["ACTIVATION"], out, pre, meta["INPUT_PRECISION"], meta["UPCAST_OPERANDS"],
+        matmul_m_bucket(a.shape[0]),
+        INTERPRETED, tuned, matmul_tma_fixed_tile(a.element_size()), MATMUL_TMA_FIXED_OPTIONS)
+    if key is None:
+        return
+    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
+    values = {**meta, **tile, "B_KMAJOR": b_kmajor, "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
+    cache = _launch.CompiledCache()
+    cache.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES))
+    entry = cache.get(key)
+    if entry is not None:
+        if len(_TMA_LAUNCHES) >= COMPILED_CACHE_SIZE:
+            _TMA_LAUNCHES.clear()
+        _TMA_LAUNCHES[key] = (entry, tile)
 
 
 def _torch_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:

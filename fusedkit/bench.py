@@ -14,9 +14,11 @@ nothing about a GPU, and the report says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -187,6 +189,23 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+@contextlib.contextmanager
+def _matmul_kernel(choice: str | None):
+    """Run the block with FUSEDKIT_MATMUL_KERNEL=choice (None: leave it as it is)."""
+    if choice is None:
+        yield
+        return
+    previous = os.environ.get("FUSEDKIT_MATMUL_KERNEL")
+    os.environ["FUSEDKIT_MATMUL_KERNEL"] = choice
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["FUSEDKIT_MATMUL_KERNEL"]
+        else:
+            os.environ["FUSEDKIT_MATMUL_KERNEL"] = previous
+
+
 def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict]:
     """relu(a @ b + bias): fusedkit against cuBLASLt's fused epilogue, eager addmm + relu, and a bare matmul."""
     from ._matmul import matmul_relu
@@ -200,14 +219,17 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
             bias = torch.randn(n, device=device, dtype=dt)
             flops = 2 * m * n * k
             cases = {
-                "fusedkit": lambda: matmul_relu(a, b, bias),
+                "fusedkit": lambda: matmul_relu(a, b, bias),  # the kernel FUSEDKIT_MATMUL_KERNEL picks
+                "fusedkit_pointer": lambda: matmul_relu(a, b, bias),
+                "fusedkit_tma": lambda: matmul_relu(a, b, bias),
                 "cublaslt_epilogue": lambda: torch._addmm_activation(bias, a, b),
                 "addmm_relu": lambda: torch.relu(torch.addmm(bias, a, b)),
                 "matmul_bare": lambda: torch.matmul(a, b),
             }
             row = {"m": m, "n": n, "k": k, "dtype": str(dt).removeprefix("torch.")}
             for name, fn in cases.items():
-                us = timer(fn)
+                with _matmul_kernel(name.removeprefix("fusedkit_") if name.startswith("fusedkit_") else None):
+                    us = timer(fn)
                 row[f"{name}_us"] = us
                 row[f"{name}_tflops"] = flops / us / 1e6
             rows.append(row)
@@ -219,13 +241,15 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
 
 
 def format_matmul_table(rows: list[dict]) -> str:
-    head = (f"{'M':>6} {'N':>6} {'K':>6} {'dtype':<9} {'fusedkit':>9} {'cuBLASLt':>9} {'addmm+relu':>10} "
-            f"{'bare mm':>8}  {'x LtEpi':>7} {'x addmm':>7} {'x bare':>7}   (TFLOP/s; x = peer time / fusedkit time)")
+    head = (f"{'M':>6} {'N':>6} {'K':>6} {'dtype':<9} {'fusedkit':>9} {'pointer':>8} {'TMA':>8} {'cuBLASLt':>9} "
+            f"{'addmm+relu':>10} {'bare mm':>8}  {'x LtEpi':>7} {'x addmm':>7} {'x bare':>7}   "
+            f"(TFLOP/s; x = peer time / fusedkit time)")
     lines = [head, "-" * len(head)]
     for r in rows:
         f = r["fusedkit_us"]
         lines.append(
             f"{r['m']:>6} {r['n']:>6} {r['k']:>6} {r['dtype']:<9} {r['fusedkit_tflops']:>9.1f} "
+            f"{r['fusedkit_pointer_tflops']:>8.1f} {r['fusedkit_tma_tflops']:>8.1f} "
             f"{r['cublaslt_epilogue_tflops']:>9.1f} {r['addmm_relu_tflops']:>10.1f} {r['matmul_bare_tflops']:>8.1f}  "
             f"{r['cublaslt_epilogue_us'] / f:>7.2f} {r['addmm_relu_us'] / f:>7.2f} {r['matmul_bare_us'] / f:>7.2f}")
     return "\n".join(lines)

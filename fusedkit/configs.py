@@ -108,3 +108,63 @@ COMPILED_CACHE_SIZE = 1024
 #: Validated call signatures (kernel, dtypes, shapes, strides, devices) whose
 #: launch is prepared; the same size bound and clearing rule.
 CALL_CACHE_SIZE = 4096
+
+
+# --- Matmul: the TMA persistent kernel (fusedkit._matmul_tma) -------------------------
+
+#: Which matmul kernel runs where both could: "pointer" (the tiled kernel with
+#: per-thread loads), "tma" (persistent, tensor-descriptor loads; Hopper, aligned
+#: operands) or "auto". Set with FUSEDKIT_MATMUL_KERNEL.
+MATMUL_KERNELS = ("auto", "pointer", "tma")
+#: What "auto" picks until the H200 comparison decides it.
+MATMUL_AUTO_KERNEL = "pointer"
+
+
+def matmul_kernel_choice() -> str:
+    """``FUSEDKIT_MATMUL_KERNEL`` resolved to "pointer" or "tma" (the TMA kernel still
+    needs eligible operands)."""
+    import os
+
+    choice = os.environ.get("FUSEDKIT_MATMUL_KERNEL", "auto")
+    if choice not in MATMUL_KERNELS:
+        raise ValueError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
+    return MATMUL_AUTO_KERNEL if choice == "auto" else choice
+
+
+def matmul_tma_configs(pre_hook=None):
+    """Autotune candidates of the TMA kernel on Hopper: 128-row tiles, 64-wide K
+    steps (128 bytes of bf16: one TMA swizzle span), 3-4 stages; SUBTILE halves the
+    epilogue's shared memory so a deeper pipeline fits."""
+    from triton import Config
+
+    def cfg(bm, bn, bk, stages, warps, subtile):
+        return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, SUBTILE=subtile),
+                      num_stages=stages, num_warps=warps, pre_hook=pre_hook)
+
+    return [
+        cfg(128, 256, 64, 3, 8, True),
+        cfg(128, 256, 64, 4, 8, True),
+        cfg(128, 128, 64, 4, 8, False),
+        cfg(128, 128, 64, 4, 4, True),
+        cfg(128, 256, 64, 3, 8, False),
+        cfg(64, 128, 64, 4, 4, False),
+        cfg(64, 256, 64, 4, 4, True),
+        cfg(128, 64, 64, 4, 4, False),
+        # 32-wide K steps: 128 bytes of fp32, so fp32 (TF32) operands fit too
+        cfg(128, 128, 32, 3, 8, True),
+        cfg(64, 128, 32, 4, 4, False),
+    ]
+
+
+#: K step of the fixed TMA config, in bytes: one 128-byte swizzle span per row.
+TMA_K_BYTES = 128
+
+
+def matmul_tma_fixed_tile(element_size: int) -> dict:
+    """Fixed config of the TMA kernel (FUSEDKIT_AUTOTUNE=0) for operands of ``element_size`` bytes."""
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=TMA_K_BYTES // element_size, GROUP_M=MATMUL_GROUP_M,
+                SUBTILE=element_size > 2)
+
+
+MATMUL_TMA_FIXED_OPTIONS = dict(num_warps=8, num_stages=3)
+MATMUL_TMA_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SUBTILE=True)

@@ -41,7 +41,7 @@ for s in $stages; do case $s in
            --csv "$W/bench.csv" --plots "$W/plots" ;;
   ncu) step ncu 180 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
          --sizes 26 --no-compile --json "$W/ncu.json" ;;
-  matmul) step matmul 240 python3 -m fusedkit bench --matmul --dtypes bf16,fp16 \
+  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes bf16,fp16 \
             --json "$W/matmul.json" --plots "$W/plots" ;;
   backward) step backward 150 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"

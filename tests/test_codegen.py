@@ -131,3 +131,46 @@ print(json.dumps(r))
 def test_cpu_without_interpreter_runs_the_pytorch_reference():
     r = run_fresh(FALLBACK)
     assert r == {"backend": "torch", "add_relu": True, "add": True, "error": True}
+
+
+TMA_CODEGEN = """
+import json, torch
+from fusedkit._codegen import compile_matmul_tma
+from fusedkit.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_configs, matmul_tma_fixed_tile
+
+def facts(dtype, tile, warps, stages, **kw):
+    c = compile_matmul_tma(dtype, tile, warps, stages, **kw)
+    ptx = c.asm["ptx"]
+    return {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx, "smem": c.metadata.shared}
+
+r = {"fixed": {}, "configs": []}
+w, s = MATMUL_TMA_FIXED_OPTIONS["num_warps"], MATMUL_TMA_FIXED_OPTIONS["num_stages"]
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for kmajor in (True, False):
+        tile = matmul_tma_fixed_tile(dtype.itemsize)
+        r["fixed"][f"{dtype}:{kmajor}"] = facts(dtype, tile, w, s, b_kmajor=kmajor,
+                                                activation="gelu", store_pre=True)
+for cfg in matmul_tma_configs():
+    r["configs"].append(facts(torch.bfloat16, cfg.kwargs, cfg.num_warps, cfg.num_stages))
+    if cfg.kwargs["BLOCK_K"] * 4 <= 128:
+        r["configs"].append(facts(torch.float32, cfg.kwargs, cfg.num_warps, cfg.num_stages))
+print(json.dumps(r))
+"""
+#: Hopper's shared memory per block (sm_90: 227 KiB).
+HOPPER_SMEM_BYTES = 232448
+
+
+@pytest.fixture(scope="module")
+def tma_codegen():
+    return run_fresh(TMA_CODEGEN)
+
+
+def test_tma_matmul_compiles_to_bulk_copies_and_wgmma(tma_codegen):
+    for case, f in tma_codegen["fixed"].items():
+        assert f["wgmma"] and f["tma"], case
+        assert f["smem"] <= HOPPER_SMEM_BYTES, case
+
+
+def test_tma_autotune_configs_fit_hopper_shared_memory(tma_codegen):
+    for f in tma_codegen["configs"]:
+        assert f["wgmma"] and f["tma"] and f["smem"] <= HOPPER_SMEM_BYTES, f

@@ -87,6 +87,50 @@ def test_grad_calls_do_not_take_the_recipe():
     torch.testing.assert_close(x.grad, ((x + y) > 0).float())
 
 
+def test_kernel_specs_need_not_be_hashable():
+    from fusedkit import activations, registry
+
+    spec = registry.ElementwiseKernel(name="test_listy_add", math=activations.add_math,
+                                      reference=lambda x, y: x + y, arg_names=["x", "y"],
+                                      dtypes=[torch.float32], unfused=["torch.add"])
+    registry.register(spec)
+    try:
+        x, y = rand((9,), torch.float32, DEVICE), rand((9,), torch.float32, DEVICE)
+        for _ in range(2):
+            torch.testing.assert_close(fusedkit.elementwise("test_listy_add", x, y), x + y)
+    finally:
+        registry.unregister("test_listy_add")
+
+
+def test_negated_views_are_read_as_negated():
+    z = torch.randn(64, dtype=torch.complex64, device=DEVICE)
+    neg = z.conj().imag
+    assert neg.is_neg()
+    plain = rand((64,), torch.float32, DEVICE)
+    y = rand((64,), torch.float32, DEVICE)
+    for x in (plain, neg, plain, neg):  # same signature but for the neg bit
+        torch.testing.assert_close(fusedkit.add(x, y), torch.add(x, y))
+
+
+def test_out_of_range_int_scalar_after_a_cached_call():
+    x = rand((8,), torch.float32, DEVICE)
+    torch.testing.assert_close(fusedkit.add(x, 3), x + 3)
+    for huge in (2**64, -2**63 - 1):
+        with pytest.raises(OverflowError):
+            torch.add(x, huge)
+        with pytest.raises(OverflowError):
+            fusedkit.add(x, huge)
+
+
+def test_parameters_take_the_fast_path_without_grad():
+    p = torch.nn.Parameter(rand((16,), torch.float32, DEVICE))
+    x = rand((4, 16), torch.float32, DEVICE)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fusedkit.add_relu(x, p), torch.relu(x + p))
+    assert len(ew._RECIPES) == 1
+
+
 def test_empty_results_repeat():
     x = torch.empty((0, 5), device=DEVICE)
     for _ in range(2):

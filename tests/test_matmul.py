@@ -22,6 +22,13 @@ pytestmark = pytest.mark.usefixtures("fixed_matmul_config")
 def fixed_matmul_config(monkeypatch, request):
     monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "1" if "autotuned" in request.node.name else "0")
 
+
+@pytest.fixture(autouse=True, params=["pointer", "tma"])
+def matmul_kernel(monkeypatch, request):
+    """Every test runs both kernels (the TMA one where the operands allow it)."""
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", request.param)
+    return request.param
+
 ACTS = [None, *ACTIVATION_NAMES]
 DT_IDS = [str(d).removeprefix("torch.") for d in MATMUL_DTYPES]
 
@@ -180,3 +187,34 @@ def test_autotuned_path():
 def test_large_shapes_on_gpu(dtype):
     a, b, bias = mk(512, 4096, dtype=dtype), mk(4096, 1024, dtype=dtype), mk(1024, dtype=dtype)
     assert_rel_err(fusedkit.matmul_relu(a, b, bias), ref64(a, b, bias, "relu"), matmul_rel_err(dtype))
+
+
+def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
+    from fusedkit import _matmul_tma
+
+    if matmul_kernel != "tma" or (DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9):
+        pytest.skip("checks the TMA kernel's dispatch (needs FUSEDKIT_MATMUL_KERNEL=tma and Hopper or the interpreter)")
+    calls = []
+    real = _matmul_tma.launch_tma
+    monkeypatch.setattr(_matmul_tma, "launch_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mm._TMA_LAUNCHES.clear()
+    x, w = mk(40, 64, dtype=torch.float16), mk(48, 64, dtype=torch.float16)
+    assert_rel_err(fusedkit.linear_relu(x, w), ref64(x, w.t(), None, "relu"), matmul_rel_err(torch.float16))
+    assert len(calls) == 1
+    odd = mk(40, 33, dtype=torch.float16)  # 66-byte rows: TMA cannot address them
+    fusedkit.matmul(odd, mk(33, 48, dtype=torch.float16))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
+def test_backward_through_either_kernel(activation):
+    x = mk(24, 64).requires_grad_()
+    w = mk(32, 64).requires_grad_()
+    bias = mk(32).requires_grad_()
+    out = fusedkit.matmul(x, w.t(), bias, activation)
+    g = mk(24, 32)
+    out.backward(g)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    matmul_reference(xr, wr.t(), br, activation).backward(g.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (bias.grad, br.grad)):
+        assert_rel_err(got, want, matmul_rel_err(torch.float32))

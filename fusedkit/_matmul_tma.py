@@ -1,0 +1,190 @@
+"""The Hopper matmul: persistent programs fed by the tensor-memory accelerator.
+
+A second data-movement algorithm for the same ``act(a @ b + bias)`` as
+``_matmul._matmul_kernel`` (whose epilogue it shares):
+- operands arrive through TMA tensor descriptors (``triton.tools.tensor_descriptor``):
+  one bulk copy per tile instead of per-thread address arithmetic, with
+  out-of-range rows, columns and the K tail zero-filled by the hardware, so the
+  loop carries no masks;
+- ``NUM_SMS`` persistent programs walk the output tiles in grouped order, so the
+  next tile's loads overlap this tile's epilogue;
+- ``b`` is read in the layout it has: (K, N) row-major, or an ``nn.Linear``
+  weight (N, K) row-major through ``b = weight.t()`` (``B_KMAJOR``), transposed
+  in shared memory for the tensor cores, never copied.
+
+TMA needs 16-byte-aligned bases and row strides and unit inner strides;
+:func:`eligible` checks them and the caller falls back to the pointer kernel.
+Layers: ``_matmul_tma_kernel``; ``eligible`` and ``launch_tma`` (the launcher);
+the public functions live in ``_matmul``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import _launch, activations as act
+from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
+
+__all__ = ["eligible", "launch_tma", "TMA_DTYPES"]
+
+#: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
+TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TMA_ALIGN_BYTES = 16
+
+
+@triton.jit
+def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Output tile id -> (tile row, tile col), GROUP_M tile rows per band for L2 reuse."""
+    per_group = GROUP_M * num_pid_n
+    group = tile_id // per_group
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((tile_id % per_group) % size_m)
+    pid_n = (tile_id % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _store_tile(desc, acc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr):
+    """Store a (BLOCK_M, BLOCK_N) tile; SUBTILE stores it as two halves (less shared memory)."""
+    dtype = desc.dtype
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        desc.store([off_m, off_n], left.to(dtype))
+        desc.store([off_m, off_n + BLOCK_N // 2], right.to(dtype))
+    else:
+        desc.store([off_m, off_n], acc.to(dtype))
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_desc, pre_desc, bias_ptr,
+    M, N, K, M_BUCKET, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, B_KMAJOR: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if UPCAST_OPERANDS:  # the interpreter's bf16 dot (see _matmul.launch_config)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # Epilogue on the accumulator, as in the pointer kernel.
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            acc = acc + bias[None, :].to(tl.float32)
+        if STORE_PRE:
+            _store_tile(pre_desc, acc, off_m, off_n, BLOCK_N, SUBTILE)
+        acc = act.apply_activation(acc, ACTIVATION)
+        _store_tile(c_desc, acc, off_m, off_n, BLOCK_N, SUBTILE)
+
+
+def _aligned_2d(t: torch.Tensor) -> bool:
+    """A (rows, cols) view TMA can address: unit inner stride, 16-byte base and row stride."""
+    size = t.element_size()
+    return (t.stride(1) == 1 and t.data_ptr() % TMA_ALIGN_BYTES == 0
+            and (t.stride(0) * size) % TMA_ALIGN_BYTES == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
+             interpreted: bool) -> bool:
+    """Whether the TMA kernel can run ``out = act(a @ b + bias)`` on these exact tensors."""
+    if a.dtype not in TMA_DTYPES:
+        return False
+    if not interpreted and (a.device.type != "cuda" or not _has_tma(a.device.index)):
+        return False
+    b_view = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
+    return all(_aligned_2d(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def descriptors(a, b, out, pre, tile: dict):
+    """TMA descriptors of one launch for ``tile`` (block shapes follow the tile)."""
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    store_n = bn // 2 if tile["SUBTILE"] else bn
+    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
+    if b_kmajor:
+        w = b.t()  # (N, K) row-major: the nn.Linear weight itself
+        b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
+    else:
+        b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()), [bk, bn])
+    c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, store_n])
+    p = pre if pre is not None else out
+    pre_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [bm, store_n])
+    return (a_desc, b_desc, c_desc, pre_desc), b_kmajor
+
+
+def _set_block_shapes(nargs):
+    """Autotune pre-hook: give the descriptors the block shapes of the config being run."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    store_n = bn // 2 if nargs["SUBTILE"] else bn
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_KMAJOR"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, store_n]
+    nargs["pre_desc"].block_shape = [bm, store_n]
+
+
+_matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
+                                    key=["M_BUCKET", "N", "K", "B_KMAJOR"])(_matmul_tma_kernel)
+
+
+def grid_for(M: int, N: int, tile: dict, sms: int) -> int:
+    return min(sms, triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"]))
+
+
+def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcast: bool, m_bucket: int,
+               interpreted: bool, tuned: bool, fixed_tile: dict, fixed_options: dict):
+    """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid)."""
+    M, K = a.shape
+    N = b.shape[1]
+    sms = 4 if interpreted else num_sms(a.device.index)
+    bias_arg = bias if bias is not None else out
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, STORE_PRE=pre is not None,
+                INPUT_PRECISION=precision, UPCAST_OPERANDS=upcast, NUM_SMS=sms)
+    if tuned and not interpreted:
+        descs, b_kmajor = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
+        args = (*descs, bias_arg, M, N, K, m_bucket, bias.stride(0) if bias is not None else 0)
+        recorder = _launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
+        compiled = _matmul_tma_tuned[recorder](*args, **meta, B_KMAJOR=b_kmajor)
+        tile = {name: recorder.meta[name] for name in fixed_tile}
+        return compiled, tile, grid_for(M, N, tile, sms)
+    tile = MATMUL_TMA_INTERPRETER_TILE if interpreted else fixed_tile
+    descs, b_kmajor = descriptors(a, b, out, pre, tile)
+    args = (*descs, bias_arg, M, N, K, m_bucket, bias.stride(0) if bias is not None else 0)
+    grid = grid_for(M, N, tile, sms)
+    options = {} if interpreted else fixed_options
+    compiled = _matmul_tma_kernel[(grid,)](*args, **meta, B_KMAJOR=b_kmajor, **tile, **options)
+    return compiled, tile, grid
