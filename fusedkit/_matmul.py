@@ -23,7 +23,7 @@ from ._library import tracing
 from .configs import (
     COMPILED_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
-    matmul_m_bucket, matmul_tma_fixed_tile,
+    matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -104,7 +104,8 @@ def _matmul_kernel(
 
 
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
-_matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk"])(_matmul_even_k)
+_matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk"],
+                                prune_configs_by={"early_config_prune": prune_matmul_configs})(_matmul_even_k)
 INTERPRETED = is_interpreted(_matmul_kernel)
 _CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_kernel)
 _TMA_CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_tma._matmul_tma_kernel)

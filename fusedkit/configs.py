@@ -77,7 +77,27 @@ def matmul_configs():
         cfg(64, 128, 128, 3, 4),
         cfg(64, 64, 128, 4, 4),
         cfg(64, 64, 32, 2, 4),
+        # Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow
+        # N tiles spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs)
+        # and long K steps keep each program's loads in flight.
+        cfg(16, 32, 256, 4, 4),
+        cfg(16, 64, 256, 4, 4),
+        cfg(32, 64, 128, 4, 4),
+        cfg(16, 128, 128, 4, 4),
     ]
+
+
+#: M buckets at or below this tune over the decode-sized tiles (BLOCK_M <= 32);
+#: larger M over the others, so neither pays for compiling the rest.
+SMALL_M_BUCKET = 64
+SMALL_M_MAX_BLOCK_M = 32
+
+
+def prune_matmul_configs(configs, named_args, **kwargs):
+    """Autotune pre-filter: decode-sized tiles for small M, the rest otherwise."""
+    small = named_args["M_BUCKET"] <= SMALL_M_BUCKET
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= SMALL_M_MAX_BLOCK_M) == small]
+    return kept or configs
 
 
 #: A tile that fits shared memory for every dtype, fp64 included: the config used
