@@ -8,12 +8,23 @@ import triton
 
 import fusedkit
 from fusedkit import bench
+from fusedkit.bench_peers import supports_tutorial, tutorial
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 SIZES = (2**16, 2**20, 2**24, 2**28) if ON_GPU else (2**10,)
 DTYPES = (torch.float32, torch.bfloat16)
 KERNELS = list(fusedkit.registry.kernels())
+
+
+_ROOFS: dict = {}
+
+
+def copy_roof(dtype) -> float:
+    """The copy bandwidth of this GPU (bytes read + written), measured once per dtype in this run."""
+    if dtype not in _ROOFS:
+        _ROOFS[dtype] = bench.copy_roof_gbps(dtype, DEVICE, max(SIZES))
+    return _ROOFS[dtype]
 
 
 def _timed(fn):
@@ -42,18 +53,31 @@ def _record(benchmark, spec, ops, which):
 @pytest.mark.parametrize("layout", bench.LAYOUTS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("which", ["fused", "unfused", "torch_add"])
+@pytest.mark.parametrize("which", ["fused", "unfused", "compiled", "tutorial", "torch_add"])
 @pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
 def test_elementwise(benchmark, spec, which, dtype, n, layout):
     ops = bench._operands(spec, layout, n, dtype, DEVICE)
     args = ops + ((spec.param_default,) if spec.param else ())
-    fn = {"fused": lambda: fusedkit.elementwise(spec, *ops),
-          "unfused": lambda: spec.reference(*args),
-          "torch_add": lambda: torch.add(ops[0], ops[-1])}[which]
+    if which == "compiled":
+        if not ON_GPU:
+            pytest.skip("torch.compile of the composition is a GPU peer")
+        compiled = bench._compiled(spec.reference)
+        fn = lambda: compiled(*args)  # noqa: E731
+    elif which == "tutorial":
+        if not supports_tutorial(spec, dtype):
+            pytest.skip(f"the tutorial-style peer takes binary float kernels with a parameter, not {spec.name}")
+        # copies a broadcast or transposed operand first: the hidden copy it needs
+        fn = lambda: tutorial(spec, ops[0], ops[1], spec.param_default)  # noqa: E731
+    else:
+        fn = {"fused": lambda: fusedkit.elementwise(spec, *ops),
+              "unfused": lambda: spec.reference(*args),
+              "torch_add": lambda: torch.add(ops[0], ops[-1])}[which]
     _record(benchmark, spec, ops, which)
     if ON_GPU:
         us = 1e3 * triton.testing.do_bench(fn, return_mode="median")
-        benchmark.extra_info["do_bench_median_us"] = us
-        benchmark.extra_info["gbps"] = benchmark.extra_info["bytes_read"] / us / 1e3 + \
-            benchmark.extra_info["bytes_written"] / us / 1e3
+        info = benchmark.extra_info
+        info["do_bench_median_us"] = us
+        info["gbps"] = (info["bytes_read"] + info["bytes_written"]) / us / 1e3
+        info["copy_roof_gbps"] = copy_roof(dtype)
+        info["roof_share"] = info["gbps"] / info["copy_roof_gbps"]
     benchmark.pedantic(_timed(fn), rounds=20 if ON_GPU else 3, warmup_rounds=3 if ON_GPU else 1)

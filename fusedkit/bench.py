@@ -30,6 +30,7 @@ import triton
 
 from . import _elementwise, registry
 from ._elementwise import backend_for, elementwise
+from .bench_peers import supports_tutorial, tutorial
 
 LAYOUTS = ("contiguous", "bias", "transposed")
 #: Columns of a ``bias`` layout: a typical hidden size.
@@ -55,6 +56,7 @@ class Row:
     unfused_us: float
     torch_add_us: float
     compiled_us: float | None = None
+    tutorial_us: float | None = None  # tutorial-style kernel, inputs made contiguous first
     roof_gbps: float | None = None
     fits_l2: bool | None = None
     extra: dict = field(default_factory=dict)
@@ -159,6 +161,8 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                     if use_compile:
                         compiled = _compiled(spec.reference)
                         row.compiled_us = timer(lambda: compiled(*args))
+                    if supports_tutorial(spec, dt):
+                        row.tutorial_us = timer(lambda: tutorial(spec, ops[0], ops[1], spec.param_default))
                     if l2 is not None:
                         row.fits_l2 = row.bytes_fused <= l2
                     rows.append(row)
@@ -256,22 +260,25 @@ def format_matmul_table(rows: list[dict]) -> str:
 
 
 def _fmt(v, spec="8.1f"):
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    width = int(spec.split(".")[0] or 0)
+    return "-".rjust(width) if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
 def format_table(rows: list[Row]) -> str:
     head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
-            f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'add us':>9} {'GB/s':>7} {'roof':>5} "
-            f"{'x unfus':>7} {'x compl':>7}")
+            f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'tutor us':>9} {'add us':>9} {'GB/s':>7} "
+            f"{'roof':>5} {'x unfus':>7} {'x compl':>7} {'x tutor':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         share = f"{100 * r.fused_gbps / r.roof_gbps:4.0f}%" if r.roof_gbps else "  -"
         vs_compiled = r.compiled_us / r.fused_us if r.compiled_us else None
+        vs_tutorial = r.tutorial_us / r.fused_us if r.tutorial_us else None
         lines.append(
             f"{r.kernel:<9} {r.layout:<10} {r.dtype:<8} {r.n:>10} {r.bytes_fused / 1e6:>9.2f} "
             f"{r.bytes_unfused / 1e6:>9.2f} {_fmt(r.fused_us, '9.1f')} {_fmt(r.unfused_us, '9.1f')} "
-            f"{_fmt(r.compiled_us, '9.1f')} {_fmt(r.torch_add_us, '9.1f')} {r.fused_gbps:>7.0f} {share:>5} "
-            f"{r.unfused_us / r.fused_us:>7.2f} {_fmt(vs_compiled, '7.2f')}")
+            f"{_fmt(r.compiled_us, '9.1f')} {_fmt(r.tutorial_us, '9.1f')} {_fmt(r.torch_add_us, '9.1f')} "
+            f"{r.fused_gbps:>7.0f} {share:>5} {r.unfused_us / r.fused_us:>7.2f} {_fmt(vs_compiled, '7.2f')} "
+            f"{_fmt(vs_tutorial, '7.2f')}")
     return "\n".join(lines)
 
 
@@ -420,7 +427,8 @@ def main(argv=None) -> int:
     rows = run(kernels, dtypes, sizes, layouts, device, use_compile, bias_cols=args.bias_cols)
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
-          "bandwidth measured now. x unfus / x compl: time of the peer / time of fusedkit.")
+          "bandwidth measured now. tutor: a tutorial-style Triton kernel, non-contiguous inputs copied "
+          "first. x unfus / x compl / x tutor: time of the peer / time of fusedkit.")
     print(format_table(rows))
     traffic = None
     if args.ncu:

@@ -5,7 +5,7 @@
 # files), so a call that runs out of time still returns what finished; the test
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and sanitize, not in the default set)
+#   (and sanitize, pybench: not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES and PYTEST_ARGS pass through)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -47,6 +47,8 @@ for s in $stages; do case $s in
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
+  pybench) step pybench ${PYBENCH_SECS:-500} python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
+             --benchmark-json "$W/pybench.json" ${PYBENCH_ARGS:-} ;;
   *) echo "unknown stage $s"; rc=1 ;;
 esac; done
 tar czf "$OUT/gpu_run.tgz" -C "$W" .

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,17 @@ def test_backward_report_runs(tmp_path):
     assert row["n"] == 4096 and row["bytes_backward"] == 3 * 4096 * 4
     # add_relu keeps only its output (x and y are not saved), as eager relu does
     assert row["fusedkit_saved_bytes"] == 4096 * 4 == row["eager_saved_bytes"]
+
+
+def test_benchmark_suite_runs_on_the_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the suite is timed for real: scripts/gpu_run.sh pybench runs it")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--benchmark-only", "-q",
+                           "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
 
 
 def test_unknown_command():
