@@ -81,7 +81,8 @@ def test_backward_report_runs(tmp_path):
 def test_benchmark_suite_runs_on_the_cpu():
     if torch.cuda.is_available():
         pytest.skip("on a GPU the suite is timed for real: scripts/gpu_run.sh pybench runs it")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # a fresh session: not an xdist worker of this one (pytest-benchmark disables itself there)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_")}
     proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--benchmark-only", "-q",
                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
