@@ -61,3 +61,36 @@ def test_launches_on_the_inputs_device():
     torch.testing.assert_close(out, torch.relu(x + x))
     with pytest.raises(fusedkit.DeviceError):
         fusedkit.add(x, rand((1000,), torch.float32, torch.device("cuda:0")))
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_matmul_allocates_only_its_output_and_reruns_bit_identical(kernel, monkeypatch):
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
+    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")  # one fixed config: a deterministic kernel
+    x, w, b = (rand(s, torch.bfloat16, DEV) for s in ((300, 512), (384, 512), (384,)))
+    first = fusedkit.linear_relu(x, w, b)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fusedkit.linear_relu(x, w, b)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before == out.numel() * out.element_size()
+    for _ in range(3):
+        assert torch.equal(fusedkit.linear_relu(x, w, b), first)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_matmul_output_past_2_pow_31_elements(kernel, monkeypatch):
+    """(2**16 + 3) x (2**15 + 8) bf16 outputs: 2.15e9 elements, 64-bit offsets; head and tail checked."""
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
+    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    m, n, k = 2**16 + 3, 2**15 + 8, 16
+    a, b, bias = (rand(s, torch.bfloat16, DEV) for s in ((m, k), (k, n), (n,)))
+    out = fusedkit.matmul_relu(a, b, bias)
+    assert out.numel() > 2**31
+    for rows, cols in ((slice(0, 64), slice(0, 64)), (slice(m - 64, m), slice(n - 64, n)),
+                       (slice(m // 2, m // 2 + 64), slice(n - 100, n))):
+        ref = torch.relu(a[rows].double() @ b[:, cols].double() + bias[cols].double())
+        torch.testing.assert_close(out[rows, cols].double(), ref, atol=0.05, rtol=0.02)
+    del out
+    torch.cuda.empty_cache()
