@@ -53,14 +53,27 @@ def test_reruns_are_bit_identical():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_launches_on_the_inputs_device():
-    x = rand((1000,), torch.float32, torch.device("cuda:1"))
-    with torch.cuda.device(0):
-        out = fusedkit.add_relu(x, x)
-    assert out.device == x.device
-    torch.testing.assert_close(out, torch.relu(x + x))
+def test_every_op_launches_on_the_inputs_device():
+    dev1 = torch.device("cuda:1")
+    x, y = rand((1000,), torch.float32, dev1), rand((1000,), torch.float32, dev1)
+    a, w, b = (rand(s, torch.bfloat16, dev1) for s in ((64, 128), (96, 128), (96,)))
+    cases = {
+        "add": (lambda: fusedkit.add(x, y, alpha=2), lambda: torch.add(x, y, alpha=2)),
+        "add_relu": (lambda: fusedkit.add_relu(x, y), lambda: torch.relu(x + y)),
+        "matmul": (lambda: fusedkit.matmul(a, w.t(), b, "gelu"),
+                   lambda: torch.nn.functional.gelu(torch.addmm(b, a, w.t()))),
+        "linear_relu": (lambda: fusedkit.linear_relu(a, w, b), lambda: torch.relu(torch.addmm(b, a, w.t()))),
+    }
+    for name, (op, ref) in cases.items():
+        for _ in range(2):  # the full path, then the cached fast path
+            with torch.cuda.device(0):
+                out = op()
+            assert out.device == dev1, name
+            torch.testing.assert_close(out.float(), ref().float(), atol=0.05, rtol=0.02, msg=name)
     with pytest.raises(fusedkit.DeviceError):
         fusedkit.add(x, rand((1000,), torch.float32, torch.device("cuda:0")))
+    with pytest.raises(fusedkit.DeviceError):
+        fusedkit.linear_relu(a, w.to("cuda:0"), b)
 
 
 @pytest.mark.parametrize("kernel", ["pointer", "tma"])
