@@ -4,6 +4,7 @@ scalars, alpha and ``out=`` for every registered binary kernel. Bounded in CI;
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -31,7 +32,7 @@ def operand(draw, shape, dtype):
     numel = 1
     for n in base_shape:
         numel *= n
-    flat = _rand(numel + offset, dtype)
+    flat = _rand(numel + offset, dtype, specials=draw(st.booleans()) and draw(st.booleans()))
     t = flat[offset:].view(base_shape) if base_shape else flat[offset:offset + 1].view(())
     t = t[tuple(slice(None, None, s) for s in steps)] if steps else t
     if t.dim() >= 2 and draw(st.booleans()):
@@ -40,16 +41,24 @@ def operand(draw, shape, dtype):
     return t
 
 
-def _rand(n, dtype):
+#: Values that must survive: NaN, both infinities and a negative zero.
+SPECIALS = (float("nan"), float("inf"), float("-inf"), -0.0)
+
+
+def _rand(n, dtype, specials: bool = False):
     if dtype.is_floating_point:
-        return (torch.randn(n, device=DEVICE) * 3).to(dtype)
+        t = (torch.randn(n, device=DEVICE) * 3).to(dtype)
+        if specials and n:
+            idx = torch.randint(0, n, (min(n, 4),), device=DEVICE)
+            t[idx] = torch.tensor(SPECIALS[:len(idx)], device=DEVICE, dtype=dtype)
+        return t
     return torch.randint(1, 40, (n,), device=DEVICE, dtype=dtype)
 
 
 @st.composite
 def case(draw):
     kernel = draw(st.sampled_from(BINARY))
-    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=5)))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=6)))
     dx, dy = draw(st.sampled_from(kernel.dtypes)), draw(st.sampled_from(kernel.dtypes))
     x = draw(operand(shape, dx))
     y = draw(operand(shape, dy))
@@ -60,7 +69,7 @@ def case(draw):
         y = draw(st.sampled_from([2, -3, 1.5, -0.25]))
     dtype = torch.result_type(x, y)
     alpha = draw(st.sampled_from([1, 2, -1] + ([0.5, -1.25] if dtype.is_floating_point else [])))
-    use_out = draw(st.sampled_from(["none", "fresh", "transposed"]))
+    use_out = draw(st.sampled_from(["none", "none", "fresh", "transposed", "inplace"]))
     return kernel, x, y, alpha, use_out
 
 
@@ -76,13 +85,40 @@ def test_matches_torch(args):
         out = poisoned(expected.shape, dtype, DEVICE)
     elif use_out == "transposed" and expected.dim() >= 2:
         out = poisoned(expected.shape[::-1], dtype, DEVICE).permute(*reversed(range(expected.dim())))
-    result = fusedkit.elementwise(kernel, x, y, alpha=alpha, out=out)
+    elif use_out == "inplace" and isinstance(x, torch.Tensor) and x.shape == expected.shape \
+            and x.dtype == dtype and not _self_overlapping(x):
+        out = x  # in place, as a residual join does
+    if out is None:
+        first = fusedkit.elementwise(kernel, x, y, alpha=alpha)
+        result = fusedkit.elementwise(kernel, x, y, alpha=alpha)  # the same signature again: the fast path
+        assert_matches_reference(first, expected, dtype)
+    else:
+        result = fusedkit.elementwise(kernel, x, y, alpha=alpha, out=out)
+        assert result is out
     assert result.shape == expected.shape and result.dtype == dtype
     assert_matches_reference(result, expected, dtype)
-    if out is not None:
-        assert result is out
 
 
+def _self_overlapping(t: torch.Tensor) -> bool:
+    from fusedkit._layout import may_self_overlap
+
+    return may_self_overlap(t.shape, t.stride())
+
+
+
+
+@contextlib.contextmanager
+def _env(**values):
+    previous = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 MATMUL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -96,7 +132,9 @@ def matmul_case(draw):
     a = _rand(m * k * 2, dtype).view(m, 2 * k)[:, ::2] if draw(st.booleans()) else _rand(m * k, dtype).view(m, k)
     b = _rand(n * k, dtype).view(n, k).t() if draw(st.booleans()) else _rand(k * n, dtype).view(k, n)
     bias = _rand(n, dtype) if draw(st.booleans()) else None
-    return a, b, bias, draw(st.sampled_from(MATMUL_ACTS))
+    if draw(st.booleans()) and m % 2 == 0:
+        a = a.view(2, m // 2, k) if a.is_contiguous() else a.unflatten(0, (2, m // 2))  # batched (..., M, K)
+    return a, b, bias, draw(st.sampled_from(MATMUL_ACTS)), draw(st.sampled_from(["pointer", "tma"]))
 
 
 @settings(max_examples=max(10, EXAMPLES // 2), deadline=None, derandomize=True,
@@ -106,16 +144,10 @@ def test_matmul_matches_torch(args):
     from fusedkit._matmul import matmul_reference
     from fusedkit.testing import assert_rel_err, matmul_rel_err
 
-    a, b, bias, activation = args
-    previous = os.environ.get("FUSEDKIT_AUTOTUNE")
-    os.environ["FUSEDKIT_AUTOTUNE"] = "0"  # every random shape would otherwise be tuned afresh
-    try:
+    a, b, bias, activation, kernel = args
+    # every random shape would otherwise be tuned afresh; both kernels are drawn
+    with _env(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel):
         out = fusedkit.matmul(a, b, bias, activation)
-    finally:
-        if previous is None:
-            del os.environ["FUSEDKIT_AUTOTUNE"]
-        else:
-            os.environ["FUSEDKIT_AUTOTUNE"] = previous
     wide = [None if t is None else t.double().cpu() for t in (a, b, bias)]
     expected = matmul_reference(*wide, activation)
     assert out.shape == expected.shape and out.dtype == a.dtype
