@@ -122,3 +122,17 @@ def load_operand(ptr, offsets, mask, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: 
 def store_result(ptr, offsets, value, mask):
     """Round the result to the output's dtype on the store."""
     tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile col), walking GROUP_M tile rows per column band for L2 reuse."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % size_m)
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _launch, _matmul_tma, activations as act
+from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
 from ._library import tracing
@@ -37,20 +37,6 @@ _NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
 
 
 @triton.jit
-def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (tile row, tile col), walking GROUP_M tile rows per column band for L2 reuse."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % size_m)
-    pid_n = (pid % per_group) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
     M, N, K, M_BUCKET,
@@ -60,7 +46,7 @@ def _matmul_kernel(
     UPCAST_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _jit.grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if INT64:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import _launch, activations as act
+from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
 __all__ = ["eligible", "launch_tma", "TMA_DTYPES"]
@@ -35,18 +35,6 @@ __all__ = ["eligible", "launch_tma", "TMA_DTYPES"]
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TMA_ALIGN_BYTES = 16
-
-
-@triton.jit
-def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Output tile id -> (tile row, tile col), GROUP_M tile rows per band for L2 reuse."""
-    per_group = GROUP_M * num_pid_n
-    group = tile_id // per_group
-    first_m = group * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((tile_id % per_group) % size_m)
-    pid_n = (tile_id % per_group) // size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -76,7 +64,7 @@ def _matmul_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _jit.grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -51,28 +51,27 @@ def test_matmul_report_runs(tmp_path):
     assert (tmp_path / "matmul_tflops.png").exists()
 
 
-def test_latency_report_runs(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out_json = tmp_path / "l.json"
-    # On a GPU: one size and the torch.compile peer off, to keep the suite short.
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--latency", "--dtypes", "fp32", "--sizes",
-                           "1024", "--no-compile", "--json", str(out_json)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+def bench_cli(tmp_path, *args) -> tuple[str, dict]:
+    """Run ``python -m fusedkit bench *args --json F`` as a user would; (stdout, the JSON)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
+    out_json = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", *args, "--json", str(out_json)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out_json.read_text())
+    return proc.stdout, json.loads(out_json.read_text())
+
+
+def test_latency_report_runs(tmp_path):
+    # On a GPU: one size and the torch.compile peer off, to keep the suite short.
+    stdout, data = bench_cli(tmp_path, "--latency", "--dtypes", "fp32", "--sizes", "1024", "--no-compile")
     (row,) = data["elementwise"]
     assert row["n"] == 1024 and row["fusedkit.add_relu"] > 0 and row["torch.add"] > 0
-    assert data["linear"] and "ratios to torch.add" in proc.stdout
+    assert data["linear"] and "ratios to torch.add" in stdout
 
 
 def test_backward_report_runs(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out_json = tmp_path / "b.json"
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--backward", "--dtypes", "fp32", "--sizes",
-                           "4096", "--no-compile", "--json", str(out_json)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out_json.read_text())["backward"]
+    _, data = bench_cli(tmp_path, "--backward", "--dtypes", "fp32", "--sizes", "4096", "--no-compile")
+    (row,) = data["backward"]
     assert row["n"] == 4096 and row["bytes_backward"] == 3 * 4096 * 4
     # add_relu keeps only its output (x and y are not saved), as eager relu does
     assert row["fusedkit_saved_bytes"] == 4096 * 4 == row["eager_saved_bytes"]
