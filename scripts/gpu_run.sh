@@ -5,7 +5,7 @@
 # files), so a call that runs out of time still returns what finished; the test
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and sanitize, pybench: not in the default set)
+#   (and sanitize, fuzz (2,000 examples an op), pybench: not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES and PYTEST_ARGS pass through)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -35,7 +35,7 @@ for s in $stages; do case $s in
   env) { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
        } > "$W/env.txt" 2>&1; cp "$W/env.txt" "$OUT/env.txt" ;;
-  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-500} step pytest ${TEST_SECS:-420} \
+  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-200} step pytest ${TEST_SECS:-420} \
            python3 -u -m pytest tests -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-} ;;
   bench) step bench 240 python3 -m fusedkit bench --sizes 20,24,28 --json "$W/bench.json" \
            --csv "$W/bench.csv" --plots "$W/plots" ;;
@@ -47,6 +47,8 @@ for s in $stages; do case $s in
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
+  fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} step fuzz ${FUZZ_SECS:-500} \
+          python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider --hypothesis-show-statistics ;;
   pybench) step pybench ${PYBENCH_SECS:-500} python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
              --benchmark-json "$W/pybench.json" ${PYBENCH_ARGS:-} ;;
   *) echo "unknown stage $s"; rc=1 ;;

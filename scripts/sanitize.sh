@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Memory safety on the GPU: a representative slice of the suite under
-# compute-sanitizer memcheck, and the matmul under racecheck.
+# compute-sanitizer memcheck (elementwise, the fast path's direct launches,
+# fuzzing, both matmul kernels), and the matmul under racecheck.
 #   bash scripts/sanitize.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-100}
+export FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-30}
 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_elementwise.py tests/test_fuzz.py -k "not 2_pow_31" 2>&1 | tail -5
+  tests/test_elementwise.py tests/test_fast_path.py tests/test_fuzz.py \
+  "tests/test_matmul.py::test_odd_sizes" "tests/test_matmul.py::test_every_output_element_is_written" \
+  -k "not 2_pow_31" 2>&1 | tail -5
 mem=${PIPESTATUS[0]}
 FUSEDKIT_AUTOTUNE=0 compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m pytest -q \
   -p no:cacheprovider tests/test_matmul.py -k "odd_sizes or every_activation" 2>&1 | tail -5
