@@ -84,7 +84,8 @@ def test_addrelu_module():
 
 @pytest.mark.parametrize("kernel", [k for k in fusedkit.registry.kernels()], ids=lambda k: k.name)
 def test_opcheck(kernel):
-    dtypes = [d for d in (torch.float32, torch.float64, torch.int64) if d in kernel.dtypes]
+    dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+              if d in kernel.dtypes]
     for dtype in dtypes:
         a, b = rand((5, 6), dtype, DEVICE), rand((6,), dtype, DEVICE)
         if dtype.is_floating_point and kernel.backward is not None:
