@@ -378,17 +378,22 @@ def main(argv=None) -> int:
     env = environment(device)
 
     if args.backward:
-        from .bench_backward import BACKWARD_SIZES, CPU_BACKWARD_SIZES, format_backward_table, run_backward
+        from . import bench_backward as bb
 
-        if device.type != "cuda":
+        gpu = device.type == "cuda"
+        if not gpu:
             print("No CUDA GPU: these times are the CPU path's, NOT GPU times.\n")
-        default = BACKWARD_SIZES if device.type == "cuda" else CPU_BACKWARD_SIZES
-        brows = run_backward(dtypes, device, sizes if args.sizes else default, use_compile=use_compile)
+        default = bb.BACKWARD_SIZES if gpu else bb.CPU_BACKWARD_SIZES
+        brows = bb.run_backward(dtypes, device, sizes if args.sizes else default, use_compile=use_compile)
+        lrows = bb.run_linear_training(dtypes, device,
+                                       bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES)
         print(" ".join(f"{k}={v}" for k, v in env.items()))
-        print(format_backward_table(brows))
+        print(bb.format_backward_table(brows))
+        print()
+        print(bb.format_linear_table(lrows))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"environment": env, "backward": brows}, f, indent=1)
+                json.dump({"environment": env, "backward": brows, "linear_relu_training": lrows}, f, indent=1)
         return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency

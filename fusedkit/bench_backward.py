@@ -17,10 +17,14 @@ import torch
 
 import fusedkit
 
-__all__ = ["run_backward", "format_backward_table", "BACKWARD_SIZES"]
+__all__ = ["run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
+           "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
 
 BACKWARD_SIZES = (1 << 24, 1 << 28)
 CPU_BACKWARD_SIZES = (1 << 10,)
+#: (tokens M, in K, out N) of the LinearReLU training step: an MLP up-projection.
+LINEAR_TRAINING_SHAPES = ((4096, 4096, 4096), (8192, 4096, 11008))
+CPU_LINEAR_TRAINING_SHAPES = ((32, 48, 40),)
 
 
 def _eager(x, y):
@@ -100,6 +104,38 @@ def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list
                 del z, grads
             rows.append(row)
     return rows
+
+
+def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[dict]:
+    """Forward + backward of ``fusedkit.nn.LinearReLU`` against ``nn.Sequential(nn.Linear, nn.ReLU)``
+    with the same parameters: gradients of the input, weight and bias."""
+    rows = []
+    for dt in dtypes:
+        if not dt.is_floating_point or (device.type == "cuda" and dt == torch.float64):
+            continue
+        for m, k, n in shapes:
+            ref = torch.nn.Sequential(torch.nn.Linear(k, n), torch.nn.ReLU()).to(device, dt)
+            fused = fusedkit.nn.LinearReLU.from_linear(ref[0])
+            x = torch.randn(m, k, device=device, dtype=dt, requires_grad=True)
+            g = torch.randn(m, n, device=device, dtype=dt)
+            row = {"dtype": str(dt).removeprefix("torch."), "m": m, "k": k, "n": n,
+                   "flops": 3 * 2 * m * n * k}  # forward, grad of x, grad of weight
+            for name, module in (("fusedkit", fused), ("torch", ref)):
+                params = (x, *module.parameters())
+                row[f"{name}_us"] = _time_us(lambda: torch.autograd.grad(module(x), params, g), device)
+            rows.append(row)
+    return rows
+
+
+def format_linear_table(rows: list[dict]) -> str:
+    head = f"{'dtype':<9} {'M':>6} {'K':>6} {'N':>6} {'fusedkit us':>11} {'torch us':>9} {'TFLOP/s':>8} {'x torch':>7}"
+    lines = ["LinearReLU forward + backward vs nn.Linear + nn.ReLU (do_bench medians; x = torch time / fusedkit time)",
+             head, "-" * len(head)]
+    for r in rows:
+        f, t = r["fusedkit_us"], r["torch_us"]
+        lines.append(f"{r['dtype']:<9} {r['m']:>6} {r['k']:>6} {r['n']:>6} {f:>11.1f} {t:>9.1f} "
+                     f"{r['flops'] / f / 1e6:>8.1f} {t / f:>7.2f}")
+    return "\n".join(lines)
 
 
 def format_backward_table(rows: list[dict]) -> str:

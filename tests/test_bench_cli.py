@@ -75,6 +75,7 @@ def test_backward_report_runs(tmp_path):
     assert row["n"] == 4096 and row["bytes_backward"] == 3 * 4096 * 4
     # add_relu keeps only its output (x and y are not saved), as eager relu does
     assert row["fusedkit_saved_bytes"] == 4096 * 4 == row["eager_saved_bytes"]
+    assert all(r["fusedkit_us"] > 0 and r["torch_us"] > 0 for r in data["linear_relu_training"])
 
 
 def test_benchmark_suite_runs_on_the_cpu():
