@@ -11,6 +11,8 @@ registers, and the output is written once. Layers, by name:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,7 +23,7 @@ from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
 from ._library import tracing
 from .configs import (
-    COMPILED_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
+    CALL_CACHE_SIZE, COMPILED_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
     matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
 )
@@ -143,20 +145,50 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     return args, meta
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a launch of ``act(a @ b + bias)`` needs besides the tensors: fixed for given
+    shapes, strides, dtype, switches and settings, so an eager call signature keeps one."""
+
+    ints: tuple  # the kernel's integer arguments
+    meta: dict   # compile-time switches, no tile
+    tma_ok: bool  # the TMA kernel is chosen and the layout allows it (base alignment aside)
+    tuned: bool
+    prefix: tuple  # the launch-cache key, less pointer alignment and the kernel choice
+
+
+def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
+    args, meta = launch_config(a, b, bias, activation, out, pre)
+    tma_ok = matmul_kernel_choice() == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
+    tuned = autotune_enabled()
+    prefix = (tuned, a.device.index, a.dtype, *args[5:], *meta.values())
+    return _Plan(args[5:], meta, tma_ok, tuned, prefix)
+
+
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                  out: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor, pre: torch.Tensor | None = None, plan: _Plan | None = None) -> torch.Tensor:
     """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
 
-    ``pre``, when given, receives the pre-activation (for a backward pass).
+    ``pre``, when given, receives the pre-activation (for a backward pass). ``plan``:
+    this call's ``plan_matmul``, when the caller kept it.
     """
+    index = a.device.index
+    if not INTERPRETED and index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):
+            return launch_matmul(a, b, bias, activation, out, pre, plan)
+    plan = plan or plan_matmul(a, b, bias, activation, out, pre)
     M, K = a.shape
     N = b.shape[1]
-    args, meta = launch_config(a, b, bias, activation, out, pre)
+    ptrs = (a, b, out, bias if bias is not None else out, pre if pre is not None else out)
+    aligned = tuple(map(_launch.is_aligned, ptrs))
+    # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
+    use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
+    args = ptrs + plan.ints
+    meta = plan.meta
 
     def grid(m):
         return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-    use_tma = matmul_kernel_choice() == "tma" and _matmul_tma.eligible(a, b, out, pre, INTERPRETED)
     if INTERPRETED:
         if use_tma:
             _launch_tma(a, b, bias, out, pre, meta, tuned=False)
@@ -164,14 +196,9 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         tile = MATMUL_INTERPRETER_TILE
         _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
         return out
-    index = a.device.index
-    if index != torch.cuda.current_device():
-        with torch.cuda.device(a.device):
-            return launch_matmul(a, b, bias, activation, out, pre)
-    tuned = autotune_enabled()
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
-    key = (use_tma, tuned, index, a.dtype, *args[5:], *map(_launch.is_aligned, args[:5]), *meta.values())
+    key = plan.prefix + (use_tma,) + aligned
     if use_tma:
         hit = _TMA_LAUNCHES.get(key)
         if hit is not None:
@@ -179,13 +206,13 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
             descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile)
             _launch.CompiledCache.run(entry, (*descs, *_tma_tail_args(a, b, bias, out)), index)
         else:
-            _launch_tma(a, b, bias, out, pre, meta, tuned, key)
+            _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
         return out
     entry = _LAUNCHES.get(key)
     if entry is not None:
         _launch.CompiledCache.run(entry, args, index)
         return out
-    if tuned:
+    if plan.tuned:
         recorder = _launch.GridRecorder(grid)
         compiled = _matmul_tuned[recorder](*args, **meta)
         tile = {name: recorder.meta[name] for name in MATMUL_FIXED_TILE}
@@ -387,10 +414,80 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     Each is raised before any launch.
     """
+    key = _call_key(a, b, bias, activation)
+    if key is not None:
+        recipe = _RECIPES.get(key)
+        if recipe is not None:
+            return recipe.run(a, b, bias)
     _validate(a, b, bias, activation, "matmul")
     lead = a.shape[:-1]
     a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
-    return _apply(a2, b, bias, activation).view(*lead, b.shape[1])
+    result = _apply(a2, b, bias, activation).view(*lead, b.shape[1])
+    if key is not None:
+        _remember(key, a2, b, bias, activation, lead)
+    return result
+
+
+# --- The eager fast path (as for the elementwise ops; see docs/design.md) ---------------
+# A matmul call whose signature (tensor types, dtypes, devices, shapes, strides, the
+# activation, and the settings the plan reads) was validated before reuses its
+# validation and launch plan; per call it allocates the result and launches.
+
+_RECIPES: dict = {}
+
+
+def _call_key(a, b, bias, activation) -> tuple | None:
+    if torch.compiler.is_compiling():
+        return None
+    key = [activation, tf32_enabled(), autotune_enabled(), matmul_kernel_choice()]
+    grad = None
+    for t in (a, b, bias):
+        if t is None:
+            key.append(None)
+            continue
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return None  # other types: the full path validates (or traces) them
+        if t.requires_grad:
+            grad = torch.is_grad_enabled() if grad is None else grad
+            if grad:
+                return None
+        if t.is_neg():
+            return None
+        key += (t.dtype, t.device, t.shape, t.stride())
+    return tuple(key)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """The prepared eager launch of one validated matmul call signature."""
+
+    m: int
+    k: int
+    n: int
+    lead: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    activation: str | None
+    plan: _Plan
+
+    def run(self, a, b, bias) -> torch.Tensor:
+        a2 = a if a.dim() == 2 else a.reshape(self.m, self.k)
+        out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        launch_matmul(a2, b, bias, self.activation, out, None, self.plan)
+        return out if len(self.lead) == 1 else out.view(*self.lead, self.n)
+
+
+def _remember(key, a2, b, bias, activation, lead) -> None:
+    """Keep the plan of a validated eager call whose signature ``key`` can repeat."""
+    m, k = a2.shape
+    n = b.shape[1]
+    if backend_for(a2.device) == "torch" or m * n * k == 0 or not _launch.enabled():
+        return  # the PyTorch path, or an empty product: nothing to launch
+    out = torch.empty((m, n), dtype=a2.dtype, device=a2.device)  # a stand-in for the plan's strides
+    if len(_RECIPES) >= CALL_CACHE_SIZE:
+        _RECIPES.clear()
+    _RECIPES[key] = _Recipe(m, k, n, lead, a2.dtype, a2.device, activation,
+                            plan_matmul(a2, b, bias, activation, out))
 
 
 def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

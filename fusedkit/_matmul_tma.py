@@ -13,8 +13,9 @@ A second data-movement algorithm for the same ``act(a @ b + bias)`` as
   in shared memory for the tensor cores, never copied.
 
 TMA needs 16-byte-aligned bases and row strides and unit inner strides;
-:func:`eligible` checks them and the caller falls back to the pointer kernel.
-Layers: ``_matmul_tma_kernel``; ``eligible`` and ``launch_tma`` (the launcher);
+:func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
+anything else runs the pointer kernel.
+Layers: ``_matmul_tma_kernel``; ``layout_ok`` / ``eligible`` and ``launch_tma`` (the launcher);
 the public functions live in ``_matmul``.
 """
 
@@ -30,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["eligible", "launch_tma", "TMA_DTYPES"]
+__all__ = ["eligible", "layout_ok", "launch_tma", "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,27 +91,33 @@ def _matmul_tma_kernel(
         _store_tile(c_desc, acc, off_m, off_n, BLOCK_N, SUBTILE)
 
 
-def _aligned_2d(t: torch.Tensor) -> bool:
-    """A (rows, cols) view TMA can address: unit inner stride, 16-byte base and row stride."""
-    size = t.element_size()
-    return (t.stride(1) == 1 and t.data_ptr() % TMA_ALIGN_BYTES == 0
-            and (t.stride(0) * size) % TMA_ALIGN_BYTES == 0)
-
-
 @functools.lru_cache(maxsize=None)
 def _has_tma(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
-             interpreted: bool) -> bool:
-    """Whether the TMA kernel can run ``out = act(a @ b + bias)`` on these exact tensors."""
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A (rows, cols) layout TMA can address: unit inner stride, 16-byte row stride."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0
+
+
+def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
+              interpreted: bool) -> bool:
+    """Whether dtype, device and strides let the TMA kernel run ``out = act(a @ b + bias)``;
+    the bases' 16-byte alignment is the caller's per-call check."""
     if a.dtype not in TMA_DTYPES:
         return False
     if not interpreted and (a.device.type != "cuda" or not _has_tma(a.device.index)):
         return False
     b_view = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
-    return all(_aligned_2d(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
+    return all(_rows_ok(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
+
+
+def eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
+             interpreted: bool) -> bool:
+    """Whether the TMA kernel can run ``out = act(a @ b + bias)`` on these exact tensors."""
+    return layout_ok(a, b, out, pre, interpreted) and all(
+        t.data_ptr() % TMA_ALIGN_BYTES == 0 for t in (a, b, out) + ((pre,) if pre is not None else ()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ from helpers import rand
 import fusedkit
 from fusedkit import _elementwise as ew
 from fusedkit import _matmul as mm
-from fusedkit.errors import DTypeError
+from fusedkit.errors import DTypeError, ShapeError
 from fusedkit.registry import ADD, ADD_RELU
 from fusedkit.testing import assert_rel_err, matmul_rel_err
 
@@ -24,6 +24,7 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="direct launches of compiled ke
 def _fresh_caches():
     ew._RECIPES.clear()
     mm._LAUNCHES.clear()
+    mm._RECIPES.clear()
     yield
 
 
@@ -135,6 +136,31 @@ def test_empty_results_repeat():
     x = torch.empty((0, 5), device=DEVICE)
     for _ in range(2):
         assert fusedkit.add_relu(x, 1.0).shape == (0, 5)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_matmul_recipes_reuse_plans_and_stay_correct(kernel, monkeypatch):
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
+    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    w = torch.nn.Parameter(rand((48, 64), torch.float32, DEVICE))
+    b = rand((48,), torch.float32, DEVICE)
+    with torch.no_grad():
+        for shape in ((8, 64), (2, 5, 64), (8, 64), (2, 5, 64)):
+            x = rand(shape, torch.float32, DEVICE)
+            got = fusedkit.linear_relu(x, w, b)
+            ref = torch.relu(torch.nn.functional.linear(x.double(), w.double(), b.double()))
+            assert got.shape == ref.shape
+            assert_rel_err(got, ref, matmul_rel_err(torch.float32))
+    assert len(mm._RECIPES) == 2
+    # grad enabled: the full path records autograd
+    assert fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b).grad_fn is not None
+    # a signature that fails validation is never cached
+    with pytest.raises(ShapeError):
+        fusedkit.linear_relu(rand((8, 63), torch.float32, DEVICE), w.detach(), b)
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer" if kernel == "tma" else "tma")
+    with torch.no_grad():
+        fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b)
+    assert len(mm._RECIPES) == 3  # the kernel choice is part of the signature
 
 
 @gpu_only
