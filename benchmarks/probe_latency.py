@@ -13,10 +13,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import fusedkit
 from fusedkit import _elementwise as ew
 from fusedkit import _launch
+from fusedkit import _matmul as mm
 from fusedkit.registry import ADD_RELU
 
 CALLS = 2000
@@ -58,8 +60,26 @@ def main():
         ("  launch_config", lambda: ew.launch_config(ADD_RELU, (x, y), 1, out)),
         ("  kernel[grid](*args) prepared", lambda: ew._elementwise_kernel[grid](*args, **meta)),
     ]
+    # linear + ReLU at decode size: M = 1, K = N = 1024, bf16
+    a = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    fusedkit.linear_relu(a, w, b)
+    fusedkit.linear_relu(a, w, b)
+    wt = w.t()
+    m_recipe = mm._RECIPES[mm._call_key(a, wt, b, "relu")]
+    m_out = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+    rows += [
+        ("torch.relu(F.linear(a, w, b))  [M=1, 1024^2 bf16]", lambda: torch.relu(F.linear(a, w, b))),
+        ("fusedkit.linear_relu(a, w, b)  [fast path]", lambda: fusedkit.linear_relu(a, w, b)),
+        ("  matmul _call_key", lambda: mm._call_key(a, wt, b, "relu")),
+        ("  matmul recipe.run", lambda: m_recipe.run(a, wt, b)),
+        ("  launch_matmul with the plan", lambda: mm.launch_matmul(a, wt, b, "relu", m_out, None, m_recipe.plan)),
+        ("  plan_matmul", lambda: mm.plan_matmul(a, wt, b, "relu", m_out)),
+        ("  matmul _validate", lambda: mm._validate(a, wt, b, "relu", "matmul")),
+    ]
     for name, fn in rows:
-        print(f"{name:48s} {per_call_us(fn):8.1f} us/call  (n={n})")
+        print(f"{name:52s} {per_call_us(fn):8.1f} us/call  (n={n})")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):
