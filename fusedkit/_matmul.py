@@ -420,6 +420,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if recipe is not None:
             return recipe.run(a, b, bias)
     _validate(a, b, bias, activation, "matmul")
+    # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
+    a, b, bias = (t.resolve_neg() if t is not None and t.is_neg() else t for t in (a, b, bias))
     lead = a.shape[:-1]
     a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
     result = _apply(a2, b, bias, activation).view(*lead, b.shape[1])
@@ -437,7 +439,7 @@ _RECIPES: dict = {}
 
 
 def _call_key(a, b, bias, activation) -> tuple | None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not (activation is None or type(activation) is str):
         return None
     key = [activation, tf32_enabled(), autotune_enabled(), matmul_kernel_choice()]
     grad = None

@@ -93,12 +93,20 @@ def _matmul_tma_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """Hopper and datacenter Blackwell: TMA and the ~227 KiB of shared memory the configs assume."""
+    return torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+#: TMA coordinates and descriptor sizes are 32-bit.
+TMA_MAX_DIM = 2**31 - 1
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    """A (rows, cols) layout TMA can address: unit inner stride, 16-byte row stride."""
-    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0
+    """A (rows, cols) layout TMA can address: unit inner stride, a 16-byte row stride that
+    steps past the row (no broadcast or overlapping rows), 32-bit sizes."""
+    rows, cols = t.shape
+    return (t.stride(1) == 1 and t.stride(0) >= max(cols, 1) and rows <= TMA_MAX_DIM and cols <= TMA_MAX_DIM
+            and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0)
 
 
 def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,

@@ -58,9 +58,10 @@ MATMUL_MAX_M_BUCKET = 8192
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first.
 
-    Big square-ish tiles with 3-4 stages feed wgmma at large M; the 64-row tiles
-    serve small M (decode steps, M <= 64). The last one fits fp32/fp64 operands in
-    shared memory when the others do not (the autotuner skips configs that fail).
+    Big square-ish tiles with 3-4 stages feed wgmma at large M; the decode-sized
+    tiles serve M <= SMALL_M_BUCKET (``prune_matmul_configs`` keeps one set or the
+    other). Each set ends with a tile that fits fp64 operands in shared memory
+    when the others do not (the autotuner skips configs that fail).
     """
     from triton import Config
 
@@ -84,6 +85,7 @@ def matmul_configs():
         cfg(16, 64, 256, 4, 4),
         cfg(32, 64, 128, 4, 4),
         cfg(16, 128, 128, 4, 4),
+        cfg(16, 32, 32, 2, 4),  # fits fp64 (and any GPU's shared memory) when the others do not
     ]
 
 

@@ -150,6 +150,17 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         tile = matmul_tma_fixed_tile(dtype.itemsize)
         r["fixed"][f"{dtype}:{kmajor}"] = facts(dtype, tile, w, s, b_kmajor=kmajor,
                                                 activation="gelu", store_pre=True)
+from fusedkit._codegen import compile_matmul
+from fusedkit.configs import matmul_configs, prune_matmul_configs
+r["fp64_fits"] = {}
+for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
+    fits = []
+    for cfg in prune_matmul_configs(matmul_configs(), {"M_BUCKET": bucket}):
+        a, b = torch.empty(64, 64, device="meta", dtype=torch.float64), torch.empty(64, 64, device="meta", dtype=torch.float64)
+        c = compile_matmul(a, b, None, "relu", torch.empty(64, 64, device="meta", dtype=torch.float64), cfg.kwargs,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        fits.append(c.metadata.shared <= 232448)
+    r["fp64_fits"][bucket] = any(fits)
 for cfg in matmul_tma_configs():
     r["configs"].append(facts(torch.bfloat16, cfg.kwargs, cfg.num_warps, cfg.num_stages))
     if cfg.kwargs["BLOCK_K"] * 4 <= 128:
@@ -169,6 +180,10 @@ def test_tma_matmul_compiles_to_bulk_copies_and_wgmma(tma_codegen):
     for case, f in tma_codegen["fixed"].items():
         assert f["wgmma"] and f["tma"], case
         assert f["smem"] <= HOPPER_SMEM_BYTES, case
+
+
+def test_every_matmul_config_set_fits_fp64(tma_codegen):
+    assert all(tma_codegen["fp64_fits"].values()), tma_codegen["fp64_fits"]
 
 
 def test_tma_autotune_configs_fit_hopper_shared_memory(tma_codegen):

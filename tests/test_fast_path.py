@@ -25,6 +25,7 @@ def _fresh_caches():
     ew._RECIPES.clear()
     mm._LAUNCHES.clear()
     mm._RECIPES.clear()
+    mm._TMA_LAUNCHES.clear()
     yield
 
 

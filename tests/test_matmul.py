@@ -180,6 +180,9 @@ def test_autotuned_path():
         assert_rel_err(out, ref64(a, w.t(), bias, "relu"), matmul_rel_err(dtype))
     a, b = mk(1024, 256), mk(256, 512)
     assert_rel_err(fusedkit.matmul(a, b, None, "silu"), ref64(a, b, None, "silu"), matmul_rel_err(torch.float32))
+    for dtype in (torch.float32, torch.float64):  # decode-sized M: the small-tile set must fit every dtype
+        a, b = mk(8, 256, dtype=dtype), mk(256, 256, dtype=dtype)
+        assert_rel_err(fusedkit.matmul_relu(a, b), ref64(a, b, None, "relu"), matmul_rel_err(dtype))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -218,3 +221,20 @@ def test_backward_through_either_kernel(activation):
     matmul_reference(xr, wr.t(), br, activation).backward(g.double())
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (bias.grad, br.grad)):
         assert_rel_err(got, want, matmul_rel_err(torch.float32))
+
+
+def test_negated_views_and_broadcast_operands():
+    z = torch.randn(40, 32, dtype=torch.complex64, device=DEVICE)
+    neg = z.conj().imag  # a lazily negated view
+    assert neg.is_neg()
+    b = mk(32, 24)
+    assert_rel_err(fusedkit.matmul(neg, b), ref64(neg.resolve_neg(), b), matmul_rel_err(torch.float32))
+    # zero-stride (broadcast) operands: the pointer kernel reads them; TMA cannot
+    row, col = mk(1, 32), mk(32, 1)
+    a, bb = row.expand(40, 32), col.expand(32, 24)
+    assert_rel_err(fusedkit.matmul(a, bb, None, "relu"), ref64(a, bb, None, "relu"), matmul_rel_err(torch.float32))
+
+
+def test_unhashable_activation_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown activation"):
+        fusedkit.matmul(mk(4, 8), mk(8, 4), None, ["relu"])
