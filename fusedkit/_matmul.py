@@ -420,14 +420,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if recipe is not None:
             return recipe.run(a, b, bias)
     _validate(a, b, bias, activation, "matmul")
-    # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
-    a, b, bias = (t.resolve_neg() if t is not None and t.is_neg() else t for t in (a, b, bias))
+    if not torch.compiler.is_compiling():
+        a, b, bias = _resolve_neg(a), _resolve_neg(b), _resolve_neg(bias)
     lead = a.shape[:-1]
     a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
     result = _apply(a2, b, bias, activation).view(*lead, b.shape[1])
     if key is not None:
         _remember(key, a2, b, bias, activation, lead)
     return result
+
+
+def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A lazily negated view (``z.conj().imag``) holds the un-negated values in memory."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t
 
 
 # --- The eager fast path (as for the elementwise ops; see docs/design.md) ---------------
