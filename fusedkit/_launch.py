@@ -101,10 +101,10 @@ def _hooks():
 class CompiledCache:
     """Compiled kernels by a caller-built specialisation key, launched directly.
 
-    An entry is ``(compiled, grid, tail)``: the ``CompiledKernel``, its 3-d grid, and
-    the values appended to the per-call runtime arguments (the compile-time
+    An entry is ``(compiled, grid, tail, extra)``: the ``CompiledKernel``, its 3-d
+    grid, the values appended to the per-call runtime arguments (the compile-time
     constants, in signature order: the compiled launcher skips them, but expects
-    every parameter). The caller launches under the right device; the stream is
+    every parameter), and whatever else the caller needs per call (e.g. a tile). The caller launches under the right device; the stream is
     that device's current one, so CUDA-graph capture records the launch.
     ``FUSEDKIT_FAST_LAUNCH`` is read when an entry is stored.
     """
@@ -122,18 +122,18 @@ class CompiledCache:
     def get(self, key):
         return self._entries.get(key)
 
-    def put(self, key, compiled, grid: tuple[int, int, int], tail: tuple) -> None:
+    def put(self, key, compiled, grid: tuple[int, int, int], tail: tuple, extra=None) -> None:
         """Keep what Triton's ordinary launch returned, when it is a compiled kernel."""
         if not isinstance(compiled, CompiledKernel) or not enabled():
             return
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        self._entries[key] = (compiled, grid, tail)
+        self._entries[key] = (compiled, grid, tail, extra)
 
     @staticmethod
     def run(entry, args: tuple, device_index: int) -> None:
-        compiled, grid, tail = entry
+        compiled, grid, tail, _ = entry
         stream = _current_stream(device_index)
         enter, exit_ = _hooks()
         full = args + tail

@@ -23,7 +23,7 @@ from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
 from ._library import tracing
 from .configs import (
-    CALL_CACHE_SIZE, COMPILED_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
+    CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
     matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
 )
@@ -97,9 +97,9 @@ _matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", 
 INTERPRETED = is_interpreted(_matmul_kernel)
 _CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_kernel)
 _TMA_CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_tma._matmul_tma_kernel)
-#: Direct launches of eager matmuls (fusedkit._launch), and of the TMA kernel with its tile.
+#: Direct launches of eager matmuls (fusedkit._launch); TMA entries carry their tile.
 _LAUNCHES = _launch.CompiledCache()
-_TMA_LAUNCHES: dict = {}
+_TMA_LAUNCHES = _launch.CompiledCache()
 
 _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -200,10 +200,9 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     # classes), pointer dtypes and alignment, the switches, the config source.
     key = plan.prefix + (use_tma,) + aligned
     if use_tma:
-        hit = _TMA_LAUNCHES.get(key)
-        if hit is not None:
-            entry, tile = hit
-            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile)
+        entry = _TMA_LAUNCHES.get(key)
+        if entry is not None:
+            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile=entry[3])
             _launch.CompiledCache.run(entry, (*descs, *_tma_tail_args(a, b, bias, out)), index)
         else:
             _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
@@ -241,13 +240,7 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
         return
     b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
     values = {**meta, **tile, "B_KMAJOR": b_kmajor, "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
-    cache = _launch.CompiledCache()
-    cache.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES))
-    entry = cache.get(key)
-    if entry is not None:
-        if len(_TMA_LAUNCHES) >= COMPILED_CACHE_SIZE:
-            _TMA_LAUNCHES.clear()
-        _TMA_LAUNCHES[key] = (entry, tile)
+    _TMA_LAUNCHES.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES), extra=tile)
 
 
 def _torch_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -424,10 +417,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         a, b, bias = _resolve_neg(a), _resolve_neg(b), _resolve_neg(bias)
     lead = a.shape[:-1]
     a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
-    result = _apply(a2, b, bias, activation).view(*lead, b.shape[1])
+    out = _apply(a2, b, bias, activation)
     if key is not None:
-        _remember(key, a2, b, bias, activation, lead)
-    return result
+        _remember(key, a2, b, bias, activation, lead, out)
+    return out.view(*lead, b.shape[1])
 
 
 def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -484,13 +477,13 @@ class _Recipe:
         return out if len(self.lead) == 1 else out.view(*self.lead, self.n)
 
 
-def _remember(key, a2, b, bias, activation, lead) -> None:
-    """Keep the plan of a validated eager call whose signature ``key`` can repeat."""
+def _remember(key, a2, b, bias, activation, lead, out) -> None:
+    """Keep the plan of a validated eager call whose signature ``key`` can repeat; ``out`` is
+    the (M, N) result it launched into (a recipe allocates its like)."""
     m, k = a2.shape
     n = b.shape[1]
     if backend_for(a2.device) == "torch" or m * n * k == 0 or not _launch.enabled():
         return  # the PyTorch path, or an empty product: nothing to launch
-    out = torch.empty((m, n), dtype=a2.dtype, device=a2.device)  # a stand-in for the plan's strides
     if len(_RECIPES) >= CALL_CACHE_SIZE:
         _RECIPES.clear()
     _RECIPES[key] = _Recipe(m, k, n, lead, a2.dtype, a2.device, activation,

@@ -15,7 +15,7 @@ A second data-movement algorithm for the same ``act(a @ b + bias)`` as
 TMA needs 16-byte-aligned bases and row strides and unit inner strides;
 :func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
 anything else runs the pointer kernel.
-Layers: ``_matmul_tma_kernel``; ``layout_ok`` / ``eligible`` and ``launch_tma`` (the launcher);
+Layers: ``_matmul_tma_kernel``; ``layout_ok`` and ``launch_tma`` (the launcher);
 the public functions live in ``_matmul``.
 """
 
@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["eligible", "layout_ok", "launch_tma", "TMA_DTYPES"]
+__all__ = ["layout_ok", "launch_tma", "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -119,13 +119,6 @@ def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Te
         return False
     b_view = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
     return all(_rows_ok(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
-
-
-def eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
-             interpreted: bool) -> bool:
-    """Whether the TMA kernel can run ``out = act(a @ b + bias)`` on these exact tensors."""
-    return layout_ok(a, b, out, pre, interpreted) and all(
-        t.data_ptr() % TMA_ALIGN_BYTES == 0 for t in (a, b, out) + ((pre,) if pre is not None else ()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,17 +65,9 @@ def _peak_bytes(fn, x, y, g, device) -> int | None:
 
 
 def _time_us(fn, device) -> float:
-    if device.type == "cuda":
-        import triton
+    from .bench import _timer  # the report's timer: do_bench medians on a GPU
 
-        return 1e3 * triton.testing.do_bench(fn, return_mode="median")
-    import time
-
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - t0) / 3 * 1e6
+    return _timer(device)(fn)
 
 
 def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list[dict]:
