@@ -12,6 +12,7 @@ Layers, by name:
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import struct
 from dataclasses import dataclass
@@ -356,7 +357,7 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
         return out
     grid, args, meta = launch_config(kernel, operands, param, out)
     device = out.device
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device.index != _launch.current_device():
         with torch.cuda.device(device):
             _elementwise_kernel[grid](*args, **meta)
     else:
@@ -498,27 +499,31 @@ class _Recipe:
         out = torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
         if self.grid is None:
             return out
-        ptrs, bits = [out], []
+        # Addresses, not tensors: Triton's launcher takes either, and skips a
+        # data_ptr() call and a driver pointer query per argument for an int.
+        out_ptr = out.data_ptr()
+        ptrs, bits = [out_ptr], []
         for slot in self.slots:
             if slot is None:
-                ptrs.append(out)
+                ptrs.append(out_ptr)
                 bits.append(0)
             elif slot >= 0:
-                ptrs.append(operands[slot])
+                ptrs.append(operands[slot].data_ptr())
                 bits.append(0)
             else:
-                ptrs.append(out)
+                ptrs.append(out_ptr)
                 bits.append(_scalar_bits(operands[~slot], is_float, kernel.arg_names[~slot]))
         bits.append(_scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0)
         # Triton specialises on pointer alignment and on whether an unspecialised int fits in 32 bits.
-        spec = (*map(_launch.is_aligned, ptrs), *map(_launch.int_class, bits))
-        args = (*ptrs, *bits, *self.static_args)
+        spec = (*[p % _launch.ALIGNMENT == 0 for p in ptrs], *map(_launch.int_class, bits))
         index = self.device.index
-        if self.device.type == "cuda" and index != torch.cuda.current_device():
-            with torch.cuda.device(self.device):
-                self._launch(spec, args, index)
-        else:
-            self._launch(spec, args, index)
+        entry = self.compiled.get(spec)
+        if entry is not None and index == _launch.current_device():
+            _launch.CompiledCache.run(entry, (*ptrs, *bits, *self.static_args), index)
+            return out
+        tensors = [out] + [out if slot is None or slot < 0 else operands[slot] for slot in self.slots]
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self._launch(spec, (*tensors, *bits, *self.static_args), index)
         return out
 
     def _launch(self, spec, args, index):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -28,16 +29,25 @@ try:  # the hooks a profiler (e.g. Triton's proton) installs around launches
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton
     _knobs = None
+try:  # Triton 3.5+ keeps launch hooks in a chain that is never None
+    from triton.knobs import HookChain as _HookChain
+except ImportError:  # pragma: no cover - older Triton
+    _HookChain = ()
 
 from .configs import COMPILED_CACHE_SIZE
 
-try:  # what Triton's own driver calls for the current stream
+try:  # what Triton's own driver calls for the current stream and device
     from torch._C import _cuda_getCurrentRawStream as _current_stream
-except ImportError:  # pragma: no cover - a PyTorch without CUDA support
+    from torch._C import _cuda_getDevice as current_device
+except ImportError:  # a PyTorch without CUDA support
     def _current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
-__all__ = ["CompiledCache", "GridRecorder", "constexpr_names", "enabled", "int_class", "is_aligned"]
+    def current_device() -> int:
+        return torch.cuda.current_device()
+
+__all__ = ["CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled", "int_class",
+           "is_aligned"]
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
@@ -92,21 +102,43 @@ class GridRecorder:
         return self._grid_fn(meta)
 
 
+def _live(hook):
+    """``hook``, or None when it would do nothing (an empty chain)."""
+    if hook is None or (isinstance(hook, _HookChain) and not hook.calls):
+        return None
+    return hook
+
+
 def _hooks():
     if _knobs is None:
         return None, None
-    return _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    runtime = _knobs.runtime
+    return _live(runtime.launch_enter_hook), _live(runtime.launch_exit_hook)
+
+
+class Entry(NamedTuple):
+    """A kept launch: the ``CompiledKernel`` and what its launcher takes besides the
+    per-call arguments: the 3-d grid, the values appended to the per-call runtime
+    arguments (the compile-time constants, in signature order: the compiled launcher
+    skips them, but expects every parameter), and the caller's ``extra`` (e.g. a tile)."""
+
+    compiled: CompiledKernel
+    launcher: object
+    function: int
+    packed_metadata: object
+    grid: tuple
+    tail: tuple
+    extra: object
 
 
 class CompiledCache:
     """Compiled kernels by a caller-built specialisation key, launched directly.
 
-    An entry is ``(compiled, grid, tail, extra)``: the ``CompiledKernel``, its 3-d
-    grid, the values appended to the per-call runtime arguments (the compile-time
-    constants, in signature order: the compiled launcher skips them, but expects
-    every parameter), and whatever else the caller needs per call (e.g. a tile). The caller launches under the right device; the stream is
-    that device's current one, so CUDA-graph capture records the launch.
-    ``FUSEDKIT_FAST_LAUNCH`` is read when an entry is stored.
+    The caller launches under the right device; the stream is that device's current
+    one, so CUDA-graph capture records the launch. ``FUSEDKIT_FAST_LAUNCH`` is read
+    when an entry is stored. Pointer arguments may be passed as addresses (ints):
+    Triton's launcher then skips its own ``data_ptr()`` call and pointer query
+    (validation has placed every tensor on the launch's device).
     """
 
     def __init__(self, maxsize: int = COMPILED_CACHE_SIZE):
@@ -119,7 +151,7 @@ class CompiledCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, key):
+    def get(self, key) -> Entry | None:
         return self._entries.get(key)
 
     def put(self, key, compiled, grid: tuple[int, int, int], tail: tuple, extra=None) -> None:
@@ -129,14 +161,15 @@ class CompiledCache:
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        self._entries[key] = (compiled, grid, tail, extra)
+        self._entries[key] = Entry(compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                                   grid, tail, extra)
 
     @staticmethod
-    def run(entry, args: tuple, device_index: int) -> None:
-        compiled, grid, tail, _ = entry
+    def run(entry: Entry, args: tuple, device_index: int) -> None:
+        compiled, launcher, function, packed, grid, tail, _ = entry
         stream = _current_stream(device_index)
         enter, exit_ = _hooks()
         full = args + tail
-        metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, exit_, *full)
+        # Launch metadata only feeds hooks; Triton builds it on every launch (a lazy dict).
+        metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *full)
+        launcher(grid[0], grid[1], grid[2], stream, function, packed, metadata, enter, exit_, *full)

@@ -25,7 +25,7 @@ from ._library import tracing
 from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
-    matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
+    matmul_kernel_setting, matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -159,7 +159,7 @@ class _Plan:
 
 def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     args, meta = launch_config(a, b, bias, activation, out, pre)
-    tma_ok = matmul_kernel_choice() == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
+    tma_ok = matmul_kernel_choice(a.shape[0]) == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
     tuned = autotune_enabled()
     prefix = (tuned, a.device.index, a.dtype, *args[5:], *meta.values())
     return _Plan(args[5:], meta, tma_ok, tuned, prefix)
@@ -173,14 +173,15 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     this call's ``plan_matmul``, when the caller kept it.
     """
     index = a.device.index
-    if not INTERPRETED and index != torch.cuda.current_device():
+    if not INTERPRETED and index != _launch.current_device():
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan)
     plan = plan or plan_matmul(a, b, bias, activation, out, pre)
     M, K = a.shape
     N = b.shape[1]
     ptrs = (a, b, out, bias if bias is not None else out, pre if pre is not None else out)
-    aligned = tuple(map(_launch.is_aligned, ptrs))
+    addresses = tuple(t.data_ptr() for t in ptrs)
+    aligned = tuple(p % _launch.ALIGNMENT == 0 for p in addresses)
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
     use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
     args = ptrs + plan.ints
@@ -202,14 +203,14 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     if use_tma:
         entry = _TMA_LAUNCHES.get(key)
         if entry is not None:
-            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile=entry[3])
+            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
             _launch.CompiledCache.run(entry, (*descs, *_tma_tail_args(a, b, bias, out)), index)
         else:
             _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
         return out
     entry = _LAUNCHES.get(key)
     if entry is not None:
-        _launch.CompiledCache.run(entry, args, index)
+        _launch.CompiledCache.run(entry, addresses + plan.ints, index)
         return out
     if plan.tuned:
         recorder = _launch.GridRecorder(grid)
@@ -439,7 +440,7 @@ _RECIPES: dict = {}
 def _call_key(a, b, bias, activation) -> tuple | None:
     if torch.compiler.is_compiling() or not (activation is None or type(activation) is str):
         return None
-    key = [activation, tf32_enabled(), autotune_enabled(), matmul_kernel_choice()]
+    key = [activation, tf32_enabled(), autotune_enabled(), matmul_kernel_setting()]
     grad = None
     for t in (a, b, bias):
         if t is None:

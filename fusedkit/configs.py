@@ -138,19 +138,29 @@ CALL_CACHE_SIZE = 4096
 #: per-thread loads), "tma" (persistent, tensor-descriptor loads; Hopper, aligned
 #: operands) or "auto". Set with FUSEDKIT_MATMUL_KERNEL.
 MATMUL_KERNELS = ("auto", "pointer", "tma")
-#: What "auto" picks until the H200 comparison decides it.
-MATMUL_AUTO_KERNEL = "pointer"
+#: "auto" takes the TMA kernel from this many rows of ``a`` up. On the H200 (torch
+#: 2.11, triton 3.6, bf16, N = K = 4096, autotuned) TMA ran 1.15x the pointer kernel
+#: at M = 4096 (700 vs 611 TFLOP/s) and 1.11x at 8192^3, but 0.97x at M = 512 and
+#: 0.66-0.80x at M <= 64, where its 128-row tiles idle most SMs.
+MATMUL_TMA_MIN_M = 1024
 
 
-def matmul_kernel_choice() -> str:
-    """``FUSEDKIT_MATMUL_KERNEL`` resolved to "pointer" or "tma" (the TMA kernel still
-    needs eligible operands)."""
+def matmul_kernel_setting() -> str:
+    """``FUSEDKIT_MATMUL_KERNEL`` as set ("auto" unless set), validated."""
     import os
 
     choice = os.environ.get("FUSEDKIT_MATMUL_KERNEL", "auto")
     if choice not in MATMUL_KERNELS:
         raise ValueError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
-    return MATMUL_AUTO_KERNEL if choice == "auto" else choice
+    return choice
+
+
+def matmul_kernel_choice(m: int) -> str:
+    """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible operands)."""
+    choice = matmul_kernel_setting()
+    if choice == "auto":
+        return "tma" if m >= MATMUL_TMA_MIN_M else "pointer"
+    return choice
 
 
 def matmul_tma_configs(pre_hook=None):

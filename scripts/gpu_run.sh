@@ -6,7 +6,8 @@
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
 #   (and sanitize, fuzz (2,000 examples an op), pybench: not in the default set)
-#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES and PYTEST_ARGS pass through)
+#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES, PYTEST_ARGS (default: the tests folder),
+#   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -20,8 +21,9 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
    pip install -q --no-index --find-links .wheels pytest-xdist >/dev/null 2>&1; then
   xdist=(-n "${TEST_WORKERS:-8}")
 fi
-step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt
-  local name=$1 secs=$2; shift 2
+step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt; NAME_SECS overrides SECONDS
+  local name=$1 var; var="$(echo "$1" | tr a-z A-Z)_SECS"
+  local secs=${!var:-$2}; shift 2
   local t0=$SECONDS log="$W/$name.txt"
   [ "$name" = pytest ] && log="$OUT/pytest.txt"
   timeout "$secs" "$@" > "$log" 2>&1
@@ -35,21 +37,21 @@ for s in $stages; do case $s in
   env) { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
        } > "$W/env.txt" 2>&1; cp "$W/env.txt" "$OUT/env.txt" ;;
-  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-200} step pytest ${TEST_SECS:-420} \
-           python3 -u -m pytest tests -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-} ;;
+  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-200} step pytest 420 \
+           python3 -u -m pytest -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-tests} ;;
   bench) step bench 240 python3 -m fusedkit bench --sizes 20,24,28 --json "$W/bench.json" \
            --csv "$W/bench.csv" --plots "$W/plots" ;;
   ncu) step ncu 180 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
          --sizes 26 --no-compile --json "$W/ncu.json" ;;
-  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes bf16,fp16 \
+  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
   backward) step backward 150 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
-  fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} step fuzz ${FUZZ_SECS:-500} \
+  fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} step fuzz 500 \
           python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider --hypothesis-show-statistics ;;
-  pybench) step pybench ${PYBENCH_SECS:-500} python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
+  pybench) step pybench 500 python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
              --benchmark-json "$W/pybench.json" ${PYBENCH_ARGS:-} ;;
   *) echo "unknown stage $s"; rc=1 ;;
 esac; done

@@ -9,7 +9,7 @@ from conftest import DEVICE
 import fusedkit
 from fusedkit import bench
 from fusedkit.bench_peers import supports_tutorial, tutorial
-from fusedkit.testing import assert_matches_reference
+from fusedkit.testing import assert_matches_reference, reference_result
 
 PEER_KERNELS = [k for k in fusedkit.registry.kernels() if supports_tutorial(k, torch.float32)]
 
@@ -21,7 +21,7 @@ def test_tutorial_peer_matches_the_reference(spec, dtype, layout):
     ops = bench._operands(spec, layout, 4096, dtype, DEVICE, bias_cols=64)
     got = tutorial(spec, *ops, alpha=spec.param_default)
     assert got.is_contiguous() and got.shape == torch.broadcast_shapes(*(t.shape for t in ops))
-    assert_matches_reference(got, spec.reference(*ops, spec.param_default))
+    assert_matches_reference(got, reference_result(spec, ops, spec.param_default))
 
 
 def test_peer_is_offered_for_every_binary_float_kernel():

@@ -23,6 +23,10 @@ def test_ddp_two_processes_match_one():
         import torch.distributed.run  # noqa: F401
     except ImportError:
         pytest.skip("torch.distributed is not available in this build")
+    if torch.cuda.device_count() == 1:
+        # NCCL needs a GPU per rank; the gloo variant runs the kernels in the Triton
+        # interpreter, which CI covers (3.6's interpreter breaks on numpy >= 2.3).
+        pytest.skip("one GPU: NCCL data parallel needs two; the gloo/interpreter variant runs on CPU-only machines")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -209,6 +209,19 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
     assert len(calls) == 1
 
 
+def test_auto_kernel_choice_by_rows(monkeypatch):
+    from fusedkit.configs import MATMUL_TMA_MIN_M, matmul_kernel_choice
+
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
+    assert matmul_kernel_choice(MATMUL_TMA_MIN_M - 1) == "pointer"
+    assert matmul_kernel_choice(MATMUL_TMA_MIN_M) == "tma"
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer")
+    assert matmul_kernel_choice(1 << 20) == "pointer"
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "fast")
+    with pytest.raises(ValueError, match="FUSEDKIT_MATMUL_KERNEL"):
+        matmul_kernel_choice(1)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
 def test_backward_through_either_kernel(activation):
     x = mk(24, 64).requires_grad_()
