@@ -12,6 +12,7 @@ from helpers import rand
 
 import fusedkit
 from fusedkit import _elementwise as ew
+from fusedkit import _launch
 from fusedkit import _matmul as mm
 from fusedkit.errors import DTypeError, ShapeError
 from fusedkit.registry import ADD, ADD_RELU
@@ -162,6 +163,70 @@ def test_matmul_recipes_reuse_plans_and_stay_correct(kernel, monkeypatch):
     with torch.no_grad():
         fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b)
     assert len(mm._RECIPES) == 3  # the kernel choice is part of the signature
+
+
+class _StandInLauncher:
+    """Records what a direct launch hands Triton's compiled launcher."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+    @staticmethod
+    def launch_metadata(grid, stream, *args):  # the CompiledKernel's, for hooks
+        return ("metadata", grid, stream)
+
+
+def _stand_in_entry(recipe, monkeypatch):
+    """Route ``recipe``'s direct launches to a stand-in launcher (no GPU needed)."""
+    launcher = _StandInLauncher()
+    entry = _launch.Entry(compiled=launcher, launcher=launcher, function=7, packed_metadata="packed",
+                          grid=(3, 1, 1), tail=("constexprs",), extra=None)
+    monkeypatch.setattr(recipe.compiled, "get", lambda spec: entry)
+    monkeypatch.setattr(_launch, "current_device", lambda: recipe.device.index)
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
+    return launcher
+
+
+def test_direct_launch_arguments(monkeypatch):
+    # What a cached launch passes, checked on any machine: grid, stream, function,
+    # no launch metadata or hooks while the hook chains are empty, then the
+    # addresses (ints) of out, x, y and the unused slot, the scalar bit patterns,
+    # the planned sizes and strides, and the compile-time constants.
+    x, y = rand((37, 19), torch.float32, DEVICE), rand((37, 19), torch.float32, DEVICE)
+    fusedkit.add_relu(x, y, alpha=2.0)
+    recipe = _recipe(ADD_RELU, x, y, alpha=2.0)
+    launcher = _stand_in_entry(recipe, monkeypatch)
+    out = recipe.run((x, y), 2.0)
+    (args,) = launcher.calls
+    assert args[:9] == (3, 1, 1, 1234, 7, "packed", None, None, None)
+    assert args[9:13] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
+    assert all(type(p) is int for p in args[9:13])
+    assert args[13:17] == (0, 0, 0, ew._scalar_bits(2.0, True, "alpha"))
+    assert args[17:] == (*recipe.static_args, "constexprs")
+
+
+def test_direct_launch_feeds_installed_hooks(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    if not isinstance(knobs.runtime.launch_enter_hook, knobs.HookChain):
+        pytest.skip("this Triton has no launch-hook chains")
+    x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
+    fusedkit.add(x, y)
+    launcher = _stand_in_entry(_recipe(ADD, x, y), monkeypatch)
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        fusedkit.add(x, y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    (args,) = launcher.calls
+    assert args[6] == ("metadata", (3, 1, 1), 1234)  # a profiler's hook gets its metadata
+    assert args[7] is knobs.runtime.launch_enter_hook and args[8] is None
 
 
 @gpu_only
