@@ -19,8 +19,24 @@ rc=0
 xdist=()
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
    pip install -q --no-index --find-links .wheels pytest-xdist >/dev/null 2>&1; then
-  xdist=(-n "${TEST_WORKERS:-8}")
+  xdist=(-n "${TEST_WORKERS:-14}" --dist worksteal)
 fi
+# Compiling kernels is most of the suite's time on a fresh machine (every dtype, layout
+# and autotune config). Triton's and Inductor's caches travel between calls: a carried
+# .gpu-cache.tgz (git-ignored) is unpacked here and the grown cache comes back as
+# $OUT/gpu-cache.tgz (copy it to .gpu-cache.tgz and pass carry: [".gpu-cache.tgz"]).
+CACHE=$(mktemp -d)
+[ -f .gpu-cache.tgz ] && tar xzf .gpu-cache.tgz -C "$CACHE" 2>/dev/null
+export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
+pack_cache() {  # at most 16 MiB comes back per file
+  tar czf "$CACHE.tgz" -C "$CACHE" . 2>/dev/null
+  if [ "$(stat -c %s "$CACHE.tgz")" -le $((16 * 1024 * 1024)) ]; then
+    mv "$CACHE.tgz" "$OUT/gpu-cache.tgz"
+  else
+    echo "[cache] $(du -sh "$CACHE" | cut -f1) unpacked: too big to come back" | tee -a "$OUT/steps.txt"
+    rm -f "$CACHE.tgz"
+  fi
+}
 step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt; NAME_SECS overrides SECONDS
   local name=$1 var; var="$(echo "$1" | tr a-z A-Z)_SECS"
   local secs=${!var:-$2}; shift 2
@@ -31,6 +47,7 @@ step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt; NAM
   echo "[$name] rc=$r $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
   [ $r -ne 0 ] && rc=1
   tar czf "$OUT/gpu_run.tgz" -C "$W" .
+  pack_cache
   return 0
 }
 for s in $stages; do case $s in

@@ -172,17 +172,30 @@ def test_linear_relu_module_is_a_drop_in():
     assert half.weight.dtype == torch.float64 and half(x.double()).dtype == torch.float64
 
 
+#: (M, N, K, dtype, activation, weight given as nn.Linear's (N, K)) of the autotuned cases:
+#: one per dtype and M bucket, so every config of both sets compiles for each dtype.
+#: Separate cases so pytest-xdist tunes them in parallel (each tunes ~10 configs).
+AUTOTUNED_CASES = [
+    (300, 384, 512, torch.bfloat16, "relu", True),
+    (300, 384, 512, torch.float16, "relu", True),
+    (1024, 512, 256, torch.float32, "silu", False),
+    (8, 256, 256, torch.float32, "relu", False),  # decode-sized M: the small-tile set must fit every dtype
+    (8, 256, 256, torch.float64, "relu", False),
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
-def test_autotuned_path():
-    for dtype in (torch.bfloat16, torch.float16):
-        a, w, bias = mk(300, 512, dtype=dtype), mk(384, 512, dtype=dtype), mk(384, dtype=dtype)
-        out = fusedkit.linear_relu(a, w, bias)
-        assert_rel_err(out, ref64(a, w.t(), bias, "relu"), matmul_rel_err(dtype))
-    a, b = mk(1024, 256), mk(256, 512)
-    assert_rel_err(fusedkit.matmul(a, b, None, "silu"), ref64(a, b, None, "silu"), matmul_rel_err(torch.float32))
-    for dtype in (torch.float32, torch.float64):  # decode-sized M: the small-tile set must fit every dtype
-        a, b = mk(8, 256, dtype=dtype), mk(256, 256, dtype=dtype)
-        assert_rel_err(fusedkit.matmul_relu(a, b), ref64(a, b, None, "relu"), matmul_rel_err(dtype))
+@pytest.mark.parametrize("m,n,k,dtype,activation,linear", AUTOTUNED_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}" for c in AUTOTUNED_CASES])
+def test_autotuned_path(m, n, k, dtype, activation, linear):
+    a = mk(m, k, dtype=dtype)
+    if linear:
+        w, bias = mk(n, k, dtype=dtype), mk(n, dtype=dtype)
+        out, want = fusedkit.linear_relu(a, w, bias), ref64(a, w.t(), bias, "relu")
+    else:
+        b = mk(k, n, dtype=dtype)
+        out, want = fusedkit.matmul(a, b, None, activation), ref64(a, b, None, activation)
+    assert_rel_err(out, want, matmul_rel_err(dtype))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
