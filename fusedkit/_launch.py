@@ -46,8 +46,8 @@ except ImportError:  # a PyTorch without CUDA support
     def current_device() -> int:
         return torch.cuda.current_device()
 
-__all__ = ["CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled", "int_class",
-           "is_aligned"]
+__all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled",
+           "int_class"]
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
@@ -57,10 +57,6 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 def enabled() -> bool:
     """The direct path is on unless ``FUSEDKIT_FAST_LAUNCH=0``."""
     return os.environ.get("FUSEDKIT_FAST_LAUNCH", "1") != "0"
-
-
-def is_aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGNMENT == 0
 
 
 def int_class(value: int) -> bool:

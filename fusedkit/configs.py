@@ -141,7 +141,7 @@ MATMUL_KERNELS = ("auto", "pointer", "tma")
 #: "auto" takes the TMA kernel from this many rows of ``a`` up. On the H200 (torch
 #: 2.11, triton 3.6, bf16, N = K = 4096, autotuned) TMA ran 1.15x the pointer kernel
 #: at M = 4096 (700 vs 611 TFLOP/s) and 1.11x at 8192^3, but 0.97x at M = 512 and
-#: 0.66-0.80x at M <= 64, where its 128-row tiles idle most SMs.
+#: 0.24-0.80x at M <= 64, where its 128-row tiles idle most SMs.
 MATMUL_TMA_MIN_M = 1024
 
 
