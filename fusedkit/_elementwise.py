@@ -389,10 +389,9 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
             raise TypeError(f"{kernel.name}() takes no keyword {', '.join(param)}")
         value = None
     else:
-        unknown = set(param) - {kernel.param}
-        if unknown:
-            raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(unknown))}")
-        value = param.get(kernel.param, kernel.param_default)
+        value = param.pop(kernel.param, kernel.param_default)  # ``param`` is this call's own dict
+        if param:
+            raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(param))}")
     if _library.tracing(operands, out):
         # Traced code goes straight to the registered op: its fake implementation
         # validates and infers the result on fake tensors, outside Dynamo's tracing.
