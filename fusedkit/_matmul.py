@@ -204,7 +204,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         entry = _TMA_LAUNCHES.get(key)
         if entry is not None:
             descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
-            _launch.CompiledCache.run(entry, (*descs, *_tma_tail_args(a, b, bias, out)), index)
+            tail = _matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
+            _launch.CompiledCache.run(entry, (*descs, *tail), index)
         else:
             _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
         return out
@@ -225,12 +226,6 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     return out
 
 
-def _tma_tail_args(a, b, bias, out) -> tuple:
-    """The TMA kernel's runtime arguments after the four descriptors."""
-    return (bias if bias is not None else out, a.shape[0], b.shape[1], a.shape[1], matmul_m_bucket(a.shape[0]),
-            bias.stride(0) if bias is not None else 0)
-
-
 def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
     """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
     compiled, tile, grid = _matmul_tma.launch_tma(
@@ -239,8 +234,7 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
         INTERPRETED, tuned, matmul_tma_fixed_tile(a.element_size()), MATMUL_TMA_FIXED_OPTIONS)
     if key is None:
         return
-    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
-    values = {**meta, **tile, "B_KMAJOR": b_kmajor, "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
+    values = {**meta, **tile, "B_KMAJOR": _matmul_tma.b_kmajor(b), "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
     _TMA_LAUNCHES.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES), extra=tile)
 
 

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["layout_ok", "launch_tma", "TMA_DTYPES"]
+__all__ = ["b_kmajor", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,6 +109,17 @@ def _rows_ok(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0)
 
 
+def b_kmajor(b: torch.Tensor) -> bool:
+    """Whether ``b`` (K, N) is an ``nn.Linear`` weight's transpose: (N, K) row-major in memory."""
+    return b.stride(0) == 1 and b.stride(1) != 1
+
+
+def tail_args(a, b, bias, out, m_bucket: int) -> tuple:
+    """The kernel's runtime arguments after the four descriptors."""
+    return (bias if bias is not None else out, a.shape[0], b.shape[1], a.shape[1], m_bucket,
+            bias.stride(0) if bias is not None else 0)
+
+
 def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
               interpreted: bool) -> bool:
     """Whether dtype, device and strides let the TMA kernel run ``out = act(a @ b + bias)``;
@@ -117,7 +128,7 @@ def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Te
         return False
     if not interpreted and (a.device.type != "cuda" or not _has_tma(a.device.index)):
         return False
-    b_view = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
+    b_view = b.t() if b_kmajor(b) else b
     return all(_rows_ok(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
 
 
@@ -130,9 +141,9 @@ def descriptors(a, b, out, pre, tile: dict):
     """TMA descriptors of one launch for ``tile`` (block shapes follow the tile)."""
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
-    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
+    kmajor = b_kmajor(b)
     a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
-    if b_kmajor:
+    if kmajor:
         w = b.t()  # (N, K) row-major: the nn.Linear weight itself
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
     else:
@@ -140,7 +151,7 @@ def descriptors(a, b, out, pre, tile: dict):
     c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, store_n])
     p = pre if pre is not None else out
     pre_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [bm, store_n])
-    return (a_desc, b_desc, c_desc, pre_desc), b_kmajor
+    return (a_desc, b_desc, c_desc, pre_desc), kmajor
 
 
 def _set_block_shapes(nargs):
@@ -164,23 +175,20 @@ def grid_for(M: int, N: int, tile: dict, sms: int) -> int:
 def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcast: bool, m_bucket: int,
                interpreted: bool, tuned: bool, fixed_tile: dict, fixed_options: dict):
     """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid)."""
-    M, K = a.shape
-    N = b.shape[1]
+    M, N = a.shape[0], b.shape[1]
     sms = 4 if interpreted else num_sms(a.device.index)
-    bias_arg = bias if bias is not None else out
+    tail = tail_args(a, b, bias, out, m_bucket)
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, STORE_PRE=pre is not None,
                 INPUT_PRECISION=precision, UPCAST_OPERANDS=upcast, NUM_SMS=sms)
     if tuned and not interpreted:
-        descs, b_kmajor = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
-        args = (*descs, bias_arg, M, N, K, m_bucket, bias.stride(0) if bias is not None else 0)
+        descs, kmajor = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
         recorder = _launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
-        compiled = _matmul_tma_tuned[recorder](*args, **meta, B_KMAJOR=b_kmajor)
+        compiled = _matmul_tma_tuned[recorder](*descs, *tail, **meta, B_KMAJOR=kmajor)
         tile = {name: recorder.meta[name] for name in fixed_tile}
         return compiled, tile, grid_for(M, N, tile, sms)
     tile = MATMUL_TMA_INTERPRETER_TILE if interpreted else fixed_tile
-    descs, b_kmajor = descriptors(a, b, out, pre, tile)
-    args = (*descs, bias_arg, M, N, K, m_bucket, bias.stride(0) if bias is not None else 0)
+    descs, kmajor = descriptors(a, b, out, pre, tile)
     grid = grid_for(M, N, tile, sms)
     options = {} if interpreted else fixed_options
-    compiled = _matmul_tma_kernel[(grid,)](*args, **meta, B_KMAJOR=b_kmajor, **tile, **options)
+    compiled = _matmul_tma_kernel[(grid,)](*descs, *tail, **meta, B_KMAJOR=kmajor, **tile, **options)
     return compiled, tile, grid
