@@ -347,6 +347,16 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _report(env: dict, tables, json_path: str | None, payload: dict) -> None:
+    """Print the environment line and the tables (a blank line between), and save
+    ``payload`` with the environment as JSON when asked."""
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print("\n\n".join(tables))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, **payload}, f, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fusedkit bench", description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default=",".join(registry.names()), help="comma-separated registry names")
@@ -387,13 +397,8 @@ def main(argv=None) -> int:
         brows = bb.run_backward(dtypes, device, sizes if args.sizes else default, use_compile=use_compile)
         lrows = bb.run_linear_training(dtypes, device,
                                        bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES)
-        print(" ".join(f"{k}={v}" for k, v in env.items()))
-        print(bb.format_backward_table(brows))
-        print()
-        print(bb.format_linear_table(lrows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"environment": env, "backward": brows, "linear_relu_training": lrows}, f, indent=1)
+        _report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
+                {"backward": brows, "linear_relu_training": lrows})
         return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
@@ -403,11 +408,7 @@ def main(argv=None) -> int:
             print("No CUDA GPU: these per-call times are the CPU path's, NOT GPU times.\n")
         result = run_latency(dtypes, device, sizes if args.sizes or not gpu else LATENCY_SIZES,
                              LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile)
-        print(" ".join(f"{k}={v}" for k, v in env.items()))
-        print(format_latency_table(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"environment": env, **result}, f, indent=1)
+        _report(env, (format_latency_table(result),), args.json, result)
         return 0
     if args.matmul:
         if args.shapes:
@@ -415,11 +416,7 @@ def main(argv=None) -> int:
         else:
             shapes = MATMUL_SHAPES if device.type == "cuda" else CPU_MATMUL_SHAPES
         mrows = run_matmul(dtypes, device, shapes)
-        print(" ".join(f"{k}={v}" for k, v in env.items()))
-        print(format_matmul_table(mrows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"environment": env, "matmul": mrows}, f, indent=1)
+        _report(env, (format_matmul_table(mrows),), args.json, {"matmul": mrows})
         if args.plots:
             from .plots import plot_matmul
 
