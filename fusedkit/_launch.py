@@ -22,7 +22,9 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
 import triton.language as tl
+from packaging.version import Version
 from triton.compiler.compiler import CompiledKernel
 
 try:  # the hooks a profiler (e.g. Triton's proton) installs around launches
@@ -51,6 +53,11 @@ __all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_nam
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
+#: Triton releases whose CUDA launcher object we call past (its C ``launch`` takes
+#: cooperative / PDL flags and two scratch buffers after the function handle). The
+#: object's own ``__call__`` only adds those, in Python, on every launch.
+_RAW_LAUNCH_RELEASES = ((3, 6),)
+_RAW_LAUNCH = Version(triton.__version__).release[:2] in _RAW_LAUNCH_RELEASES
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -98,25 +105,27 @@ class GridRecorder:
         return self._grid_fn(meta)
 
 
+_RUNTIME = _knobs.runtime if _knobs is not None else None
+
+
 def _live(hook):
     """``hook``, or None when it would do nothing (an empty chain)."""
-    if hook is None or (isinstance(hook, _HookChain) and not hook.calls):
-        return None
-    return hook
+    return None if hook is None or (type(hook) is _HookChain and not hook.calls) else hook
 
 
 def _hooks():
-    if _knobs is None:
+    if _RUNTIME is None:
         return None, None
-    runtime = _knobs.runtime
-    return _live(runtime.launch_enter_hook), _live(runtime.launch_exit_hook)
+    return _live(_RUNTIME.launch_enter_hook), _live(_RUNTIME.launch_exit_hook)
 
 
 class Entry(NamedTuple):
     """A kept launch: the ``CompiledKernel`` and what its launcher takes besides the
     per-call arguments: the 3-d grid, the values appended to the per-call runtime
     arguments (the compile-time constants, in signature order: the compiled launcher
-    skips them, but expects every parameter), and the caller's ``extra`` (e.g. a tile)."""
+    skips them, but expects every parameter), and the caller's ``extra`` (e.g. a tile).
+    ``head`` goes between the function handle and the packed metadata: empty for
+    Triton's launcher object, its flags and scratch buffers (None) for its C ``launch``."""
 
     compiled: CompiledKernel
     launcher: object
@@ -125,6 +134,21 @@ class Entry(NamedTuple):
     grid: tuple
     tail: tuple
     extra: object
+    head: tuple = ()
+
+
+def _raw_launcher(launcher):
+    """``(launch, head)`` for calling Triton's C launch function directly, or None when
+    this launcher needs its Python wrapper (scratch buffers to allocate, an unknown release)."""
+    if not _RAW_LAUNCH:
+        return None
+    try:
+        needs_scratch = launcher.global_scratch_size or launcher.profile_scratch_size
+        head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+        launch = launcher.launch
+    except AttributeError:
+        return None
+    return None if needs_scratch else (launch, head)
 
 
 class CompiledCache:
@@ -157,15 +181,15 @@ class CompiledCache:
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        self._entries[key] = Entry(compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                                   grid, tail, extra)
+        launcher, head = _raw_launcher(compiled.run) or (compiled.run, ())
+        self._entries[key] = Entry(compiled, launcher, compiled.function, compiled.packed_metadata,
+                                   grid, tail, extra, head)
 
     @staticmethod
     def run(entry: Entry, args: tuple, device_index: int) -> None:
-        compiled, launcher, function, packed, grid, tail, _ = entry
+        compiled, launcher, function, packed, grid, tail, _, head = entry
         stream = _current_stream(device_index)
         enter, exit_ = _hooks()
-        full = args + tail
         # Launch metadata only feeds hooks; Triton builds it on every launch (a lazy dict).
-        metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *full)
-        launcher(grid[0], grid[1], grid[2], stream, function, packed, metadata, enter, exit_, *full)
+        metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        launcher(grid[0], grid[1], grid[2], stream, function, *head, packed, metadata, enter, exit_, *args, *tail)

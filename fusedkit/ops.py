@@ -7,7 +7,7 @@ import typing
 
 import torch
 
-from ._elementwise import elementwise
+from ._elementwise import dispatch
 from .registry import ADD, ADD_RELU
 
 __all__ = ["add", "add_relu"]
@@ -42,7 +42,7 @@ def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | N
 
     All are ``RuntimeError`` subclasses, raised before anything is launched or written.
     """
-    return elementwise(ADD, x, y, alpha=alpha, out=out)
+    return dispatch(ADD, (x, y), alpha, out)
 
 
 def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
@@ -54,4 +54,4 @@ def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
     and ``relu(-0.0)`` is ``-0.0``, as in PyTorch. ``out=x`` computes in place, as a
     residual join does.
     """
-    return elementwise(ADD_RELU, x, y, alpha=alpha, out=out)
+    return dispatch(ADD_RELU, (x, y), alpha, out)

@@ -180,10 +180,11 @@ class _StandInLauncher:
 
 
 def _stand_in_entry(recipe, monkeypatch):
-    """Route ``recipe``'s direct launches to a stand-in launcher (no GPU needed)."""
+    """Route ``recipe``'s direct launches to a stand-in launcher (no GPU needed), kept
+    with the tail the recipe keeps a compiled kernel with."""
     launcher = _StandInLauncher()
     entry = _launch.Entry(compiled=launcher, launcher=launcher, function=7, packed_metadata="packed",
-                          grid=(3, 1, 1), tail=("constexprs",), extra=None)
+                          grid=(3, 1, 1), tail=recipe.launch_tail, extra=None)
     monkeypatch.setattr(recipe.compiled, "get", lambda spec: entry)
     monkeypatch.setattr(_launch, "current_device", lambda: recipe.device.index)
     monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
@@ -205,7 +206,35 @@ def test_direct_launch_arguments(monkeypatch):
     assert args[9:13] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
     assert all(type(p) is int for p in args[9:13])
     assert args[13:17] == (0, 0, 0, ew._scalar_bits(2.0, True, "alpha"))
-    assert args[17:] == (*recipe.static_args, "constexprs")
+    assert args[17:] == (*recipe.static_args, *recipe.constexprs)
+
+
+class _StandInCudaLauncher:
+    """The attributes of Triton 3.6's CUDA launcher object that the raw launch reads."""
+
+    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
+        self.launch = _StandInLauncher()
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
+        self.launch_cooperative_grid, self.launch_pdl = 0, 1
+
+
+def test_raw_launch_calls_the_c_launch_function(monkeypatch):
+    # On Triton 3.6 a kept kernel is launched through the launcher object's C
+    # function, with the flags and (absent) scratch buffers its Python wrapper adds.
+    monkeypatch.setattr(_launch, "_RAW_LAUNCH", True)
+    cuda_launcher = _StandInCudaLauncher()
+    launch, head = _launch._raw_launcher(cuda_launcher)
+    assert launch is cuda_launcher.launch and head == (0, 1, None, None)
+    entry = _launch.Entry(compiled=None, launcher=launch, function=7, packed_metadata="packed", grid=(3, 1, 1),
+                          tail=("tail",), extra=None, head=head)
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
+    _launch.CompiledCache.run(entry, (11, 12), 0)
+    assert launch.calls == [(3, 1, 1, 1234, 7, 0, 1, None, None, "packed", None, None, None, 11, 12, "tail")]
+    # A kernel that needs scratch memory, or another Triton release, keeps the wrapper.
+    assert _launch._raw_launcher(_StandInCudaLauncher(global_scratch_size=64)) is None
+    assert _launch._raw_launcher(object()) is None
+    monkeypatch.setattr(_launch, "_RAW_LAUNCH", False)
+    assert _launch._raw_launcher(cuda_launcher) is None
 
 
 def test_direct_launch_feeds_installed_hooks(monkeypatch):
@@ -241,6 +270,8 @@ def test_direct_launch_after_the_first_call():
         x.copy_(rand((1000,), torch.float32, DEVICE))
         assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
         assert len(recipe.compiled) == 1
+    (entry,) = recipe.compiled._entries.values()
+    assert bool(entry.head) == _launch._RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
 
 
 @gpu_only
