@@ -55,50 +55,69 @@ MATMUL_GROUP_M = 8
 MATMUL_MAX_M_BUCKET = 8192
 
 
-def matmul_configs():
-    """Autotune candidates for Hopper (H100/H200), bf16/fp16 first.
+#: Autotune tiles for M buckets above SMALL_M_BUCKET, as (BLOCK_M, BLOCK_N, BLOCK_K,
+#: stages, warps): big square-ish tiles with 3-4 stages feed wgmma; the last fits fp64
+#: operands in shared memory when the others do not (the autotuner skips configs that fail).
+MATMUL_LARGE_M_TILES = (
+    (128, 256, 64, 3, 8),
+    (256, 128, 64, 3, 8),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 4, 4),
+    (64, 128, 128, 3, 4),
+    (64, 64, 128, 4, 4),
+    (64, 64, 32, 2, 4),
+)
+#: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
+#: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
+#: keep each program's loads in flight. The 64-row tiles serve M = 33..64 in one row
+#: band, so B streams once (32-row tiles read it twice: 93.9 TFLOP/s at M = 64,
+#: N = K = 4096 bf16 on the H200, against 126.0 for cuBLASLt). The last fits fp64.
+MATMUL_DECODE_TILES = (
+    (16, 32, 256, 4, 4),
+    (16, 64, 256, 4, 4),
+    (32, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (64, 32, 128, 4, 4),
+    (64, 64, 128, 3, 4),
+    (16, 32, 32, 2, 4),
+)
+#: M buckets at or below this tune over the decode-sized tiles; larger M over the
+#: others, so neither pays for compiling the rest.
+SMALL_M_BUCKET = 64
+#: Decode tiles no taller than this (or than the M bucket, when taller) are tried: the
+#: 32-row tile stays in the set for M <= 16, where it was in the measured runs.
+DECODE_MIN_BLOCK_M = 32
 
-    Big square-ish tiles with 3-4 stages feed wgmma at large M; the decode-sized
-    tiles serve M <= SMALL_M_BUCKET (``prune_matmul_configs`` keeps one set or the
-    other). Each set ends with a tile that fits fp64 operands in shared memory
-    when the others do not (the autotuner skips configs that fail).
-    """
+
+def _config(tile):
     from triton import Config
 
-    def cfg(bm, bn, bk, stages, warps):
-        return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M),
-                      num_stages=stages, num_warps=warps)
-
-    return [
-        cfg(128, 256, 64, 3, 8),
-        cfg(256, 128, 64, 3, 8),
-        cfg(128, 128, 64, 4, 8),
-        cfg(128, 128, 64, 4, 4),
-        cfg(64, 256, 64, 4, 4),
-        cfg(64, 128, 128, 3, 4),
-        cfg(64, 64, 128, 4, 4),
-        cfg(64, 64, 32, 2, 4),
-        # Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow
-        # N tiles spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs)
-        # and long K steps keep each program's loads in flight.
-        cfg(16, 32, 256, 4, 4),
-        cfg(16, 64, 256, 4, 4),
-        cfg(32, 64, 128, 4, 4),
-        cfg(16, 128, 128, 4, 4),
-        cfg(16, 32, 32, 2, 4),  # fits fp64 (and any GPU's shared memory) when the others do not
-    ]
+    bm, bn, bk, stages, warps = tile
+    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M), num_stages=stages,
+                  num_warps=warps)
 
 
-#: M buckets at or below this tune over the decode-sized tiles (BLOCK_M <= 32);
-#: larger M over the others, so neither pays for compiling the rest.
-SMALL_M_BUCKET = 64
-SMALL_M_MAX_BLOCK_M = 32
+def _tile_of(config) -> tuple:
+    kw = config.kwargs
+    return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_stages, config.num_warps
+
+
+def matmul_configs():
+    """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: both tile sets
+    (``prune_matmul_configs`` keeps one per M bucket)."""
+    return [_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES]
 
 
 def prune_matmul_configs(configs, named_args, **kwargs):
-    """Autotune pre-filter: decode-sized tiles for small M, the rest otherwise."""
-    small = named_args["M_BUCKET"] <= SMALL_M_BUCKET
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= SMALL_M_MAX_BLOCK_M) == small]
+    """Autotune pre-filter: decode-sized tiles no taller than M (rounded up) for small M,
+    the large-M tiles otherwise."""
+    bucket = named_args["M_BUCKET"]
+    if bucket <= SMALL_M_BUCKET:
+        tallest = max(DECODE_MIN_BLOCK_M, bucket)
+        kept = [c for c in configs if _tile_of(c) in MATMUL_DECODE_TILES and c.kwargs["BLOCK_M"] <= tallest]
+    else:
+        kept = [c for c in configs if _tile_of(c) in MATMUL_LARGE_M_TILES]
     return kept or configs
 
 
