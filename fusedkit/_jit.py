@@ -136,3 +136,10 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     pid_m = first_m + ((pid % per_group) % size_m)
     pid_n = (pid % per_group) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def outer_sum(a, b, ACC_DTYPE: tl.constexpr):
+    """``a @ b`` for an (M, K) and a (K, N) block as a broadcast multiply and a sum over K,
+    in ``ACC_DTYPE``: exact fp32 on CUDA cores, for row blocks smaller than ``tl.dot`` takes."""
+    return tl.sum(a[:, :, None].to(ACC_DTYPE) * b[None, :, :].to(ACC_DTYPE), axis=1)

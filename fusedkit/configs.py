@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 #: Elements per program on the contiguous 1-D path.
 BLOCK_1D = 1024
 #: Elements per program for a row-major 2-D tile (a broadcast bias, a strided slice).
@@ -48,7 +50,7 @@ def elementwise_tile(size_r: int, size_c: int, transposed: bool) -> TileConfig:
 # --- matmul -------------------------------------------------------------------
 
 #: Tile of the interpreter (CPU) runs: small, so tests stay fast; tl.dot needs >= 16.
-MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, DOT=True)
 #: Programs along M that share a band of B before moving on (L2 reuse).
 MATMUL_GROUP_M = 8
 #: Largest M bucket: every M above it shares one tuning result.
@@ -82,6 +84,18 @@ MATMUL_DECODE_TILES = (
     (64, 64, 128, 3, 4),
     (16, 32, 32, 2, 4),
 )
+#: Exact fp32 (TF32 off) and fp64 at decode-sized M: ``tl.dot`` without tensor cores is
+#: an FMA loop over at least 16 rows (fp32 ``linear_relu`` at M = 1..64, K = N = 4096:
+#: 150-300 us on the H200 against 27-98 us for cuBLAS); these tiles multiply and sum
+#: over K instead (``DOT=False``), with as few rows as M needs. Same tuple layout.
+MATMUL_REDUCE_TILES = (
+    (1, 64, 128, 3, 4),
+    (1, 128, 64, 3, 4),
+    (2, 64, 64, 3, 4),
+    (4, 64, 64, 3, 4),
+    (8, 32, 64, 3, 4),
+    (16, 32, 32, 3, 4),
+)
 #: M buckets at or below this tune over the decode-sized tiles; larger M over the
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
@@ -90,11 +104,11 @@ SMALL_M_BUCKET = 64
 DECODE_MIN_BLOCK_M = 32
 
 
-def _config(tile):
+def _config(tile, dot: bool = True):
     from triton import Config
 
     bm, bn, bk, stages, warps = tile
-    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M), num_stages=stages,
+    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=dot), num_stages=stages,
                   num_warps=warps)
 
 
@@ -104,27 +118,31 @@ def _tile_of(config) -> tuple:
 
 
 def matmul_configs():
-    """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: both tile sets
-    (``prune_matmul_configs`` keeps one per M bucket)."""
-    return [_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES]
+    """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
+    (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
+    return ([_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES]
+            + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES])
 
 
-def prune_matmul_configs(configs, named_args, **kwargs):
-    """Autotune pre-filter: decode-sized tiles no taller than M (rounded up) for small M,
+def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
+    """Autotune pre-filter: for small M, decode-sized tiles no taller than M (rounded up),
+    plus the multiply-and-sum tiles when the operands are fp32 / fp64 without TF32;
     the large-M tiles otherwise."""
     bucket = named_args["M_BUCKET"]
-    if bucket <= SMALL_M_BUCKET:
-        tallest = max(DECODE_MIN_BLOCK_M, bucket)
-        kept = [c for c in configs if _tile_of(c) in MATMUL_DECODE_TILES and c.kwargs["BLOCK_M"] <= tallest]
-    else:
-        kept = [c for c in configs if _tile_of(c) in MATMUL_LARGE_M_TILES]
+    if bucket > SMALL_M_BUCKET:
+        kept = [c for c in configs if c.kwargs["DOT"] and _tile_of(c) in MATMUL_LARGE_M_TILES]
+        return kept or configs
+    tallest = max(DECODE_MIN_BLOCK_M, bucket)
+    exact = INPUT_PRECISION == "ieee" and named_args["a_ptr"].dtype in (torch.float32, torch.float64)
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= tallest and (
+        _tile_of(c) in MATMUL_DECODE_TILES if c.kwargs["DOT"] else exact and _tile_of(c) in MATMUL_REDUCE_TILES)]
     return kept or configs
 
 
 #: A tile that fits shared memory for every dtype, fp64 included: the config used
 #: when autotuning is off (``FUSEDKIT_AUTOTUNE=0``), e.g. for deterministic runs and
 #: for test suites that would otherwise tune hundreds of variants.
-MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M)
+MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M, DOT=True)
 MATMUL_FIXED_STAGES, MATMUL_FIXED_WARPS = 2, 4
 
 

@@ -55,7 +55,7 @@ r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), to
 b = torch.empty(4096, 1024, device=M)
 r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
 from fusedkit._codegen import compile_matmul
-tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT=True)
 def mm_facts(m, n, k):
     a, b = torch.empty(m, k, device=M, dtype=torch.bfloat16), torch.empty(k, n, device=M, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=M, dtype=torch.bfloat16)
@@ -155,8 +155,8 @@ from fusedkit.configs import matmul_configs, prune_matmul_configs
 r["fp64_fits"] = {}
 for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
     fits = []
-    for cfg in prune_matmul_configs(matmul_configs(), {"M_BUCKET": bucket}):
-        a, b = torch.empty(64, 64, device="meta", dtype=torch.float64), torch.empty(64, 64, device="meta", dtype=torch.float64)
+    a, b = torch.empty(64, 64, device="meta", dtype=torch.float64), torch.empty(64, 64, device="meta", dtype=torch.float64)
+    for cfg in prune_matmul_configs(matmul_configs(), {"M_BUCKET": bucket, "a_ptr": a}):
         c = compile_matmul(a, b, None, "relu", torch.empty(64, 64, device="meta", dtype=torch.float64), cfg.kwargs,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fits.append(c.metadata.shared <= 232448)

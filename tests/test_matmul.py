@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 from helpers import rand
 
@@ -11,6 +12,7 @@ import fusedkit
 from fusedkit.errors import DeviceError, DTypeError, ShapeError
 from fusedkit import _matmul as mm
 from fusedkit._matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
+from fusedkit.configs import matmul_configs, prune_matmul_configs
 from fusedkit.testing import assert_rel_err, matmul_rel_err, poisoned
 
 # Autotuning every odd test shape and variant on a GPU would compile hundreds of
@@ -57,6 +59,38 @@ def test_every_activation_and_dtype(dtype, activation):
 def test_odd_sizes(m, n, k):
     a, b, bias = mk(m, k), mk(k, n), mk(n)
     assert_rel_err(fusedkit.matmul_relu(a, b, bias), ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_multiply_and_sum_tiles(dtype, block_m, matmul_kernel):
+    # The DOT=False tiles that exact fp32 / fp64 tune over at decode-sized M, launched
+    # directly (autotuning picks them only on a GPU): ragged M, N and K, a K-major B.
+    if matmul_kernel == "tma":
+        pytest.skip("the multiply-and-sum tiles are the pointer kernel's")
+    m, n, k = 3, 45, 70
+    a, b, bias = mk(m, k, dtype=dtype), mk(n, k, dtype=dtype).t(), mk(n, dtype=dtype)
+    out = poisoned((m, n), dtype, DEVICE)
+    args, meta = mm.launch_config(a, b, bias, "relu", out)
+    tile = dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=32, GROUP_M=8, DOT=False)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
+    mm._matmul_kernel[grid](*args, **meta, **tile, EVEN_K=k % tile["BLOCK_K"] == 0)
+    assert_rel_err(out, ref64(a, b, bias, "relu"), matmul_rel_err(dtype))
+
+
+def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
+    configs = matmul_configs()
+    a32, a16 = torch.empty(1, 1, device="meta"), torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
+
+    def dot_flags(bucket, a, precision):
+        return {c.kwargs["DOT"] for c in prune_matmul_configs(configs, {"M_BUCKET": bucket, "a_ptr": a},
+                                                             INPUT_PRECISION=precision)}
+
+    assert dot_flags(1, a32, "ieee") == {True, False}
+    assert dot_flags(64, a32, "ieee") == {True, False}
+    assert dot_flags(1, a32, "tf32") == {True}
+    assert dot_flags(1, a16, "ieee") == {True}
+    assert dot_flags(128, a32, "ieee") == {True}
 
 
 def test_every_output_element_is_written():
