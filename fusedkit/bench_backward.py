@@ -13,6 +13,8 @@ On a CPU the harness runs at small sizes; its times are not GPU times.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import fusedkit
@@ -70,10 +72,23 @@ def _time_us(fn, device) -> float:
     return _timer(device)(fn)
 
 
+def _keep_saved_buffers():
+    """The timed loop re-runs one backward graph (``retain_graph=True``); AOT autograd refuses
+    that for a compiled backward that was handed the forward's saved buffers to reuse
+    ("donated buffers", on by default since torch 2.6), so the compiled peer is built without."""
+    config = torch._functorch.config
+    return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
+
+
 def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list[dict]:
     impls = {"fusedkit": fusedkit.add_relu, "eager": _eager}
     if use_compile and device.type == "cuda":
         impls["compiled"] = torch.compile(_eager)
+    with _keep_saved_buffers():
+        return _run_backward(impls, dtypes, device, sizes)
+
+
+def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
     rows = []
     for dt in dtypes:
         for n in sizes:
