@@ -141,5 +141,6 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 def outer_sum(a, b, ACC_DTYPE: tl.constexpr):
     """``a @ b`` for an (M, K) and a (K, N) block as a broadcast multiply and a sum over K,
-    in ``ACC_DTYPE``: exact fp32 on CUDA cores, for row blocks smaller than ``tl.dot`` takes."""
+    in ``ACC_DTYPE``: exact fp32 on CUDA cores. Blocks of fewer than 16 rows only: from 16
+    up in every dimension Triton rewrites this pattern into a ``tl.dot`` with TF32 inputs."""
     return tl.sum(a[:, :, None].to(ACC_DTYPE) * b[None, :, :].to(ACC_DTYPE), axis=1)

@@ -189,3 +189,28 @@ def test_every_matmul_config_set_fits_fp64(tma_codegen):
 def test_tma_autotune_configs_fit_hopper_shared_memory(tma_codegen):
     for f in tma_codegen["configs"]:
         assert f["wgmma"] and f["tma"] and f["smem"] <= HOPPER_SMEM_BYTES, f
+
+
+REDUCE_CODEGEN = """
+import json, torch
+from fusedkit._codegen import compile_matmul
+from fusedkit.configs import MATMUL_GROUP_M, MATMUL_REDUCE_TILES
+r = []
+for dtype in (torch.float32, torch.float64):
+    a, b = torch.empty(64, 256, device="meta", dtype=dtype), torch.empty(256, 256, device="meta", dtype=dtype)
+    for bm, bn, bk, stages, warps in MATMUL_REDUCE_TILES:
+        tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=False)
+        k = compile_matmul(a, b, None, "relu", torch.empty(64, 256, device="meta", dtype=dtype), tile,
+                           num_warps=warps, num_stages=stages)
+        r.append({"tile": [bm, bn, bk], "dtype": str(dtype), "dot": "tt.dot" in k.asm["ttir"]})
+print(json.dumps(r))
+"""
+
+
+def test_multiply_and_sum_tiles_stay_off_the_tensor_cores():
+    # Triton rewrites sum(a[:, :, None] * b[None], 1) into tt.dot, with TF32 inputs, once
+    # every dimension is at least 16 (seen on the H200: a 16-row tile gave fp32 relative
+    # error 7.5e-4). The exact-fp32 tiles must keep their multiply-and-sum.
+    for f in run_fresh(REDUCE_CODEGEN):
+        assert not f["dot"], f
+
