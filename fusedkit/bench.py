@@ -97,8 +97,8 @@ def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, de
 
 
 def _progress(done: int, total: int, label: str) -> None:
-    """One-line progress on stderr, redrawn in place."""
-    print(f"\r[{done}/{total}] {label}", end="", file=sys.stderr, flush=True)
+    """One-line progress on stderr, redrawn in place; the last step ends the line."""
+    print(f"\r[{done}/{total}] {label}", end="\n" if done >= total else "", file=sys.stderr, flush=True)
 
 
 def case_name(kernel: str, layout: str, dtype, n: int) -> str:
@@ -168,8 +168,6 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                     rows.append(row)
                     if progress:
                         _progress(len(rows), total, f"{spec.name} {layout} {row.dtype} n={n}")
-    if progress:
-        print(file=sys.stderr)
     return rows
 
 
@@ -239,8 +237,6 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
             rows.append(row)
             if progress:
                 _progress(len(rows), len(dtypes) * len(shapes), f"matmul {m}x{n}x{k} {row['dtype']}")
-    if progress:
-        print(file=sys.stderr)
     return rows
 
 

@@ -72,11 +72,20 @@ def _time_us(fn, device) -> float:
     return _timer(device)(fn)
 
 
+def _progress(done: int, total: int, label: str) -> None:
+    from .bench import _progress as progress  # the report's progress line
+
+    progress(done, total, label)
+
+
 def _keep_saved_buffers():
     """The timed loop re-runs one backward graph (``retain_graph=True``); AOT autograd refuses
     that for a compiled backward that was handed the forward's saved buffers to reuse
     ("donated buffers", on by default since torch 2.6), so the compiled peer is built without."""
-    config = torch._functorch.config
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a PyTorch without AOT autograd's config
+        return contextlib.nullcontext()
     return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
 
 
@@ -110,6 +119,7 @@ def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
                 row[f"{name}_peak_bytes"] = _peak_bytes(fn, x, y, g, device)
                 del z, grads
             rows.append(row)
+            _progress(len(rows), len(dtypes) * len(sizes), f"add_relu backward {row['dtype']} n={n}")
     return rows
 
 
@@ -131,6 +141,7 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
                 params = (x, *module.parameters())
                 row[f"{name}_us"] = _time_us(lambda: torch.autograd.grad(module(x), params, g), device)
             rows.append(row)
+            _progress(len(rows), len(dtypes) * len(shapes), f"LinearReLU fwd+bwd {row['dtype']} {m}x{k}x{n}")
     return rows
 
 

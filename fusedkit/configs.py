@@ -72,16 +72,14 @@ MATMUL_LARGE_M_TILES = (
 )
 #: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
 #: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
-#: keep each program's loads in flight. The 64-row tiles serve M = 33..64 in one row
-#: band, so B streams once (32-row tiles read it twice: 93.9 TFLOP/s at M = 64,
-#: N = K = 4096 bf16 on the H200, against 126.0 for cuBLASLt). The last fits fp64.
+#: keep each program's loads in flight. The last fits fp64. (64-row tiles, tried for
+#: M = 33..64, measured worse: 81.6 TFLOP/s at M = 64, N = K = 4096 bf16 on the H200
+#: against 93.9 without them, 126 for cuBLASLt; B's 32 MB stays in the 60 MB L2 anyway.)
 MATMUL_DECODE_TILES = (
     (16, 32, 256, 4, 4),
     (16, 64, 256, 4, 4),
     (32, 64, 128, 4, 4),
     (16, 128, 128, 4, 4),
-    (64, 32, 128, 4, 4),
-    (64, 64, 128, 3, 4),
     (16, 32, 32, 2, 4),
 )
 #: Exact fp32 (TF32 off) and fp64 at decode-sized M: ``tl.dot`` without tensor cores is
@@ -100,9 +98,6 @@ MATMUL_REDUCE_TILES = (
 #: M buckets at or below this tune over the decode-sized tiles; larger M over the
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
-#: Decode tiles no taller than this (or than the M bucket, when taller) are tried: the
-#: 32-row tile stays in the set for M <= 16, where it was in the measured runs.
-DECODE_MIN_BLOCK_M = 32
 
 
 def _config(tile, dot: bool = True):
@@ -126,17 +121,14 @@ def matmul_configs():
 
 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
-    """Autotune pre-filter: for small M, decode-sized tiles no taller than M (rounded up),
-    plus the multiply-and-sum tiles when the operands are fp32 / fp64 without TF32;
-    the large-M tiles otherwise."""
-    bucket = named_args["M_BUCKET"]
-    if bucket > SMALL_M_BUCKET:
+    """Autotune pre-filter: for small M the decode-sized tiles, plus the multiply-and-sum
+    tiles when the operands are fp32 / fp64 without TF32; the large-M tiles otherwise."""
+    if named_args["M_BUCKET"] > SMALL_M_BUCKET:
         kept = [c for c in configs if c.kwargs["DOT"] and _tile_of(c) in MATMUL_LARGE_M_TILES]
         return kept or configs
-    tallest = max(DECODE_MIN_BLOCK_M, bucket)
     exact = INPUT_PRECISION == "ieee" and named_args["a_ptr"].dtype in (torch.float32, torch.float64)
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= tallest and (
-        _tile_of(c) in MATMUL_DECODE_TILES if c.kwargs["DOT"] else exact and _tile_of(c) in MATMUL_REDUCE_TILES)]
+    reduce_tiles = MATMUL_REDUCE_TILES if exact else ()
+    kept = [c for c in configs if _tile_of(c) in (MATMUL_DECODE_TILES if c.kwargs["DOT"] else reduce_tiles)]
     return kept or configs
 
 

@@ -62,7 +62,7 @@ for s in $stages; do case $s in
          --sizes 26 --no-compile --json "$W/ncu.json" ;;
   matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
-  backward) step backward 150 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
+  backward) step backward 240 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
