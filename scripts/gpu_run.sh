@@ -24,18 +24,21 @@ fi
 # Compiling kernels is most of the suite's time on a fresh machine (every dtype, layout
 # and autotune config). Triton's and Inductor's caches travel between calls: a carried
 # .gpu-cache.tgz (git-ignored) is unpacked here and the grown cache comes back as
-# $OUT/gpu-cache.tgz (copy it to .gpu-cache.tgz and pass carry: [".gpu-cache.tgz"]).
+# $OUT/gpu-cache.tgz.00, .01, ... (at most 16 MiB a file comes back, and 8 files a call):
+# cat them into .gpu-cache.tgz and pass carry: [".gpu-cache.tgz"] (64 MiB at most).
 CACHE=$(mktemp -d)
 [ -f .gpu-cache.tgz ] && tar xzf .gpu-cache.tgz -C "$CACHE" 2>/dev/null
 export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
-pack_cache() {  # at most 16 MiB comes back per file
+CACHE_CHUNKS=3  # the other five files: gpu_run.tgz, pytest.txt, env.txt, steps.txt, and one spare
+pack_cache() {
   tar czf "$CACHE.tgz" -C "$CACHE" . 2>/dev/null
-  if [ "$(stat -c %s "$CACHE.tgz")" -le $((16 * 1024 * 1024)) ]; then
-    mv "$CACHE.tgz" "$OUT/gpu-cache.tgz"
+  rm -f "$OUT"/gpu-cache.tgz.*
+  if [ "$(stat -c %s "$CACHE.tgz")" -le $((CACHE_CHUNKS * 15 * 1024 * 1024)) ]; then
+    split -b 15M -d -a 2 "$CACHE.tgz" "$OUT/gpu-cache.tgz."
   else
     echo "[cache] $(du -sh "$CACHE" | cut -f1) unpacked: too big to come back" | tee -a "$OUT/steps.txt"
-    rm -f "$CACHE.tgz"
   fi
+  rm -f "$CACHE.tgz"
 }
 step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt; NAME_SECS overrides SECONDS
   local name=$1 var; var="$(echo "$1" | tr a-z A-Z)_SECS"
