@@ -19,7 +19,7 @@ import torch
 
 import fusedkit
 
-__all__ = ["run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
+__all__ = ["keep_saved_buffers", "run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
            "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
 
 BACKWARD_SIZES = (1 << 24, 1 << 28)
@@ -78,7 +78,7 @@ def _progress(done: int, total: int, label: str) -> None:
     progress(done, total, label)
 
 
-def _keep_saved_buffers():
+def keep_saved_buffers():
     """The timed loop re-runs one backward graph (``retain_graph=True``); AOT autograd refuses
     that for a compiled backward that was handed the forward's saved buffers to reuse
     ("donated buffers", on by default since torch 2.6), so the compiled peer is built without."""
@@ -93,7 +93,7 @@ def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list
     impls = {"fusedkit": fusedkit.add_relu, "eager": _eager}
     if use_compile and device.type == "cuda":
         impls["compiled"] = torch.compile(_eager)
-    with _keep_saved_buffers():
+    with keep_saved_buffers():
         return _run_backward(impls, dtypes, device, sizes)
 
 
