@@ -5,7 +5,7 @@
 # files), so a call that runs out of time still returns what finished; the test
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and sanitize, fuzz (2,000 examples an op), pybench: not in the default set)
+#   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES, PYTEST_ARGS (default: the tests folder),
 #   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage)
 set -uo pipefail
@@ -68,6 +68,8 @@ for s in $stages; do case $s in
   backward) step backward 240 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
+  native) pip install -q --no-index --find-links .wheels ninja >/dev/null 2>&1  # load_inline builds with ninja
+          PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} step fuzz 500 \
           python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider --hypothesis-show-statistics ;;
@@ -80,6 +82,7 @@ cat "$OUT/env.txt" 2>/dev/null
 cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
 head -12 "$W/probe.txt" 2>/dev/null
+tail -8 "$W/native.txt" 2>/dev/null
 tail -16 "$W/latency.txt" 2>/dev/null
 grep -A12 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
