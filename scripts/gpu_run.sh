@@ -6,7 +6,7 @@
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe): not in the default set)
-#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES, PYTEST_ARGS (default: the tests folder),
+#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, PYTEST_ARGS (default: the tests folder),
 #   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -57,7 +57,7 @@ for s in $stages; do case $s in
   env) { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
        } > "$W/env.txt" 2>&1; cp "$W/env.txt" "$OUT/env.txt" ;;
-  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-200} step pytest 420 \
+  tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-60} step pytest 420 \
            python3 -u -m pytest -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-tests} ;;
   bench) step bench 240 python3 -m fusedkit bench --sizes 20,24,28 --json "$W/bench.json" \
            --csv "$W/bench.csv" --plots "$W/plots" ;;
@@ -71,8 +71,9 @@ for s in $stages; do case $s in
   native) pip install -q --no-index --find-links .wheels ninja >/dev/null 2>&1  # load_inline builds with ninja
           PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024 ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
-  fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} step fuzz 500 \
-          python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider --hypothesis-show-statistics ;;
+  fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
+          step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" \
+          --junitxml "$W/fuzz.xml" ;;  # the examples each shard ran: <property name="examples">
   pybench) step pybench 500 python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
              --benchmark-json "$W/pybench.json" ${PYBENCH_ARGS:-} ;;
   *) echo "unknown stage $s"; rc=1 ;;
