@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _jit, _launch, _library
+from . import _jit, _launch, _library, _native
 from ._compat import is_interpreted
 from ._layout import (
     broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
@@ -400,6 +400,12 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
     the public ops call this directly."""
     key = None
     if out is None and not torch.compiler.is_compiling():
+        native = _native.TABLE
+        if native is not None and _launch.hooks_idle():
+            # A kept launch in C++ (FUSEDKIT_NATIVE_LAUNCH=1): None when it does not apply.
+            result = native.call(id(kernel), operands, param)
+            if result is not None:
+                return result
         # The eager fast path: a signature seen before launches its kept recipe.
         key = _call_key(kernel, operands, param)
         if key is not None:
@@ -480,8 +486,8 @@ class _Recipe:
     """The prepared launch of one validated call signature."""
 
     __slots__ = ("kernel", "shape", "out_strides", "dtype", "device", "index", "slots", "tensor_slots",
-                 "host_numbers", "like", "static_args", "constexprs", "launch_tail", "meta", "grid", "compiled",
-                 "_last_param")
+                 "host_numbers", "operand_signature", "like", "static_args", "constexprs", "launch_tail", "meta",
+                 "grid", "compiled", "_last_param")
 
     def __init__(self, kernel: ElementwiseKernel, result: torch.Tensor, operands: tuple, slots: tuple,
                  static_args: tuple, constexprs: tuple, meta: dict, grid: tuple[int, int, int] | None):
@@ -494,6 +500,9 @@ class _Recipe:
         #: Per slot, the operand index whose address the kernel gets (None: ``out``'s, never read).
         self.tensor_slots = tuple(s if s is not None and s >= 0 else None for s in slots)
         self.host_numbers = any(s is not None and s < 0 for s in slots)
+        #: Each operand's dtype, shape and strides when all are tensors (what a native launch matches).
+        self.operand_signature = None if self.host_numbers else tuple(
+            (t.dtype, tuple(t.shape), tuple(t.stride())) for t in operands)
         #: An operand of the result's dtype: ``new_empty_strided`` on it parses fewer
         #: arguments than ``torch.empty_strided`` (0.63 vs 0.84 us on a CPU host).
         self.like = next((s for s in self.tensor_slots if s is not None and operands[s].dtype == result.dtype), None)
@@ -573,6 +582,9 @@ class _Recipe:
         else:
             compiled = _elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
             self.compiled.put(spec, compiled, self.grid, self.launch_tail)
+            entry = self.compiled.get(spec)
+            if entry is not None and spec[0] == 0:  # compiled for aligned pointers: C++ may launch it
+                _native.register(self, entry)
 
 
 def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
@@ -596,4 +608,5 @@ def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
         constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
     if len(_RECIPES) >= CALL_CACHE_SIZE:
         _RECIPES.clear()
+        _native.clear()
     _RECIPES[key] = _Recipe(call.kernel, result, call.operands, tuple(slots), static_args, constexprs, meta, grid)

@@ -279,8 +279,11 @@ def format_table(rows: list[Row]) -> str:
 
 
 def environment(device) -> dict:
+    from . import _native
+
     env = {"torch": torch.__version__, "triton": triton.__version__, "device": str(device),
-           "backend": backend_for(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           "backend": backend_for(device), "native_launch": _native.enabled(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)

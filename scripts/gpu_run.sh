@@ -5,7 +5,8 @@
 # files), so a call that runs out of time still returns what finished; the test
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe): not in the default set)
+#   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
+#   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, PYTEST_ARGS (default: the tests folder),
 #   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage)
 set -uo pipefail
@@ -15,12 +16,14 @@ W=$(mktemp -d)
 cd "$(dirname "$0")/.."
 stages=${*:-env tests bench ncu matmul backward latency}
 rc=0
-# pytest-xdist is not on the device: wheels carried in .wheels/ (git-ignored), if present.
+# pytest-xdist and ninja (which fusedkit/_native.py's C++ build needs) are not on the
+# device: wheels carried in .wheels/ (git-ignored), if present.
 xdist=()
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
    pip install -q --no-index --find-links .wheels pytest-xdist >/dev/null 2>&1; then
   xdist=(-n "${TEST_WORKERS:-14}" --dist worksteal)
 fi
+ls .wheels/ninja-*.whl >/dev/null 2>&1 && pip install -q --no-index --find-links .wheels ninja >/dev/null 2>&1
 # Compiling kernels is most of the suite's time on a fresh machine (every dtype, layout
 # and autotune config). Triton's and Inductor's caches travel between calls: a carried
 # .gpu-cache.tgz (git-ignored) is unpacked here and the grown cache comes back as
@@ -68,8 +71,9 @@ for s in $stages; do case $s in
   backward) step backward 240 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
-  native) pip install -q --no-index --find-links .wheels ninja >/dev/null 2>&1  # load_inline builds with ninja
-          PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024 ;;
+  native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
+          FUSEDKIT_NATIVE_LAUNCH=1 step latency_native 200 python3 -m fusedkit bench --latency \
+            --json "$W/latency_native.json" ;;
   sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
           step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" \
@@ -84,6 +88,7 @@ cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
 head -12 "$W/probe.txt" 2>/dev/null
 tail -8 "$W/native.txt" 2>/dev/null
+tail -16 "$W/latency_native.txt" 2>/dev/null
 tail -16 "$W/latency.txt" 2>/dev/null
 grep -A12 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null

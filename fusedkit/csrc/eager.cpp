@@ -1,0 +1,222 @@
+// fusedkit's eager launches in C++ (opt-in: FUSEDKIT_NATIVE_LAUNCH=1; see fusedkit/_native.py).
+//
+// From Python, a small fused call costs one allocation plus Triton's C launch function,
+// more than torch.add's whole call (docs/why-fusion.md). This table keeps, per call
+// signature, the kernel fusedkit already compiled and the launch it already planned, and
+// does a repeated call's work in C++: match the signature, allocate the result, pack the
+// kernel's parameters the way Triton 3.6's launcher packs them, and cuLaunchKernel on the
+// current stream. Anything it does not match returns None, and Python takes the call.
+
+#include <torch/extension.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// cuLaunchKernel, resolved at run time: no CUDA headers and no link step.
+using DriverLaunch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                             void**, void**);
+
+DriverLaunch driver_launch() {
+  static DriverLaunch fn = []() -> DriverLaunch {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    return lib ? reinterpret_cast<DriverLaunch>(dlsym(lib, "cuLaunchKernel")) : nullptr;
+  }();
+  TORCH_CHECK(fn, "fusedkit native launch: cuLaunchKernel not found (no libcuda.so.1)");
+  return fn;
+}
+
+// Triton proves 16-byte accesses from aligned pointers; a kept launch was compiled for
+// aligned operands, so a misaligned one goes back to Python (it needs another kernel).
+constexpr uint64_t kAlignment = 16;
+
+struct Operand {
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes, strides;
+};
+
+// A Python number as the kernel's parameter was encoded for: its type and exact bits.
+struct Param {
+  int kind = 0;  // 0: none, 1: int, 2: float
+  int64_t bits = 0;
+
+  bool matches(PyObject* obj) const {
+    if (kind == 0) return obj == Py_None;
+    if (kind == 1) {
+      if (!PyLong_CheckExact(obj)) return false;  // bool is an int subclass: Python validates it
+      int overflow = 0;
+      const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+      return overflow == 0 && value == bits;
+    }
+    if (!PyFloat_CheckExact(obj)) return false;
+    const double value = PyFloat_AS_DOUBLE(obj);
+    int64_t value_bits;
+    std::memcpy(&value_bits, &value, sizeof value);
+    return value_bits == bits;  // -0.0 and NaN payloads as well
+  }
+};
+
+struct Launch {
+  int64_t kernel;  // id() of the Python kernel spec
+  c10::Device device;
+  std::vector<Operand> operands;
+  Param param;
+  std::vector<int64_t> out_sizes, out_strides;
+  at::ScalarType out_dtype;
+  uint64_t function;
+  unsigned grid, block, shared;
+  // Per kernel parameter: 'o' the result's address, '0'..'2' an operand's, 'i' / 'l' a
+  // 32- / 64-bit integer from values. Triton 3.6 appends two scratch pointers (null).
+  std::string kinds;
+  std::vector<int64_t> values;
+};
+
+uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001b3ULL; }
+
+uint64_t hash_start(int64_t kernel, const c10::Device& device) {
+  const uint64_t h = mix(0xcbf29ce484222325ULL, static_cast<uint64_t>(kernel));
+  return mix(h, static_cast<uint64_t>(device.type()) << 8 | static_cast<uint8_t>(device.index()));
+}
+
+uint64_t hash_operand(uint64_t h, at::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  h = mix(h, static_cast<uint64_t>(dtype));
+  for (int64_t s : sizes) h = mix(h, static_cast<uint64_t>(s));
+  for (int64_t s : strides) h = mix(h, static_cast<uint64_t>(s) ^ 0x9e3779b97f4a7c15ULL);
+  return h;
+}
+
+bool same_operand(const Operand& want, const at::Tensor& t) {
+  return t.scalar_type() == want.dtype && t.sizes().vec() == want.sizes && t.strides().vec() == want.strides;
+}
+
+class Table {
+ public:
+  explicit Table(bool dry_run) : dry_run_(dry_run) {}
+
+  void add(Launch launch) {
+    uint64_t h = hash_start(launch.kernel, launch.device);
+    for (const Operand& op : launch.operands) h = hash_operand(h, op.dtype, op.sizes, op.strides);
+    entries_[h].push_back(std::move(launch));
+    ++size_;
+  }
+
+  void clear() {
+    entries_.clear();
+    size_ = 0;
+  }
+
+  size_t size() const { return size_; }
+
+  // The result of a kept launch of kernel on operands (a tuple), or None.
+  py::object call(int64_t kernel, py::tuple operands, py::handle param) {
+    const size_t n = operands.size();
+    if (n == 0 || n > 3 || size_ == 0) return py::none();
+    std::vector<const at::Tensor*> ts;
+    ts.reserve(n);
+    const bool grad = at::GradMode::is_enabled();
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* obj = operands[i].ptr();
+      if (!THPVariable_CheckExact(obj)) return py::none();  // numbers and subclasses: Python
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if ((grad && t.requires_grad()) || t.is_neg() || t.is_conj()) return py::none();
+      ts.push_back(&t);
+    }
+    const c10::Device device = ts[0]->device();
+    for (const at::Tensor* t : ts) {
+      if (t->device() != device) return py::none();
+    }
+    uint64_t h = hash_start(kernel, device);
+    for (const at::Tensor* t : ts) h = hash_operand(h, t->scalar_type(), t->sizes(), t->strides());
+    auto found = entries_.find(h);
+    if (found == entries_.end()) return py::none();
+    for (const Launch& l : found->second) {
+      if (l.kernel != kernel || l.device != device || l.operands.size() != n || !l.param.matches(param.ptr())) continue;
+      bool same = true;
+      for (size_t i = 0; i < n && same; ++i) same = same_operand(l.operands[i], *ts[i]);
+      if (same) return run(l, ts);
+    }
+    return py::none();
+  }
+
+  // The parameters the last dry run would have launched with (tests).
+  std::vector<uint64_t> last_params() const { return last_params_; }
+
+ private:
+  py::object run(const Launch& l, const std::vector<const at::Tensor*>& ts) {
+    for (const at::Tensor* t : ts) {
+      if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlignment != 0) return py::none();
+    }
+    const c10::impl::DeviceGuardImplInterface* guard = nullptr;
+    if (l.device.is_cuda()) {
+      guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      if (guard->getDevice() != l.device) return py::none();  // Python launches under the right device
+    }
+    at::Tensor out = at::empty_strided(l.out_sizes, l.out_strides, at::TensorOptions().dtype(l.out_dtype).device(l.device));
+    const size_t n = l.kinds.size();
+    std::vector<uint64_t> storage(n + 2, 0);
+    std::vector<void*> params(n + 2);
+    for (size_t i = 0; i < n; ++i) {
+      const char kind = l.kinds[i];
+      if (kind == 'o') {
+        storage[i] = reinterpret_cast<uint64_t>(out.data_ptr());
+      } else if (kind >= '0' && kind <= '2') {
+        storage[i] = reinterpret_cast<uint64_t>(ts[kind - '0']->data_ptr());
+      } else if (kind == 'i') {
+        const int32_t v = static_cast<int32_t>(l.values[i]);
+        std::memcpy(&storage[i], &v, sizeof v);
+      } else {
+        storage[i] = static_cast<uint64_t>(l.values[i]);
+      }
+      params[i] = &storage[i];
+    }
+    params[n] = &storage[n];          // global scratch
+    params[n + 1] = &storage[n + 1];  // profile scratch
+    if (dry_run_) {
+      last_params_.assign(storage.begin(), storage.end());
+    } else {
+      void* stream = guard->getStream(l.device).native_handle();
+      const int rc = driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared,
+                                     stream, params.data(), nullptr);
+      TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+  }
+
+  bool dry_run_;
+  std::unordered_map<uint64_t, std::vector<Launch>> entries_;
+  size_t size_ = 0;
+  std::vector<uint64_t> last_params_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Table>(m, "Table")
+      .def(py::init<bool>(), py::arg("dry_run") = false)
+      .def("add",
+           [](Table& table, int64_t kernel, c10::Device device, std::vector<std::tuple<at::ScalarType,
+              std::vector<int64_t>, std::vector<int64_t>>> operands, int param_kind, int64_t param_bits,
+              std::vector<int64_t> out_sizes, std::vector<int64_t> out_strides, at::ScalarType out_dtype,
+              uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
+              std::vector<int64_t> values) {
+             TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
+             Launch l{kernel, device, {}, Param{param_kind, param_bits}, std::move(out_sizes),
+                      std::move(out_strides), out_dtype, function, grid, block, shared, std::move(kinds),
+                      std::move(values)};
+             for (auto& [dtype, sizes, strides] : operands) l.operands.push_back(Operand{dtype, sizes, strides});
+             table.add(std::move(l));
+           })
+      .def("call", &Table::call)
+      .def("clear", &Table::clear)
+      .def("__len__", &Table::size)
+      .def("last_params", &Table::last_params);
+}
