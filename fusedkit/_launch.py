@@ -121,8 +121,8 @@ def _hooks():
 
 def hooks_idle() -> bool:
     """No launch hook (a profiler's) would see a launch: launches outside Triton may go ahead."""
-    enter, exit_ = _hooks()
-    return enter is None and exit_ is None
+    return _RUNTIME is None or (_live(_RUNTIME.launch_enter_hook) is None
+                                and _live(_RUNTIME.launch_exit_hook) is None)
 
 
 class Entry(NamedTuple):
