@@ -261,6 +261,23 @@ def test_direct_launch_feeds_installed_hooks(monkeypatch):
     assert args[7] is knobs.runtime.launch_enter_hook and args[8] is None
 
 
+def test_hooks_idle_sees_an_installed_hook():
+    knobs = pytest.importorskip("triton.knobs")
+    if not isinstance(knobs.runtime.launch_exit_hook, knobs.HookChain):
+        pytest.skip("this Triton has no launch-hook chains")
+    assert _launch.hooks_idle()
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert not _launch.hooks_idle()
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert _launch.hooks_idle()
+
+
 @gpu_only
 def test_direct_launch_after_the_first_call():
     # Call 1 validates and keeps the recipe; call 2 compiles (or finds) the kernel
