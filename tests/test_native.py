@@ -197,3 +197,25 @@ def test_native_launches_match_torch(case, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, torch.relu(torch.add(x, y, alpha=0.5)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
+def test_native_launch_from_a_new_thread(monkeypatch):
+    # A thread that never touched the GPU has no current driver context; the table makes one.
+    import threading
+
+    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
+    ew._RECIPES.clear()
+    _native.clear()
+    x, y = rand((1000,), torch.float32, DEVICE), rand((1000,), torch.float32, DEVICE)
+    for _ in range(2):
+        fusedkit.add_relu(x, y)
+    if _native.TABLE is None or len(_native.TABLE) == 0:
+        pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
+    results = []
+    worker = threading.Thread(target=lambda: results.append(_native.TABLE.call(id(ADD_RELU), (x, y), 1)))
+    worker.start()
+    worker.join()
+    (got,) = results
+    torch.cuda.synchronize()
+    assert got is not None and torch.equal(got, torch.relu(x + y))

@@ -26,18 +26,38 @@ namespace {
 using DriverLaunch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                              void**, void**);
 
-DriverLaunch driver_launch() {
-  static DriverLaunch fn = []() -> DriverLaunch {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    return lib ? reinterpret_cast<DriverLaunch>(dlsym(lib, "cuLaunchKernel")) : nullptr;
-  }();
-  TORCH_CHECK(fn, "fusedkit native launch: cuLaunchKernel not found (no libcuda.so.1)");
+void* driver_symbol(const char* name) {
+  static void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  void* fn = lib ? dlsym(lib, name) : nullptr;
+  TORCH_CHECK(fn, "fusedkit native launch: ", name, " not found (no libcuda.so.1)");
   return fn;
+}
+
+DriverLaunch driver_launch() {
+  static auto fn = reinterpret_cast<DriverLaunch>(driver_symbol("cuLaunchKernel"));
+  return fn;
+}
+
+// Make the device's primary context current on this thread, as Triton's launcher does
+// before each launch (a thread that never used the device has none).
+void make_context_current(int device) {
+  using DeviceGet = int (*)(int*, int);
+  using PrimaryCtxRetain = int (*)(void**, int);
+  using CtxSetCurrent = int (*)(void*);
+  static auto device_get = reinterpret_cast<DeviceGet>(driver_symbol("cuDeviceGet"));
+  static auto retain = reinterpret_cast<PrimaryCtxRetain>(driver_symbol("cuDevicePrimaryCtxRetain"));
+  static auto set_current = reinterpret_cast<CtxSetCurrent>(driver_symbol("cuCtxSetCurrent"));
+  int handle = 0;
+  void* context = nullptr;
+  TORCH_CHECK(device_get(&handle, device) == 0 && retain(&context, handle) == 0 && set_current(context) == 0,
+              "fusedkit native launch: no CUDA context for device ", device);
 }
 
 // Triton proves 16-byte accesses from aligned pointers; a kept launch was compiled for
 // aligned operands, so a misaligned one goes back to Python (it needs another kernel).
 constexpr uint64_t kAlignment = 16;
+// CUDA_ERROR_INVALID_CONTEXT
+constexpr int kInvalidContext = 201;
 
 struct Operand {
   at::ScalarType dtype;
@@ -152,6 +172,7 @@ class Table {
 
  private:
   py::object run(const Launch& l, const std::vector<const at::Tensor*>& ts) {
+    if (!dry_run_ && !l.device.is_cuda()) return py::none();
     for (const at::Tensor* t : ts) {
       if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlignment != 0) return py::none();
     }
@@ -184,8 +205,16 @@ class Table {
       last_params_.assign(storage.begin(), storage.end());
     } else {
       void* stream = guard->getStream(l.device).native_handle();
-      const int rc = driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared,
-                                     stream, params.data(), nullptr);
+      auto launch = [&] {
+        py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
+        return driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared, stream,
+                               params.data(), nullptr);
+      };
+      int rc = launch();
+      if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
+        make_context_current(l.device.index());
+        rc = launch();
+      }
       TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
     }
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
