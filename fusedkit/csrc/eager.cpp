@@ -115,7 +115,7 @@ uint64_t hash_operand(uint64_t h, at::ScalarType dtype, c10::IntArrayRef sizes, 
 }
 
 bool same_operand(const Operand& want, const at::Tensor& t) {
-  return t.scalar_type() == want.dtype && t.sizes().vec() == want.sizes && t.strides().vec() == want.strides;
+  return t.scalar_type() == want.dtype && t.sizes().equals(want.sizes) && t.strides().equals(want.strides);
 }
 
 class Table {
