@@ -8,7 +8,9 @@
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, PYTEST_ARGS (default: the tests folder),
-#   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage)
+#   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
+#   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
+#   the tests that log does not report as passed)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"

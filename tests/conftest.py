@@ -5,6 +5,7 @@ decorators) is imported, which is why it happens here, at collection."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -36,3 +37,26 @@ def _seed():
 def pytest_report_header(config):
     return (f"fusedkit {fusedkit.__version__}: device {DEVICE}, backend {fusedkit.backend_for(DEVICE)}, "
             f"torch {torch.__version__}, triton {__import__('triton').__version__}")
+
+
+def passed_in_log(lines) -> set[str]:
+    """Node ids a ``pytest -v`` log reports as PASSED, with or without pytest-xdist."""
+    passed = set()
+    for line in lines:
+        # "tests/x.py::test[id] PASSED [ 3%]", or with xdist "[gw1] [ 3%] PASSED tests/x.py::test[id]"
+        found = re.match(r"(\S+::.*?) PASSED\b", line) or re.search(r"PASSED (\S+::.*?)\s*$", line)
+        if found:
+            passed.add(found.group(1))
+    return passed
+
+
+def pytest_collection_modifyitems(config, items):
+    """``FUSEDKIT_SKIP_PASSED=log``: leave out the tests a previous ``pytest -v`` log reports
+    as PASSED, so a GPU run cut off by its time limit continues where it stopped."""
+    log = os.environ.get("FUSEDKIT_SKIP_PASSED")
+    if not log or not os.path.exists(log):
+        return
+    with open(log, encoding="utf-8", errors="replace") as f:
+        passed = passed_in_log(f)
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in passed])
+    items[:] = [item for item in items if item.nodeid not in passed]
