@@ -70,7 +70,10 @@ for s in $stages; do case $s in
          --sizes 26 --no-compile --json "$W/ncu.json" ;;
   matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
-  backward) step backward 240 python3 -m fusedkit bench --backward --json "$W/backward.json" ;;
+  backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
+            # fp32 apart: tuning the exact-fp32 LinearReLU matmuls is the slow part
+            step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
+              --json "$W/backward_fp32.json" ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
@@ -94,6 +97,6 @@ tail -16 "$W/latency_native.txt" 2>/dev/null
 tail -16 "$W/latency.txt" 2>/dev/null
 grep -A12 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
-tail -8 "$W/backward.txt" 2>/dev/null
+tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null
 exit $rc
