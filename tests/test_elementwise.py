@@ -6,7 +6,6 @@ Parametrised from the registry: a new entry is tested here without new code.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
