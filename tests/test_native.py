@@ -26,6 +26,12 @@ pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c
                                 reason="building the extension needs ninja and a C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def _forget_native_launches():
+    yield
+    _native.clear()  # later tests in this process take the Python path they test
+
+
 @pytest.fixture
 def table(monkeypatch):
     try:
