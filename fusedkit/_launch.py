@@ -121,8 +121,7 @@ def _hooks():
 
 def hooks_idle() -> bool:
     """No launch hook (a profiler's) would see a launch: launches outside Triton may go ahead."""
-    return _RUNTIME is None or (_live(_RUNTIME.launch_enter_hook) is None
-                                and _live(_RUNTIME.launch_exit_hook) is None)
+    return _hooks() == (None, None)
 
 
 class Entry(NamedTuple):

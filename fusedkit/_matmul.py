@@ -183,16 +183,20 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan)
     plan = plan or plan_matmul(a, b, bias, activation, out, pre)
-    M, K = a.shape
-    N = b.shape[1]
-    ptrs = (a, b, out, bias if bias is not None else out, pre if pre is not None else out)
     o = out.data_ptr()
     addresses = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
                  o if pre is None else pre.data_ptr())
     aligned = tuple([p % _launch.ALIGNMENT == 0 for p in addresses])
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
     use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
-    args = ptrs + plan.ints
+    local = (use_tma, aligned)
+    entry = plan.launches.get(local)  # pointer-kernel launches only (never under the interpreter)
+    if entry is not None:
+        _launch.CompiledCache.run(entry, addresses + plan.ints, index)
+        return out
+    M, K = a.shape
+    N = b.shape[1]
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out) + plan.ints
     meta = plan.meta
 
     def grid(m):
@@ -207,11 +211,6 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         return out
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
-    local = (use_tma, aligned)
-    entry = plan.launches.get(local)  # pointer-kernel launches only
-    if entry is not None:
-        _launch.CompiledCache.run(entry, addresses + plan.ints, index)
-        return out
     key = plan.prefix + (use_tma,) + aligned
     if use_tma:
         entry = _TMA_LAUNCHES.get(key)
