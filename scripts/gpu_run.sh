@@ -18,20 +18,25 @@ W=$(mktemp -d)
 cd "$(dirname "$0")/.."
 stages=${*:-env tests bench ncu matmul backward latency}
 rc=0
-# pytest-xdist and ninja (which fusedkit/_native.py's C++ build needs) are not on the
-# device: wheels carried in .wheels/ (git-ignored), if present.
+# pytest-xdist and ninja (which fusedkit/_native.py's C++ build needs) are in the device
+# image. Earlier runs tried to pip-install carried wheels, and that install failing
+# (the image's venv is not writable) silently dropped -n: the suite ran on one worker.
 xdist=()
-if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1 &&
-   pip install -q --no-index --find-links .wheels pytest-xdist >/dev/null 2>&1; then
+if python3 -c "import xdist" 2>/dev/null; then
   xdist=(-n "${TEST_WORKERS:-14}" --dist worksteal)
+  echo "[xdist] ${TEST_WORKERS:-14} workers" >> "$OUT/steps.txt"
+else
+  echo "[xdist] not installed: tests run on one worker" >> "$OUT/steps.txt"
 fi
-ls .wheels/ninja-*.whl >/dev/null 2>&1 && pip install -q --no-index --find-links .wheels ninja >/dev/null 2>&1
 # Compiling kernels is most of the suite's time on a fresh machine (every dtype, layout
 # and autotune config). Triton's and Inductor's caches travel between calls: a carried
 # .gpu-cache.tgz (git-ignored) is unpacked here and the grown cache comes back as
 # $OUT/gpu-cache.tgz.00, .01, ... (at most 16 MiB a file comes back, and 8 files a call):
 # cat them into .gpu-cache.tgz and pass carry: [".gpu-cache.tgz"] (64 MiB at most).
-CACHE=$(mktemp -d)
+# A fixed path: Triton's cache index records absolute file paths, so a cache unpacked
+# anywhere else misses every kernel.
+CACHE=/tmp/fusedkit-gpu-cache
+mkdir -p "$CACHE"
 [ -f .gpu-cache.tgz ] && tar xzf .gpu-cache.tgz -C "$CACHE" 2>/dev/null
 export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
 CACHE_CHUNKS=3  # the other five files: gpu_run.tgz, pytest.txt, env.txt, steps.txt, and one spare
