@@ -20,6 +20,16 @@ def _eager(x, y):
     return torch.relu(x + y)
 
 
+@pytest.fixture(autouse=True)
+def _saved_buffers_kept():
+    """The timing re-runs one backward graph. AOT autograd reads its donated-buffer switch
+    when the compiled backward first runs, inside the timing, so the switch must stay off
+    for the whole test (H200, torch 2.11: turned off around the forward only, five of the
+    six compiled cases failed)."""
+    with keep_saved_buffers():
+        yield
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("which", ["fusedkit", "eager", "compiled"])
@@ -29,8 +39,7 @@ def test_add_relu_backward(benchmark, which, dtype, n):
     fn = {"fusedkit": fusedkit.add_relu, "eager": _eager, "compiled": torch.compile(_eager)}[which]
     x, y = (torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
     g = torch.randn(n, device=DEVICE, dtype=dtype)
-    with keep_saved_buffers():  # the timing re-runs this one backward graph
-        z = fn(x, y)
+    z = fn(x, y)
 
     def backward():
         torch.autograd.grad(z, (x, y), g, retain_graph=True)

@@ -2,23 +2,29 @@
 # Memory safety on the GPU: a representative slice of the suite under
 # compute-sanitizer memcheck (elementwise, the fast path's direct launches,
 # fuzzing, both matmul kernels), and the matmul under racecheck.
-#   bash scripts/sanitize.sh
+#   bash scripts/sanitize.sh            (MEMCHECK_SECS, RACECHECK_SECS: each part's limit)
+# Output streams to this script's stdout as the tests finish (a part cut off by its
+# limit still shows how far it got); each part ends with compute-sanitizer's
+# "ERROR SUMMARY" line and the last line gives both exit codes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-30}
-# Compiling is most of the time: spread the tests over pytest-xdist workers when it is
-# installed (compute-sanitizer follows child processes).
+# Spread the tests over pytest-xdist workers when it is installed (compute-sanitizer
+# follows child processes). H200, 2026-12-02: 14 workers did not finish the memcheck
+# part in 330 s (its log was lost to a pipe; it streams now).
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-14}")
-compute-sanitizer --tool memcheck --target-processes all --error-exitcode 1 \
-  python3 -m pytest -q -p no:cacheprovider "${workers[@]}" \
-  tests/test_elementwise.py tests/test_fast_path.py tests/test_fuzz.py \
+sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
+  local tool=$1 secs=$2; shift 2
+  echo "== $tool: $*"
+  timeout "$secs" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 1 \
+    python3 -u -m pytest -v -p no:cacheprovider "${workers[@]}" "$@" 2>&1
+}
+sanitized memcheck "${MEMCHECK_SECS:-300}" tests/test_fast_path.py \
   "tests/test_matmul.py::test_odd_sizes" "tests/test_matmul.py::test_every_output_element_is_written" \
-  -k "not 2_pow_31" 2>&1 | tail -5
-mem=${PIPESTATUS[0]}
-FUSEDKIT_AUTOTUNE=0 compute-sanitizer --tool racecheck --target-processes all --error-exitcode 1 \
-  python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_matmul.py \
-  -k "odd_sizes or every_activation" 2>&1 | tail -5
-race=${PIPESTATUS[0]}
-echo "memcheck rc=$mem racecheck rc=$race"
+  tests/test_fuzz.py tests/test_elementwise.py -k "not 2_pow_31"
+mem=$?
+FUSEDKIT_AUTOTUNE=0 sanitized racecheck "${RACECHECK_SECS:-150}" tests/test_matmul.py -k "odd_sizes or every_activation"
+race=$?
+echo "memcheck rc=$mem racecheck rc=$race (124: cut off by its limit)"
 exit $(( mem || race ))
