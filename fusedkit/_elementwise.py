@@ -408,7 +408,11 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
                 return result
         # The eager fast path: a signature seen before launches its kept recipe.
         key = _call_key(kernel, operands, param)
-        if key is not None:
+        if key is NEEDS_GRAD:
+            key = None
+            if kernel.backward is not None:  # (without one, validation below raises)
+                return _library.call_autograd(kernel, operands, param)
+        elif key is not None:
             recipe = _RECIPES.get(key)
             if recipe is not None:
                 result = recipe.run(operands, param)
@@ -420,7 +424,7 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
         return _library.call_op(kernel, operands, param, out)
     validated = _validate(kernel, operands, param, out)
     if validated.needs_grad:
-        return _library.call_op(kernel, operands, param, out)
+        return _library.call_autograd(kernel, operands, param)
     result = run_validated(validated)
     if key is not None:
         _remember(key, validated, result)
@@ -457,8 +461,13 @@ _PER_CALL_ARGS = 8
 _RECIPES: dict = {}
 
 
-def _call_key(kernel: ElementwiseKernel, operands: tuple, param) -> tuple | None:
-    """The signature of an eager ``out=None`` call, or None when it cannot take the fast path."""
+#: What ``_call_key`` returns for plain tensors of which one requires a gradient.
+NEEDS_GRAD = object()
+
+
+def _call_key(kernel: ElementwiseKernel, operands: tuple, param):
+    """The signature of an eager ``out=None`` call; None when it cannot take the fast path,
+    :data:`NEEDS_GRAD` when it is an eager call that autograd must record."""
     # id(): the recipe holds the kernel, so the id stays its own while the entry lives
     # (and a kernel spec need not be hashable).
     key = [id(kernel), type(param)]
@@ -466,10 +475,8 @@ def _call_key(kernel: ElementwiseKernel, operands: tuple, param) -> tuple | None
     for v in operands:
         cls = type(v)
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # subclasses (fake, functional) are traced
-            if v.requires_grad:
-                grad = torch.is_grad_enabled() if grad is None else grad
-                if grad:
-                    return None
+            if v.requires_grad and grad is None:
+                grad = torch.is_grad_enabled()
             if v.is_neg():  # a lazily negated view: the full path resolves it
                 return None
             key += (v.dtype, v.device, v.shape, v.stride())
@@ -479,7 +486,7 @@ def _call_key(kernel: ElementwiseKernel, operands: tuple, param) -> tuple | None
             key.append(cls)
         else:
             return None
-    return tuple(key)
+    return NEEDS_GRAD if grad else tuple(key)
 
 
 class _Recipe:

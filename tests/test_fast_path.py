@@ -93,6 +93,36 @@ def test_grad_calls_do_not_take_the_recipe():
     torch.testing.assert_close(x.grad, ((x + y) > 0).float())
 
 
+def test_eager_grad_calls_skip_the_registered_ops(monkeypatch):
+    """Autograd records eager calls through plain autograd Functions whose forward takes
+    the fast path: on the H200 host a call through a registered op cost ~100 us. (Traced
+    calls still go through the ops: tests/test_autograd_compile.py.)"""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through the registered op")
+
+    from fusedkit import _library
+    monkeypatch.setattr(_library, "elementwise_op", refuse)
+    monkeypatch.setattr(mm, "matmul_op", refuse)
+    x = rand((6, 8), torch.float32, DEVICE).requires_grad_()
+    y = rand((8,), torch.float32, DEVICE).requires_grad_()
+    for _ in range(2):  # the second call's forward runs the recipe the first one kept
+        x.grad = y.grad = None
+        fusedkit.add_relu(x, y, alpha=0.5).sum().backward()
+        mask = ((x + 0.5 * y) > 0).float()
+        torch.testing.assert_close(x.grad, mask)
+        torch.testing.assert_close(y.grad, 0.5 * mask.sum(0))
+    assert len(ew._RECIPES) >= 1
+    w = rand((5, 8), torch.float64, DEVICE).requires_grad_()
+    b = rand((5,), torch.float64, DEVICE).requires_grad_()
+    xd = rand((3, 8), torch.float64, DEVICE).requires_grad_()
+    fusedkit.linear_relu(xd, w, b).square().sum().backward()
+    grads = [t.grad for t in (xd, w, b)]
+    ref = [t.detach().requires_grad_() for t in (xd, w, b)]
+    torch.relu(torch.nn.functional.linear(*ref)).square().sum().backward()
+    for ours, theirs in zip(grads, ref):
+        torch.testing.assert_close(ours, theirs.grad)
+
+
 def test_kernel_specs_need_not_be_hashable():
     from fusedkit import activations, registry
 
