@@ -5,7 +5,8 @@ holds the marker line ``<!-- fusedkit:op-table -->`` gets the table in its
 place, built from the registry at build time, so a registered kernel cannot be
 missing from the docs. ``python docs/gen_ops.py`` prints the table. The hook
 also strips the reST role prefixes (``:func:``) that docstrings bring into the
-API reference.
+API reference, and adds the plots of the committed GPU run (``RESULTS_RUN``)
+to the site as ``img/*.png``, so the figures are not copied into ``docs/``.
 
 Importing fusedkit launches nothing, so this runs on a machine without a GPU.
 """
@@ -28,6 +29,9 @@ from fusedkit.registry import ElementwiseKernel  # noqa: E402
 MARKER = "<!-- fusedkit:op-table -->"
 #: Pages that must hold the marker: the build fails when it is gone.
 TABLE_PAGES = ("elementwise.md",)
+#: The committed GPU run whose plots the docs show (``benchmarks/results/<run>/*.png``).
+RESULTS_RUN = "2026-12-02-h200-87e937c"
+PLOTS = ("elementwise_gbps.png", "elementwise_bytes.png", "matmul_tflops.png")
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "int32", torch.int64: "int64"}
@@ -106,6 +110,18 @@ def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri in TABLE_PAGES and MARKER not in markdown:
         raise RuntimeError(f"docs/{page.file.src_uri} lost its op-table marker {MARKER!r}")
     return render(markdown) if MARKER in markdown else markdown
+
+
+def on_files(files, config):
+    """MkDocs hook: serve the committed run's plots as ``img/<name>.png``."""
+    from mkdocs.structure.files import File
+
+    for name in PLOTS:
+        path = ROOT / "benchmarks" / "results" / RESULTS_RUN / name
+        if not path.is_file():
+            raise RuntimeError(f"{path} is missing: the docs show it")
+        files.append(File.generated(config, f"img/{name}", abs_src_path=str(path)))
+    return files
 
 
 _ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc):(?=<code>)")

@@ -69,7 +69,8 @@ def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torc
     return _compile(_matmul_kernel, args, meta, num_warps, target, num_stages)
 
 
-def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stages: int, *, b_kmajor: bool = True,
+def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stages: int, *, a_mmajor: bool = False,
+                       b_kmajor: bool = True,
                        has_bias: bool = True, activation: str | None = "relu", store_pre: bool = False,
                        target: GPUTarget = HOPPER):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
@@ -80,14 +81,15 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
     ty = _TRITON_TYPE[dtype]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
+    a_block = [bk, bm] if a_mmajor else [bm, bk]
     b_block = [bn, bk] if b_kmajor else [bk, bn]
     signature = {
-        "a_desc": f"tensordesc<{ty}[{bm}, {bk}]>", "b_desc": f"tensordesc<{ty}{b_block}>",
+        "a_desc": f"tensordesc<{ty}{a_block}>", "b_desc": f"tensordesc<{ty}{b_block}>",
         "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>", "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "bias_ptr": "*" + ty, "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_bias": "i32",
     }
     constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=act.ACTIVATIONS[activation], STORE_PRE=store_pre,
-                      B_KMAJOR=b_kmajor, INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
+                      A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
                       UPCAST_OPERANDS=False, NUM_SMS=132, **tile)
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(_matmul_tma_kernel, signature, constexprs=constexprs, attrs={})

@@ -215,7 +215,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     if use_tma:
         entry = _TMA_LAUNCHES.get(key)
         if entry is not None:
-            descs, _ = _matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
+            descs = _matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
             tail = _matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
             _launch.CompiledCache.run(entry, (*descs, *tail), index)
         else:
@@ -247,7 +247,8 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
         INTERPRETED, tuned, matmul_tma_fixed_tile(a.element_size()), MATMUL_TMA_FIXED_OPTIONS)
     if key is None:
         return
-    values = {**meta, **tile, "B_KMAJOR": _matmul_tma.b_kmajor(b), "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
+    values = {**meta, **tile, "A_MMAJOR": _matmul_tma.a_mmajor(a), "B_KMAJOR": _matmul_tma.b_kmajor(b),
+              "NUM_SMS": _matmul_tma.num_sms(a.device.index)}
     _TMA_LAUNCHES.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES), extra=tile)
 
 

@@ -10,7 +10,9 @@ A second data-movement algorithm for the same ``act(a @ b + bias)`` as
   next tile's loads overlap this tile's epilogue;
 - ``b`` is read in the layout it has: (K, N) row-major, or an ``nn.Linear``
   weight (N, K) row-major through ``b = weight.t()`` (``B_KMAJOR``), transposed
-  in shared memory for the tensor cores, never copied.
+  in shared memory for the tensor cores, never copied; likewise ``a`` (M, K)
+  row-major, or column-major (``A_MMAJOR``: ``x.t()`` of a row-major ``x``, as in
+  the weight gradient ``x.t() @ grad`` of a backward pass).
 
 TMA needs 16-byte-aligned bases and row strides and unit inner strides;
 :func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
@@ -31,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["b_kmajor", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
+__all__ = ["a_mmajor", "b_kmajor", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,7 +57,8 @@ def _store_tile(desc, acc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.cons
 def _matmul_tma_kernel(
     a_desc, b_desc, c_desc, pre_desc, bias_ptr,
     M, N, K, M_BUCKET, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, B_KMAJOR: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, A_MMAJOR: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
@@ -71,7 +74,10 @@ def _matmul_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
-            a = a_desc.load([off_m, off_k])
+            if A_MMAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
             if B_KMAJOR:
                 b = b_desc.load([off_n, off_k]).T
             else:
@@ -109,6 +115,11 @@ def _rows_ok(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0)
 
 
+def a_mmajor(a: torch.Tensor) -> bool:
+    """Whether ``a`` (M, K) is the transpose of a row-major (K, M): column-major in memory."""
+    return a.stride(0) == 1 and a.stride(1) != 1
+
+
 def b_kmajor(b: torch.Tensor) -> bool:
     """Whether ``b`` (K, N) is an ``nn.Linear`` weight's transpose: (N, K) row-major in memory."""
     return b.stride(0) == 1 and b.stride(1) != 1
@@ -128,8 +139,9 @@ def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Te
         return False
     if not interpreted and (a.device.type != "cuda" or not _has_tma(a.device.index)):
         return False
+    a_view = a.t() if a_mmajor(a) else a
     b_view = b.t() if b_kmajor(b) else b
-    return all(_rows_ok(t) for t in (a, b_view, out) + ((pre,) if pre is not None else ()))
+    return all(_rows_ok(t) for t in (a_view, b_view, out) + ((pre,) if pre is not None else ()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,9 +153,12 @@ def descriptors(a, b, out, pre, tile: dict):
     """TMA descriptors of one launch for ``tile`` (block shapes follow the tile)."""
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
-    kmajor = b_kmajor(b)
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
-    if kmajor:
+    if a_mmajor(a):
+        v = a.t()  # (K, M) row-major
+        a_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [bk, bm])
+    else:
+        a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
+    if b_kmajor(b):
         w = b.t()  # (N, K) row-major: the nn.Linear weight itself
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
     else:
@@ -151,21 +166,21 @@ def descriptors(a, b, out, pre, tile: dict):
     c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, store_n])
     p = pre if pre is not None else out
     pre_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [bm, store_n])
-    return (a_desc, b_desc, c_desc, pre_desc), kmajor
+    return a_desc, b_desc, c_desc, pre_desc
 
 
 def _set_block_shapes(nargs):
     """Autotune pre-hook: give the descriptors the block shapes of the config being run."""
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     store_n = bn // 2 if nargs["SUBTILE"] else bn
-    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_MMAJOR"] else [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_KMAJOR"] else [bk, bn]
     nargs["c_desc"].block_shape = [bm, store_n]
     nargs["pre_desc"].block_shape = [bm, store_n]
 
 
 _matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
-                                    key=["M_BUCKET", "N", "K", "B_KMAJOR"])(_matmul_tma_kernel)
+                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR"])(_matmul_tma_kernel)
 
 
 def grid_for(M: int, N: int, tile: dict, sms: int) -> int:
@@ -180,15 +195,16 @@ def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcas
     tail = tail_args(a, b, bias, out, m_bucket)
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, STORE_PRE=pre is not None,
                 INPUT_PRECISION=precision, UPCAST_OPERANDS=upcast, NUM_SMS=sms)
+    majors = dict(A_MMAJOR=a_mmajor(a), B_KMAJOR=b_kmajor(b))
     if tuned and not interpreted:
-        descs, kmajor = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
+        descs = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
         recorder = _launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
-        compiled = _matmul_tma_tuned[recorder](*descs, *tail, **meta, B_KMAJOR=kmajor)
+        compiled = _matmul_tma_tuned[recorder](*descs, *tail, **meta, **majors)
         tile = {name: recorder.meta[name] for name in fixed_tile}
         return compiled, tile, grid_for(M, N, tile, sms)
     tile = MATMUL_TMA_INTERPRETER_TILE if interpreted else fixed_tile
-    descs, kmajor = descriptors(a, b, out, pre, tile)
+    descs = descriptors(a, b, out, pre, tile)
     grid = grid_for(M, N, tile, sms)
     options = {} if interpreted else fixed_options
-    compiled = _matmul_tma_kernel[(grid,)](*descs, *tail, **meta, B_KMAJOR=kmajor, **tile, **options)
+    compiled = _matmul_tma_kernel[(grid,)](*descs, *tail, **meta, **majors, **tile, **options)
     return compiled, tile, grid

@@ -146,10 +146,12 @@ def facts(dtype, tile, warps, stages, **kw):
 r = {"fixed": {}, "configs": []}
 w, s = MATMUL_TMA_FIXED_OPTIONS["num_warps"], MATMUL_TMA_FIXED_OPTIONS["num_stages"]
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for kmajor in (True, False):
+    # (a column-major, b k-major) pairs: forward with an nn.Linear weight, a plain b,
+    # and the weight gradient x.t() @ grad of a backward pass.
+    for mmajor, kmajor in ((False, True), (False, False), (True, False)):
         tile = matmul_tma_fixed_tile(dtype.itemsize)
-        r["fixed"][f"{dtype}:{kmajor}"] = facts(dtype, tile, w, s, b_kmajor=kmajor,
-                                                activation="gelu", store_pre=True)
+        r["fixed"][f"{dtype}:a_mmajor={mmajor}:b_kmajor={kmajor}"] = facts(
+            dtype, tile, w, s, a_mmajor=mmajor, b_kmajor=kmajor, activation="gelu", store_pre=True)
 from fusedkit._codegen import compile_matmul
 from fusedkit.configs import matmul_configs, prune_matmul_configs
 r["fp64_fits"] = {}

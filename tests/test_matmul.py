@@ -254,6 +254,11 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
     odd = mk(40, 33, dtype=torch.float16)  # 66-byte rows: TMA cannot address them
     fusedkit.matmul(odd, mk(33, 48, dtype=torch.float16))
     assert len(calls) == 1
+    # A column-major a (the weight gradient x.t() @ grad of a backward pass) is read
+    # through a descriptor of the row-major x, transposed in shared memory.
+    xt, g = mk(64, 40, dtype=torch.float16).t(), mk(64, 48, dtype=torch.float16)
+    assert_rel_err(fusedkit.matmul(xt, g), ref64(xt, g, None, None), matmul_rel_err(torch.float16))
+    assert len(calls) == 2
 
 
 def test_auto_kernel_choice_by_rows(monkeypatch):
