@@ -95,6 +95,18 @@ MATMUL_REDUCE_TILES = (
     (4, 64, 64, 3, 4),
     (8, 32, 64, 3, 4),
 )
+#: Exact fp32 / fp64 at M buckets of 32 and 64: FMA ``tl.dot`` tiles as tall as M, so
+#: the weight streams once or twice, with 4x4 to 8x4 accumulators per thread. fp32
+#: ``linear_relu`` at M = 64, K = N = 4096 (TF32 off) took 302 us on the H200 with the
+#: tiles above (8-row multiply-and-sum tiles read the 64 MiB weight, more than the
+#: 60 MiB L2, eight times) against 90.7 us for cuBLAS (commit 87e937c). Not yet timed.
+MATMUL_EXACT_DECODE_TILES = (
+    (64, 32, 32, 3, 4),
+    (64, 64, 32, 3, 8),
+    (32, 32, 64, 3, 4),
+)
+#: The smallest M bucket that tunes over ``MATMUL_EXACT_DECODE_TILES``.
+EXACT_TALL_M_BUCKET = 32
 #: M buckets at or below this tune over the decode-sized tiles; larger M over the
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
@@ -116,19 +128,22 @@ def _tile_of(config) -> tuple:
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    return ([_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES]
+    return ([_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES]
             + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES])
 
 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
-    """Autotune pre-filter: for small M the decode-sized tiles, plus the multiply-and-sum
-    tiles when the operands are fp32 / fp64 without TF32; the large-M tiles otherwise."""
-    if named_args["M_BUCKET"] > SMALL_M_BUCKET:
+    """Autotune pre-filter: for small M the decode-sized tiles, plus, when the operands are
+    fp32 / fp64 without TF32, the multiply-and-sum tiles and (from ``EXACT_TALL_M_BUCKET``
+    rows) the tall FMA tiles; the large-M tiles otherwise."""
+    bucket = named_args["M_BUCKET"]
+    if bucket > SMALL_M_BUCKET:
         kept = [c for c in configs if c.kwargs["DOT"] and _tile_of(c) in MATMUL_LARGE_M_TILES]
         return kept or configs
     exact = INPUT_PRECISION == "ieee" and named_args["a_ptr"].dtype in (torch.float32, torch.float64)
+    dot_tiles = MATMUL_DECODE_TILES + (MATMUL_EXACT_DECODE_TILES if exact and bucket >= EXACT_TALL_M_BUCKET else ())
     reduce_tiles = MATMUL_REDUCE_TILES if exact else ()
-    kept = [c for c in configs if _tile_of(c) in (MATMUL_DECODE_TILES if c.kwargs["DOT"] else reduce_tiles)]
+    kept = [c for c in configs if _tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)]
     return kept or configs
 
 

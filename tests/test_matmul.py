@@ -92,6 +92,13 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert dot_flags(1, a16, "ieee") == {True}
     assert dot_flags(128, a32, "ieee") == {True}
 
+    def tall(bucket, a, precision):
+        return sum(c.kwargs["BLOCK_M"] >= bucket for c in prune_matmul_configs(
+            configs, {"M_BUCKET": bucket, "a_ptr": a}, INPUT_PRECISION=precision))
+
+    # Tiles as tall as M (one or two passes over the weight) only for exact fp32 / fp64 at M in 33..64.
+    assert tall(64, a32, "ieee") >= 2 and tall(64, a32, "tf32") == 0 and tall(64, a16, "ieee") == 0
+
 
 def test_every_output_element_is_written():
     a, b, bias = mk(50, 40), mk(40, 70), mk(70)
