@@ -368,10 +368,11 @@ def _backward(ctx, grad_out, _grad_pre):
     a2, b, saved = ctx.saved_tensors
     g = _activation_grad(grad_out, saved, ctx.activation).contiguous()
     grad_a = grad_b = grad_bias = None
+    # Through the public entry: a repeated backward takes its eager fast path (a kept plan).
     if ctx.needs_input_grad[0]:
-        grad_a = _apply(g, b.t(), None, None)
+        grad_a = matmul(g, b.t())
     if ctx.needs_input_grad[1]:
-        grad_b = _apply(a2.t(), g, None, None)
+        grad_b = matmul(a2.t(), g)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32).to(g.dtype)
     return grad_a, grad_b, grad_bias, None, None
@@ -388,7 +389,10 @@ class _EagerMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a2, b, bias, activation, store_pre):
-        out, pre = _forward(a2, b, bias, activation, store_pre)
+        if store_pre:
+            out, pre = _forward(a2, b, bias, activation, store_pre)
+        else:  # grad is off in here: a repeated call takes the eager fast path
+            out, pre = matmul(a2, b, bias, activation), None
         _setup_context(ctx, (a2, b, bias, activation, store_pre), (out, pre))
         return out
 
