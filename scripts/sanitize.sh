@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory safety on the GPU: a representative slice of the suite under
-# compute-sanitizer memcheck (elementwise, the fast path's direct launches,
-# fuzzing, both matmul kernels), and the matmul under racecheck.
+# compute-sanitizer memcheck (the fast path's direct launches, the C++ launch
+# table, both matmul kernels, fuzzing, elementwise), and the matmul under racecheck.
 #   bash scripts/sanitize.sh            (MEMCHECK_SECS, RACECHECK_SECS: each part's limit)
 # Output streams to this script's stdout as the tests finish (a part cut off by its
 # limit still shows how far it got); each part ends with compute-sanitizer's
@@ -20,7 +20,7 @@ sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
   timeout "$secs" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 1 \
     python3 -u -m pytest -v -p no:cacheprovider "${workers[@]}" "$@" 2>&1
 }
-sanitized memcheck "${MEMCHECK_SECS:-300}" tests/test_fast_path.py \
+sanitized memcheck "${MEMCHECK_SECS:-300}" tests/test_fast_path.py tests/test_native.py \
   "tests/test_matmul.py::test_odd_sizes" "tests/test_matmul.py::test_every_output_element_is_written" \
   tests/test_fuzz.py tests/test_elementwise.py -k "not 2_pow_31"
 mem=$?

@@ -3,8 +3,9 @@
 On any machine: a dry-run table (it records the kernel parameters it would pass to
 ``cuLaunchKernel``) is filled from a real recipe with a stand-in compiled kernel, and
 must pack exactly what Triton's launcher would get, and refuse every call that differs
-in type, dtype, shape, strides, device, alignment, grad or parameter. On a GPU the
-correctness suite runs with the table on (``FUSEDKIT_NATIVE_LAUNCH=1``).
+in type, dtype, shape, strides, device, alignment, grad or parameter. On a GPU, calls
+of each layout launch through the table (and from a CUDA graph, and a new thread) and
+must equal torch; ``scripts/sanitize.sh`` runs these tests under memcheck.
 """
 
 from __future__ import annotations
