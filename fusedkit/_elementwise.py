@@ -214,10 +214,14 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
         raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
 
 
-def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
+def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
     if len(operands) != kernel.arity:
         raise TypeError(f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), "
                         f"got {len(operands)}")
+
+
+def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
+    check_arity(kernel, operands)
     for name, value in zip(kernel.arg_names, operands):
         _check_operand(kernel, name, value)
     tensors = [(n, t) for n, t in zip(kernel.arg_names, operands) if isinstance(t, torch.Tensor)]
@@ -399,7 +403,7 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
     """:func:`elementwise` with its arguments parsed (``param`` None for a kernel without one):
     the public ops call this directly."""
     key = None
-    if out is None and not torch.compiler.is_compiling():
+    if out is None and not torch.compiler.is_compiling() and not _library.dispatch_mode_active():
         native = _native.TABLE
         if native is not None and _launch.hooks_idle():
             # A kept launch in C++ (FUSEDKIT_NATIVE_LAUNCH=1): None when it does not apply.

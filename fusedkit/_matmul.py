@@ -21,6 +21,7 @@ import triton.language as tl
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
 from ._elementwise import backend_for, elementwise
+from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import tracing
 from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
@@ -398,6 +399,11 @@ class _EagerMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled() and ctx.activation in _NEEDS_PRE:
+            # The saved pre-activation carries no graph, so a second derivative would
+            # silently miss its term.
+            raise NotImplementedError(f"matmul(): double backward through activation={ctx.activation!r} is not "
+                                      "supported (None and 'relu' are)")
         return _backward(ctx, grad_out, None)
 
 
@@ -453,7 +459,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out = _apply(a2, b, bias, activation)
     if key is not None:
         _remember(key, a2, b, bias, activation, lead, out)
-    return out.view(*lead, b.shape[1])
+    # 2-D input: the result itself, not a view of it (an autograd Function's forward
+    # returning a view would make the caller's in-place ops on it fail).
+    return out if len(lead) == 1 else out.view(*lead, b.shape[1])
 
 
 def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -470,7 +478,8 @@ _RECIPES: dict = {}
 
 
 def _call_key(a, b, bias, activation) -> tuple | None:
-    if torch.compiler.is_compiling() or not (activation is None or type(activation) is str):
+    if (torch.compiler.is_compiling() or _dispatch_mode_active()
+            or not (activation is None or type(activation) is str)):
         return None
     key = [activation, autotune_enabled(), matmul_kernel_setting()]
     grad = None

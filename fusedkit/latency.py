@@ -78,16 +78,17 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
         for n in sizes:
             x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
             # Training-mode calls: the inputs need a gradient, so autograd records each call.
-            xg, yg = (t.clone().requires_grad_(dt.is_floating_point) for t in (x, y))
+            xg, yg = (t.clone().requires_grad_(dt.is_floating_point) for t in (x, y))  # (floats only)
             cases = {
                 "torch.add": lambda: torch.add(x, y),
                 "relu(x + y)": lambda: torch.relu(x + y),
                 "fusedkit.add": lambda: fusedkit.add(x, y),
                 "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y),
                 "add_relu via op": lambda: _library.call_op(ADD_RELU, (x, y), 1, None),
-                "relu(x + y) grad": lambda: torch.relu(xg + yg),
-                "fusedkit.add_relu grad": lambda: fusedkit.add_relu(xg, yg),
             }
+            if dt.is_floating_point:
+                cases["relu(x + y) grad"] = lambda: torch.relu(xg + yg)
+                cases["fusedkit.add_relu grad"] = lambda: fusedkit.add_relu(xg, yg)
             if use_compile and device.type == "cuda":
                 compiled = torch.compile(lambda a, b: torch.relu(a + b))
                 cases["compiled relu(x + y)"] = lambda: compiled(x, y)
@@ -120,7 +121,7 @@ def format_latency_table(result: dict) -> str:
         lines += ["us per call (back-to-back calls, synchronised at the end; graph = per call inside a "
                   "replayed CUDA graph)", head, "-" * len(head)]
         for r in rows:
-            cells = " ".join(f"{'-' if r[k] is None else format(r[k], '.1f'):>{max(9, len(k))}}" for k in names)
+            cells = " ".join(f"{'-' if r.get(k) is None else format(r[k], '.1f'):>{max(9, len(k))}}" for k in names)
             lines.append(f"{r['dtype']:<9} {r['n']:>8} {cells}")
         lines.append("ratios to torch.add: " + "; ".join(
             f"{r['dtype']} n={r['n']}: add {r['fusedkit.add'] / r['torch.add']:.2f}x, "

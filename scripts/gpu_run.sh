@@ -84,7 +84,7 @@ for s in $stages; do case $s in
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
           FUSEDKIT_NATIVE_LAUNCH=1 step latency_native 200 python3 -m fusedkit bench --latency \
             --json "$W/latency_native.json" ;;
-  sanitize) step sanitize 500 bash scripts/sanitize.sh ;;
+  sanitize) step sanitize 590 bash scripts/sanitize.sh ;;  # memcheck 400 s + racecheck 150 s: a call of its own
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
           step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" \
           --junitxml "$W/fuzz.xml" ;;  # the examples each shard ran: <property name="examples">

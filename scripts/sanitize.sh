@@ -17,10 +17,10 @@ python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-14}")
 sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
   local tool=$1 secs=$2; shift 2
   echo "== $tool: $*"
-  timeout "$secs" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 1 \
+  timeout -k 30 "$secs" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 1 \
     python3 -u -m pytest -v -p no:cacheprovider "${workers[@]}" "$@" 2>&1
 }
-sanitized memcheck "${MEMCHECK_SECS:-300}" tests/test_fast_path.py tests/test_native.py \
+sanitized memcheck "${MEMCHECK_SECS:-400}" tests/test_fast_path.py tests/test_native.py \
   "tests/test_matmul.py::test_odd_sizes" "tests/test_matmul.py::test_every_output_element_is_written" \
   tests/test_fuzz.py tests/test_elementwise.py -k "not 2_pow_31"
 mem=$?

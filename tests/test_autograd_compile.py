@@ -30,6 +30,41 @@ def test_gradcheck_float64(kernel, alpha):
     assert torch.autograd.gradcheck(lambda p: fusedkit.elementwise(kernel, p.t(), -0.25, alpha=alpha), (x,))
 
 
+def test_dispatch_modes_see_the_registered_ops():
+    """A Python dispatch mode (make_fx, FlopCounterMode, selective checkpointing, op
+    loggers) sees fusedkit calls as the registered ops, eager fast path or not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x, y = rand((5, 7), torch.float32, DEVICE), rand((7,), torch.float32, DEVICE)
+    for _ in range(2):  # the second call would take a kept recipe outside the mode
+        fusedkit.add_relu(x, y)
+    xg = x.clone().requires_grad_()
+    w = rand((3, 7), torch.float32, DEVICE)
+    with Log() as log:
+        fusedkit.add_relu(x, y)
+        fusedkit.add_relu(xg, y)
+        fusedkit.linear_relu(x, w)
+    assert log.ops.count("fusedkit.elementwise") == 2, log.ops
+    assert "fusedkit.matmul" in log.ops, log.ops
+
+
+def test_wrong_operand_count_with_grad_is_a_type_error():
+    x = rand((4,), torch.float32, DEVICE).requires_grad_()
+    with pytest.raises(TypeError, match="takes 2 operands"):
+        fusedkit.elementwise("add_relu", x)
+    with pytest.raises(TypeError, match="takes 2 operands"):
+        fusedkit.elementwise("add_relu", x, x, x)
+
+
 def test_double_backward():
     x, y = leaf((3, 4)), leaf((4,))
     assert torch.autograd.gradgradcheck(lambda p, q: fusedkit.add_relu(p, q, alpha=0.5), (x, y))

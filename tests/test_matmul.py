@@ -190,6 +190,29 @@ def test_gradients_match_torch(dtype, activation):
         assert_rel_err(got, ref, bound)
 
 
+def test_training_outputs_take_in_place_ops_and_second_derivatives():
+    # The first call of a shape (no kept recipe) returns the result itself, not a view of
+    # it: an autograd Function's output that is a view refuses in-place ops.
+    mm._RECIPES.clear()
+    a, w = mk(7, 5, dtype=torch.float64).requires_grad_(), mk(6, 5, dtype=torch.float64).requires_grad_()
+    z = fusedkit.matmul(a, w.t())
+    z += 1
+    z.square().sum().backward()
+    a64, w64 = (t.detach().requires_grad_() for t in (a, w))
+    ((a64 @ w64.t() + 1).square().sum()).backward()
+    torch.testing.assert_close(a.grad, a64.grad)
+    torch.testing.assert_close(w.grad, w64.grad)
+    # Second derivatives: exact for None and relu; refused where the saved pre-activation
+    # carries no graph (GELU, SiLU), rather than silently missing a term.
+    b = mk(5, 4, dtype=torch.float64).requires_grad_()
+    x = mk(6, 5, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda p, q: fusedkit.matmul(p, q, None, "relu"), (x, b))
+    out = fusedkit.matmul(x, b, None, "gelu")
+    torch.autograd.grad(out.sum(), x)  # first order: fine
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(fusedkit.matmul(x, b, None, "silu").sum(), x, create_graph=True)
+
+
 def test_relu_saves_output_not_pre_activation():
     a, b = mk(8, 6).requires_grad_(), mk(6, 5).requires_grad_()
     saved = []
