@@ -12,7 +12,8 @@ from fusedkit.bench_peers import supports_tutorial, tutorial
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-SIZES = (2**16, 2**20, 2**24, 2**28) if ON_GPU else (2**10,)
+#: Across the 60 MiB L2 of the H200: launch-bound (2^12), L2-resident (2^16, 2^20), DRAM (2^24, 2^28).
+SIZES = (2**12, 2**16, 2**20, 2**24, 2**28) if ON_GPU else (2**10,)
 DTYPES = (torch.float32, torch.bfloat16)
 KERNELS = list(fusedkit.registry.kernels())
 
