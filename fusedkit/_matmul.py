@@ -459,9 +459,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out = _apply(a2, b, bias, activation)
     if key is not None:
         _remember(key, a2, b, bias, activation, lead, out)
-    # 2-D input: the result itself, not a view of it (an autograd Function's forward
-    # returning a view would make the caller's in-place ops on it fail).
-    return out if len(lead) == 1 else out.view(*lead, b.shape[1])
+    return _with_lead(out, lead)
+
+
+def _with_lead(out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """The (M, N) result under ``a``'s leading dims. A 2-D ``a`` gets the result itself, not
+    a view of it: an autograd Function's forward returning a view would make the caller's
+    in-place ops on it fail."""
+    return out if len(lead) == 1 else out.view(*lead, out.shape[1])
 
 
 def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -518,7 +523,7 @@ class _Recipe:
         a2 = a if a.dim() == 2 else a.reshape(self.m, self.k)
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         launch_matmul(a2, b, bias, self.activation, out, None, self.plan)
-        return out if len(self.lead) == 1 else out.view(*self.lead, self.n)
+        return _with_lead(out, self.lead)
 
 
 def _remember(key, a2, b, bias, activation, lead, out) -> None:

@@ -77,8 +77,6 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
-            # Training-mode calls: the inputs need a gradient, so autograd records each call.
-            xg, yg = (t.clone().requires_grad_(dt.is_floating_point) for t in (x, y))  # (floats only)
             cases = {
                 "torch.add": lambda: torch.add(x, y),
                 "relu(x + y)": lambda: torch.relu(x + y),
@@ -87,6 +85,8 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
                 "add_relu via op": lambda: _library.call_op(ADD_RELU, (x, y), 1, None),
             }
             if dt.is_floating_point:
+                # Training-mode calls: the inputs need a gradient, so autograd records each call.
+                xg, yg = (t.clone().requires_grad_() for t in (x, y))
                 cases["relu(x + y) grad"] = lambda: torch.relu(xg + yg)
                 cases["fusedkit.add_relu grad"] = lambda: fusedkit.add_relu(xg, yg)
             if use_compile and device.type == "cuda":
