@@ -10,7 +10,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +20,8 @@ import fusedkit
 from fusedkit import _elementwise as ew
 from fusedkit import _launch
 from fusedkit import _matmul as mm
+from fusedkit.latency import per_call_us
 from fusedkit.registry import ADD_RELU
-
-CALLS = 2000
-
 
 @triton.jit
 def _copy_kernel(out_ptr, x_ptr, n, BLOCK: tl.constexpr):
@@ -36,17 +33,6 @@ def _copy_kernel(out_ptr, x_ptr, n, BLOCK: tl.constexpr):
 def _kept_entry(cache: _launch.CompiledCache) -> _launch.Entry:
     (entry,) = cache._entries.values()
     return entry
-
-
-def per_call_us(fn, calls=CALLS):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():
@@ -106,7 +92,7 @@ def main():
     ]
     print(f"kept launches call Triton's C launch function directly: {bool(entry.head)}")
     for name, fn in rows:
-        print(f"{name:52s} {per_call_us(fn):8.1f} us/call  (n={n})")
+        print(f"{name:52s} {per_call_us(fn, x.device):8.1f} us/call  (n={n})")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):

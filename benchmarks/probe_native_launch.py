@@ -21,23 +21,8 @@ import torch
 
 import fusedkit
 from fusedkit import _native
+from fusedkit.latency import per_call_us
 from fusedkit.registry import ADD_RELU
-
-CALLS, ROUNDS = 2000, 5
-
-
-def per_call_us(fn) -> float:
-    """Median over rounds of the time per call of CALLS back-to-back calls, synchronised at the end."""
-    samples = []
-    for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / CALLS * 1e6)
-    return sorted(samples)[ROUNDS // 2]
-
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
@@ -68,7 +53,7 @@ def main():
             ("fusedkit.add_relu(x, y)  [Python fast path]", python_fast_path),
             ("torch.empty_like(x)", lambda: torch.empty_like(x))]
     for name, fn in rows:
-        print(f"{name:48s} {per_call_us(fn):7.1f} us/call  (n={n}, fp32)")
+        print(f"{name:48s} {per_call_us(fn, x.device):7.1f} us/call  (n={n}, fp32)")
 
 
 if __name__ == "__main__":
