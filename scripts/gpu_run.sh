@@ -78,7 +78,8 @@ for s in $stages; do case $s in
   backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
             # fp32 apart: tuning the exact-fp32 LinearReLU matmuls is the slow part
             step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
-              --json "$W/backward_fp32.json" ;;
+              --json "$W/backward_fp32.json"
+            PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
@@ -103,5 +104,6 @@ tail -16 "$W/latency.txt" 2>/dev/null
 grep -A12 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
 tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
+cat "$W/linprobe.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null
 exit $rc

@@ -17,8 +17,13 @@ def _ops():
     x, y = rand((300, 257), torch.float32, DEV), rand((257,), torch.float32, DEV)
     w = rand((96, 257), torch.bfloat16, DEV)
     xb = x.to(torch.bfloat16)
+    xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    # Backward too: a sync there would also explain a host-bound backward.
     return [lambda: fusedkit.add(x, y, alpha=2), lambda: fusedkit.add_relu(x.t(), 1.5),
-            lambda: fusedkit.add_relu(x, torch.tensor(0.5)), lambda: fusedkit.linear_relu(xb, w)]
+            lambda: fusedkit.add_relu(x, torch.tensor(0.5)), lambda: fusedkit.linear_relu(xb, w),
+            lambda: torch.autograd.grad(fusedkit.add_relu(xg, yg, alpha=0.5).sum(), (xg, yg)),
+            lambda: torch.autograd.grad(fusedkit.linear_relu(xb, wg).sum(), (wg,))]
 
 
 def test_no_host_device_sync():
