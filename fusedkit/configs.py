@@ -90,7 +90,8 @@ MATMUL_DECODE_TILES = (
 #: into a TF32 ``tl.dot`` (a 16-row tile gave fp32 relative error 7.5e-4 on the H200).
 #: The narrow 1-row tiles give N = 4096 128 or 256 programs for 132 SMs (a 64-wide one
 #: gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 took 44 us on the H200 against
-#: 26-34 us for cuBLAS (87e937c), where streaming its 64 MiB weight takes 15 us.
+#: 26-34 us for cuBLAS (87e937c), where streaming its 64 MiB weight takes 15 us; with
+#: them, 20.2 us against 26.6 (e375e1b).
 MATMUL_REDUCE_TILES = (
     (1, 64, 128, 3, 4),
     (1, 128, 64, 3, 4),
@@ -104,7 +105,9 @@ MATMUL_REDUCE_TILES = (
 #: the weight streams once or twice, with 4x4 to 8x4 accumulators per thread. fp32
 #: ``linear_relu`` at M = 64, K = N = 4096 (TF32 off) took 302 us on the H200 with the
 #: tiles above (8-row multiply-and-sum tiles read the 64 MiB weight, more than the
-#: 60 MiB L2, eight times) against 90.7 us for cuBLAS (commit 87e937c). Not yet timed.
+#: 60 MiB L2, eight times) against 90.7 us for cuBLAS (commit 87e937c), and 301.9 us
+#: against 89.7 with these tiles added (e375e1b): no gain; which tile won is not yet known
+#: (``benchmarks/probe_linear_backward.py`` prints it).
 MATMUL_EXACT_DECODE_TILES = (
     (64, 32, 32, 3, 4),
     (64, 64, 32, 3, 8),
