@@ -9,7 +9,8 @@ dispatcher: so not host time. This times the pieces: the forward, the activation
 gradient, grad_a = g @ W (W row-major), grad_b = x.t() @ g (a column-major ``a``, the TMA
 kernel's A_MMAJOR path), the bias gradient, and torch's matmuls for the same products.
 It also prints the tile chosen for fp32 ``linear_relu`` at M = 64, K = N = 4096 with TF32
-off (302 us against cuBLAS's 90 us in the same run).
+off (302 us against cuBLAS's 90 us in the same run), and times the same kernel with a
+tf32x3 dot, with each result's error against float64.
 """
 
 from __future__ import annotations
@@ -74,13 +75,45 @@ def main():
         params = [xg, *mod.parameters()]
         print(f"{label:<48} {_us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
 
-    if dev.type != "cuda":
-        return
+    _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
+
+
+def _tf32x3_linear_relu(a, w, bias):
+    """The pointer kernel with ``input_precision="tf32x3"`` (three TF32 products per
+    product, about fp32 accuracy on the tensor cores): an experiment, not a library path."""
+    out = torch.empty(a.shape[0], w.shape[0], device=a.device, dtype=a.dtype)
+    args, meta = mm.launch_config(a, w.t(), bias, "relu", out)
+    meta["INPUT_PRECISION"] = "tf32x3"
+    m_rows, n_cols = out.shape
+
+    def grid(c):
+        return (triton.cdiv(m_rows, c["BLOCK_M"]) * triton.cdiv(n_cols, c["BLOCK_N"]),)
+    if mm.INTERPRETED:
+        mm._matmul_even_k[grid(mm.MATMUL_INTERPRETER_TILE)](*args, **meta, **mm.MATMUL_INTERPRETER_TILE)
+    else:
+        mm._matmul_tuned[grid](*args, **meta)
+    return out
+
+
+def _exact_fp32(dev, m, k, n):
+    """fp32 ``linear_relu`` with TF32 off (302 us against cuBLAS's 90 at M = 64, K = N = 4096,
+    e375e1b): the tuned tile, and what a tf32x3 dot would cost and how far off it is."""
+    allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    a32, w32, b32 = torch.randn(64, 4096, device=dev), torch.randn(4096, 4096, device=dev), torch.randn(4096, device=dev)
-    print(f"fp32 (TF32 off) linear_relu M=64 K=N=4096: {_us(lambda: fusedkit.linear_relu(a32, w32, b32)):.1f} us; "
-          f"torch {_us(lambda: torch.relu(F.linear(a32, w32, b32))):.1f} us")
-    print("  its tuned config:", _best(mm._matmul_tuned))
+    try:
+        a, w, bias = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev), torch.randn(n, device=dev)
+        ref = torch.relu(F.linear(a.double(), w.double(), bias.double()))
+        print(f"fp32 (TF32 off) linear_relu M={m} K={k} N={n}, us:")
+        for label, fn in (("fusedkit (ieee)", lambda: fusedkit.linear_relu(a, w, bias)),
+                          ("fusedkit kernel with tf32x3", lambda: _tf32x3_linear_relu(a, w, bias)),
+                          ("torch relu(F.linear)", lambda: torch.relu(F.linear(a, w, bias)))):
+            got = fn()
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            print(f"  {label:<30} {_us(fn):9.1f}   max error / max |ref| {err:.2e}")
+            if label.startswith("fusedkit (ieee)"):
+                print("    tuned config:", _best(mm._matmul_tuned))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow
 
 
 if __name__ == "__main__":
