@@ -97,6 +97,7 @@ tar czf "$OUT/gpu_run.tgz" -C "$W" .
 cat "$OUT/env.txt" 2>/dev/null
 cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
+grep -E "^== |rc=" "$W/sanitize.txt" 2>/dev/null
 head -12 "$W/probe.txt" 2>/dev/null
 tail -8 "$W/native.txt" 2>/dev/null
 tail -16 "$W/latency_native.txt" 2>/dev/null

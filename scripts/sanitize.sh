@@ -14,21 +14,34 @@ cd "$(dirname "$0")/.."
 export FUSEDKIT_AUTOTUNE=0
 workers=()
 [ "${SANITIZE_WORKERS:-0}" -gt 0 ] && workers=(-n "$SANITIZE_WORKERS")
-MEM_TESTS=(tests/test_elementwise.py tests/test_fast_path.py
-  "tests/test_matmul.py::test_odd_sizes" "tests/test_matmul.py::test_every_output_element_is_written")
+# Most telling first (a part cut off by its limit still covers these): the matmul's
+# masked edges, the fast path's direct launches, then the elementwise layouts.
+MEM_TESTS=(tests/test_matmul.py::test_odd_sizes tests/test_matmul.py::test_every_output_element_is_written
+  tests/test_fast_path.py tests/test_elementwise.py::test_block_boundaries
+  tests/test_elementwise.py::test_high_rank_permuted tests/test_elementwise.py::test_out_layouts_and_aliasing
+  tests/test_elementwise.py::test_in_place_on_broadcast_and_transposed_views
+  tests/test_elementwise.py::test_strided_views tests/test_elementwise.py::test_broadcast
+  tests/test_elementwise.py::test_contiguous)
 MEM_K="not 2_pow_31 and not cuda_graph"
 RACE_TESTS=(tests/test_matmul.py -k "odd_sizes or every_activation")
 echo "== warm-up (no sanitizer)"
 timeout "${WARMUP_SECS:-120}" python3 -m pytest -q -p no:cacheprovider "${MEM_TESTS[@]}" -k "$MEM_K" 2>&1 | tail -3
+LOG=$(mktemp)
 sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
   local tool=$1 secs=$2; shift 2
-  echo "== $tool: $*"
+  printf '\n== %s: %s\n' "$tool" "$*"  # (a cut-off run leaves its last line unfinished)
   timeout -k 20 "$secs" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 1 \
-    python3 -u -m pytest -v -p no:cacheprovider "${workers[@]}" "$@" 2>&1
+    python3 -u -m pytest -v -p no:cacheprovider "${workers[@]}" "$@" 2>&1 | tee "$LOG"
+  local r=$?
+  # A count that survives a cut-off: the tests that finished, and the tool's reports so far.
+  echo; echo "== $tool: $(grep -c ' PASSED' "$LOG") tests passed, $(grep -c ' FAILED' "$LOG") failed," \
+       "$(grep -E '^========= ' "$LOG" | grep -vc -e 'COMPUTE-SANITIZER' -e 'ERROR SUMMARY') sanitizer report lines;" \
+       "$(grep 'ERROR SUMMARY' "$LOG" || echo 'no ERROR SUMMARY (cut off)')"
+  return $r
 }
 sanitized memcheck "${MEMCHECK_SECS:-400}" "${MEM_TESTS[@]}" -k "$MEM_K"
 mem=$?
 sanitized racecheck "${RACECHECK_SECS:-150}" "${RACE_TESTS[@]}"
 race=$?
-echo "memcheck rc=$mem racecheck rc=$race (124: cut off by its limit)"
+printf '\nmemcheck rc=%s racecheck rc=%s (124: cut off by its limit)\n' "$mem" "$race"
 exit $(( mem || race ))
