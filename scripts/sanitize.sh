@@ -27,6 +27,7 @@ RACE_TESTS=(tests/test_matmul.py -k "odd_sizes or every_activation")
 echo "== warm-up (no sanitizer)"
 timeout "${WARMUP_SECS:-120}" python3 -m pytest -q -p no:cacheprovider "${MEM_TESTS[@]}" -k "$MEM_K" 2>&1 | tail -3
 LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
 sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
   local tool=$1 secs=$2; shift 2
   printf '\n== %s: %s\n' "$tool" "$*"  # (a cut-off run leaves its last line unfinished)
