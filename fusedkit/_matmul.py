@@ -385,8 +385,8 @@ matmul_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerMatmul(torch.autograd.Function):
     """An eager matmul that needs a gradient: the registered op's autograd (same saved
     tensors, same backward) without the dispatcher and its host time. (LinearReLU's forward
-    + backward at 4096^3 bf16 on the H200 stayed 0.63x torch with it, commit e375e1b: that
-    gap is GPU time; ``benchmarks/probe_linear_backward.py`` splits it.)
+    + backward at 4096^3 bf16 on the H200 stayed 0.63x torch with it, commit e375e1b, so
+    the gap is not the dispatcher; ``benchmarks/probe_linear_backward.py`` splits it.)
     Only ``out`` is an output; the pre-activation, when kept, is saved as an intermediate."""
 
     @staticmethod

@@ -303,32 +303,58 @@ def run_ncu(rows, kernels, dtypes, sizes, layouts, device, env) -> list[dict] | 
     if device.type != "cuda" or not ncu.ncu_available():
         print("\n--ncu: Nsight Compute needs a CUDA GPU and `ncu` on PATH; measured traffic skipped.")
         return None
-    counters = ncu.measure([",".join(k.name for k in kernels), ",".join(
-        next(k for k, v in DTYPE_NAMES.items() if v == d) for d in dtypes),
-        ",".join(str(n) for n in sizes), ",".join(layouts)])
+    dtype_arg = ",".join(next(k for k, v in DTYPE_NAMES.items() if v == d) for d in dtypes)
+
+    def measure(ns, cache_control):
+        return ncu.measure([",".join(k.name for k in kernels), dtype_arg, ",".join(str(n) for n in ns),
+                            ",".join(layouts)], cache_control=cache_control)
+
     l2 = env.get("l2_bytes") or 0
+    models = {}
+    for r in rows:
+        spec = registry.get(r.kernel)
+        ops = _operands(spec, r.layout, r.n, DTYPE_NAMES[_short(r.dtype)], "meta")
+        models[id(r)] = spec.bytes_fused(*ops), spec.bytes_unfused(*ops)
+    cold = measure(sizes, ncu.CACHE_COLD)
+    # Sizes with a case that fits in L2 also run warm: cold caches would hide the L2 saving.
+    small = sorted({r.n for r in rows if models[id(r)][0].total <= l2})
+    warm = measure(small, ncu.CACHE_WARM) if small else {}
     out = []
     for r in rows:
         name = case_name(r.kernel, r.layout, r.dtype, r.n)
-        fused, unfused = counters.get(f"{name}|fused"), counters.get(f"{name}|unfused")
+        fused, unfused = cold.get(f"{name}|fused"), cold.get(f"{name}|unfused")
         if fused is None or unfused is None:
             continue
-        spec = registry.get(r.kernel)
-        ops = _operands(spec, r.layout, r.n, DTYPE_NAMES[_short(r.dtype)], "meta")
-        model_f, model_u = spec.bytes_fused(*ops), spec.bytes_unfused(*ops)
+        model_f, model_u = models[id(r)]
         fits = model_f.total <= l2
-        out.append(dict(case=name, model_fused_read=model_f.read, model_fused_written=model_f.written,
-                        model_unfused_total=model_u.total, ncu_fused_read=fused.read,
-                        ncu_fused_written=fused.written, ncu_unfused_read=unfused.read,
-                        ncu_unfused_written=unfused.written, fused_kernels=len(fused.kernels),
-                        unfused_kernels=len(unfused.kernels), fits_l2=fits,
-                        verdict=ncu.verdict(model_f, model_u, fused, unfused, fits)))
-    print("\nDRAM bytes, Nsight Compute (--clock-control none --cache-control all) beside the model, MB:")
+        warm_f, warm_u = warm.get(f"{name}|fused"), warm.get(f"{name}|unfused")
+        cold_verdict = ncu.verdict(model_f, model_u, fused, unfused, fits)
+        row = dict(case=name, model_fused_read=model_f.read, model_fused_written=model_f.written,
+                   model_unfused_total=model_u.total, ncu_fused_read=fused.read,
+                   ncu_fused_written=fused.written, ncu_unfused_read=unfused.read,
+                   ncu_unfused_written=unfused.written, fused_kernels=len(fused.kernels),
+                   unfused_kernels=len(unfused.kernels), fits_l2=fits, verdict_cold=cold_verdict,
+                   verdict=cold_verdict)
+        if fits and warm_f is not None and warm_u is not None:
+            row.update(ncu_warm_fused_total=warm_f.read + warm_f.written,
+                       ncu_warm_unfused_total=warm_u.read + warm_u.written,
+                       verdict=ncu.warm_verdict(model_f, model_u, warm_f, warm_u))
+        out.append(row)
+    print(f"\nDRAM bytes, Nsight Compute (--clock-control none --cache-control {ncu.CACHE_COLD}) beside the model, MB:")
     print(f"{'case':<36} {'model rd':>9} {'ncu rd':>9} {'ncu wr':>9} {'unf model':>9} {'unf ncu':>9}  verdict")
     for t in out:
         print(f"{t['case']:<36} {t['model_fused_read'] / 1e6:>9.2f} {t['ncu_fused_read'] / 1e6:>9.2f} "
               f"{t['ncu_fused_written'] / 1e6:>9.2f} {t['model_unfused_total'] / 1e6:>9.2f} "
-              f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:>9.2f}  {t['verdict']}")
+              f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:>9.2f}  {t['verdict_cold']}")
+    warm_rows = [t for t in out if "ncu_warm_fused_total" in t]
+    if warm_rows:
+        print(f"\nThe cases that fit in L2 again, --cache-control {ncu.CACHE_WARM} (inputs warm from the "
+              "warm-up launches), MB moved to or from DRAM:")
+        print(f"{'case':<36} {'model':>9} {'ncu warm':>9} {'unf model':>9} {'unf warm':>9}  verdict")
+        for t in warm_rows:
+            print(f"{t['case']:<36} {(t['model_fused_read'] + t['model_fused_written']) / 1e6:>9.3f} "
+                  f"{t['ncu_warm_fused_total'] / 1e6:>9.3f} {t['model_unfused_total'] / 1e6:>9.3f} "
+                  f"{t['ncu_warm_unfused_total'] / 1e6:>9.3f}  {t['verdict']}")
     return out
 
 

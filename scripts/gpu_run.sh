@@ -71,8 +71,8 @@ for s in $stages; do case $s in
            python3 -u -m pytest -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-tests} ;;
   bench) step bench 240 python3 -m fusedkit bench --sizes 20,24,28 --json "$W/bench.json" \
            --csv "$W/bench.csv" --plots "$W/plots" ;;
-  ncu) step ncu 180 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
-         --sizes 26 --no-compile --json "$W/ncu.json" ;;
+  ncu) step ncu 240 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
+         --sizes 20,26 --no-compile --json "$W/ncu.json" ;;  # 2^20: inside L2, also measured warm
   matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
   backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
@@ -102,7 +102,8 @@ head -12 "$W/probe.txt" 2>/dev/null
 tail -8 "$W/native.txt" 2>/dev/null
 tail -16 "$W/latency_native.txt" 2>/dev/null
 tail -16 "$W/latency.txt" 2>/dev/null
-grep -A12 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
+grep -A26 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
+grep -A14 "fit in L2 again" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
 tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
 cat "$W/linprobe.txt" 2>/dev/null

@@ -71,3 +71,51 @@ def test_parse_the_reports_own_range_names():
     assert (ranges[f"{case}|fused"].read, ranges[f"{case}|fused"].written) == (8192, 4096)
     assert ranges[f"{case}|unfused"].kernels == ["add_kernel", "relu_kernel"]
     assert ranges[f"{case}|unfused"].read == 12288
+
+
+def test_measure_passes_the_cache_control(monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='"ID","thread Domain:x","Kernel Name","Metric Name",'
+                                           '"Metric Unit","Metric Value"\n', stderr="")
+    monkeypatch.setattr(ncu.subprocess, "run", fake_run)
+    assert ncu.measure(["add"]) == {} and ncu.measure(["add"], cache_control=ncu.CACHE_WARM) == {}
+    assert [c[c.index("--cache-control") + 1] for c in seen] == ["all", "none"]
+    with pytest.raises(ValueError, match="cache_control"):
+        ncu.measure(["add"], cache_control="normal")
+
+
+def test_cases_that_fit_in_l2_are_measured_again_warm(monkeypatch, capsys):
+    """`bench --ncu`: every size cold (the model check), the sizes with a case inside L2
+    warm as well, and those cases' verdict comes from the warm counters."""
+    from fusedkit import bench
+
+    small, large = 1 << 12, 1 << 24
+    rows = [bench.Row("add_relu", "contiguous", "float32", n, str(n), 0, 0, 1.0, 1.0, 1.0)
+            for n in (small, large)]
+    calls = []
+
+    def fake_measure(args, cache_control=ncu.CACHE_COLD):
+        calls.append((args[2], cache_control))
+        out = {}
+        for n in map(int, args[2].split(",")):
+            name = bench.case_name("add_relu", "contiguous", torch.float32, n)
+            cold = cache_control == ncu.CACHE_COLD
+            out[f"{name}|fused"] = ncu.RangeCounters("f", read=8 * n if cold else 0, written=4 * n if cold else 64)
+            out[f"{name}|unfused"] = ncu.RangeCounters("u", read=12 * n if cold else 0,
+                                                       written=8 * n if cold else 128)
+        return out
+    monkeypatch.setattr(ncu, "ncu_available", lambda: True)
+    monkeypatch.setattr(ncu, "measure", fake_measure)
+    out = bench.run_ncu(rows, [registry.get("add_relu")], [torch.float32], [small, large], ["contiguous"],
+                        torch.device("cuda"), {"l2_bytes": 1 << 20})
+    assert calls == [(f"{small},{large}", "all"), (str(small), "none")]
+    by_n = {t["case"].rsplit("-", 1)[1]: t for t in out}
+    assert by_n[str(large)]["verdict"].startswith("agrees") and "ncu_warm_fused_total" not in by_n[str(large)]
+    warm = by_n[str(small)]
+    assert warm["ncu_warm_fused_total"] == 64 and warm["ncu_warm_unfused_total"] == 128
+    assert warm["verdict"].startswith("fits in L2: warm, DRAM saw 0.1% of the fused model's bytes")
+    assert warm["verdict_cold"].startswith("fits in L2: cold read err 0.00%")
+    assert "--cache-control none" in capsys.readouterr().out
