@@ -16,7 +16,6 @@ tf32x3 dot, with each result's error against float64.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +24,7 @@ import triton
 import fusedkit
 from fusedkit import _matmul as mm
 from fusedkit import _matmul_tma as tma
-
-
-def _us(fn) -> float:
-    if torch.cuda.is_available():
-        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t0 = time.perf_counter()  # a CPU dry run (TRITON_INTERPRET=1): checks the script, times nothing useful
-    fn()
-    return 1e6 * (time.perf_counter() - t0)
+from fusedkit.bench import _timer  # the report's timer: do_bench medians on a GPU (a CPU run only checks the script)
 
 
 def _best(autotuner) -> str:
@@ -43,6 +35,7 @@ def _best(autotuner) -> str:
 def main():
     m, k, n = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 4096, 4096)
     dev, dt = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    us = _timer(dev)
     x = torch.randn(m, k, device=dev, dtype=dt)
     lin = torch.nn.Linear(k, n, device=dev, dtype=dt)
     w, bias = lin.weight.detach(), lin.bias.detach()
@@ -63,7 +56,7 @@ def main():
     print(f"M={m} K={k} N={n} bf16, do_bench medians, us")
     for label, fn in rows:
         fn()
-        print(f"{label:<48} {_us(fn):9.1f}")
+        print(f"{label:<48} {us(fn):9.1f}")
     print("TMA kernel for x.t() @ g:", tma.layout_ok(x.t(), g, torch.empty(k, n, device=dev, dtype=dt), None, dev.type != "cuda"),
           "| a column-major:", tma.a_mmajor(x.t()))
     print("pointer kernel's last tuned config:", _best(mm._matmul_tuned))
@@ -73,7 +66,7 @@ def main():
     xg = x.clone().requires_grad_()
     for label, mod in (("fwd+bwd LinearReLU", module), ("  torch Linear+ReLU", ref)):
         params = [xg, *mod.parameters()]
-        print(f"{label:<48} {_us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
+        print(f"{label:<48} {us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
 
@@ -109,7 +102,7 @@ def _exact_fp32(dev, m, k, n):
                           ("torch relu(F.linear)", lambda: torch.relu(F.linear(a, w, bias)))):
             got = fn()
             err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-            print(f"  {label:<30} {_us(fn):9.1f}   max error / max |ref| {err:.2e}")
+            print(f"  {label:<30} {_timer(dev)(fn):9.1f}   max error / max |ref| {err:.2e}")
             if label.startswith("fusedkit (ieee)"):
                 print("    tuned config:", _best(mm._matmul_tuned))
     finally:
