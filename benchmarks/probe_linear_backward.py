@@ -69,6 +69,21 @@ def main():
         print(f"{label:<48} {us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
+    for rows in ((64, 512) if dev.type == "cuda" else (m,)):
+        _decode(dev, rows, *((4096, 4096) if dev.type == "cuda" else (k, n)))
+
+
+def _decode(dev, m, k, n):
+    """bf16 ``matmul_relu`` with bias at small M (0.74x cuBLASLt's epilogue at M = 64 and 0.89x
+    at M = 512, N = K = 4096, 87e937c): the time beside cuBLASLt's and the tile tuning picked."""
+    a, b, bias = (torch.randn(*s, device=dev, dtype=torch.bfloat16) for s in ((m, k), (k, n), (n,)))
+    print(f"bf16 matmul_relu M={m} K={k} N={n}, us:")
+    fusedkit.matmul_relu(a, b, bias)
+    print("  tuned config:", _best(mm._matmul_tuned))
+    for label, fn in (("fusedkit.matmul_relu", lambda: fusedkit.matmul_relu(a, b, bias)),
+                      ("torch._addmm_activation", lambda: torch._addmm_activation(bias, a, b)),
+                      ("torch.mm", lambda: torch.mm(a, b))):
+        print(f"  {label:<30} {_timer(dev)(fn):9.1f}")
 
 
 def _tf32x3_linear_relu(a, w, bias):
