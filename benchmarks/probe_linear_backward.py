@@ -67,6 +67,9 @@ def main():
     for label, mod in (("fwd+bwd LinearReLU", module), ("  torch Linear+ReLU", ref)):
         params = [xg, *mod.parameters()]
         print(f"{label:<48} {us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
+    if dev.type == "cuda":  # the pieces above sum to less than the step (e375e1b): kernels or gaps?
+        for label, mod in (("fusedkit LinearReLU", module), ("torch Linear+ReLU", ref)):
+            _profile(label, lambda: torch.autograd.grad(mod(xg), [xg, *mod.parameters()], g_out))
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
@@ -84,6 +87,31 @@ def _decode(dev, m, k, n):
                       ("torch._addmm_activation", lambda: torch._addmm_activation(bias, a, b)),
                       ("torch.mm", lambda: torch.mm(a, b))):
         print(f"  {label:<30} {_timer(dev)(fn):9.1f}")
+
+
+def _profile(label, step, steps: int = 5):
+    """Kernels of ``steps`` training steps by GPU time, beside the steps' wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    print(f"{label}: {start.elapsed_time(end) * 1e3 / steps:.1f} us a step (events, profiled); kernels:")
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) > 0
+              and e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
+    if not events:
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
+    for e in events[:8]:
+        total = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        print(f"  {total / steps:9.1f} us  x{e.count // steps}  {e.key[:90]}")
 
 
 def _tf32x3_linear_relu(a, w, bias):

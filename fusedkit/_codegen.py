@@ -65,7 +65,7 @@ def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torc
     from ._matmul import _matmul_kernel, launch_config as matmul_config
 
     args, meta = matmul_config(a, b, bias, activation, out)
-    meta = dict(meta, **tile, EVEN_K=a.shape[1] % tile["BLOCK_K"] == 0)
+    meta = {**meta, "SPLIT_K": 1, **tile, "EVEN_K": a.shape[1] % tile["BLOCK_K"] == 0}  # SPLIT_K: the kernel's default
     return _compile(_matmul_kernel, args, meta, num_warps, target, num_stages)
 
 

@@ -49,7 +49,12 @@ except ImportError:  # a PyTorch without CUDA support
         return torch.cuda.current_device()
 
 __all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled",
-           "hooks_idle", "int_class"]
+           "hooks_idle", "int_class", "stream_of"]
+
+
+def stream_of(index: int) -> int:
+    """The current stream's handle on CUDA device ``index``."""
+    return _current_stream(index)
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16

@@ -25,8 +25,8 @@ from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import tracing
 from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
-    MATMUL_TMA_FIXED_OPTIONS, autotune_enabled, matmul_configs, matmul_kernel_choice,
-    matmul_kernel_setting, matmul_m_bucket, matmul_tma_fixed_tile, prune_matmul_configs,
+    MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, autotune_enabled, matmul_configs, matmul_kernel_choice,
+    matmul_kernel_setting, matmul_m_bucket, matmul_split_k_max, matmul_tma_fixed_tile, prune_matmul_configs,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -40,14 +40,29 @@ _NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
 
 
 @triton.jit
+def _epilogue(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """Bias, the pre-activation (when kept) and the activation on the accumulator; one store."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+        acc = acc + bias[None, :].to(ACC_DTYPE)
+    c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    if STORE_PRE:
+        tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+    acc = act.apply_activation(acc, ACTIVATION)
+    tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr,
     M, N, K, M_BUCKET,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     pid_m, pid_n = _jit.grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,19 +75,28 @@ def _matmul_kernel(
     # alignment its hints promise: a misaligned-address fault for fp16 with K = 33.)
     row_ok = (rows < M)[:, None]
     col_ok = (cols < N)[None, :]
-    ks = tl.arange(0, BLOCK_K)
+    # Split-K: program (tile, s) sums K steps [k_lo, k_hi) of its tile.
+    k_lo = 0
+    k_hi = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_hi, SPLIT_K)
+        k_lo = tl.program_id(1) * per_split
+        k_hi = tl.minimum(k_hi, k_lo + per_split)
+        if INT64:
+            k_lo = k_lo.to(tl.int64)
+    ks = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_lo, k_hi):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok, other=0.0)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok & (ks[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok & (tl.arange(0, BLOCK_K)[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(tl.arange(0, BLOCK_K)[:, None] < k_left) & col_ok, other=0.0)
         if UPCAST_OPERANDS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -83,16 +107,26 @@ def _matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue, on the accumulator in registers.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
-        acc = acc + bias[None, :].to(ACC_DTYPE)
     mask = row_ok & col_ok
-    c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    if STORE_PRE:
-        tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=mask)
-    acc = act.apply_activation(acc, ACTIVATION)
-    tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:
+        _epilogue(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+                  HAS_BIAS, ACTIVATION, STORE_PRE, ACC_DTYPE)
+    else:
+        # Each split writes its partial tile to the (SPLIT_K, M, N) workspace and counts
+        # itself in; the last to arrive sums the partials in split order (so the result
+        # does not depend on which split finished last), applies the epilogue and
+        # resets the tile's counter to zero for the next launch on this stream.
+        ws = ws_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(ws + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the count is released
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
+            _epilogue(total, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+                      HAS_BIAS, ACTIVATION, STORE_PRE, ACC_DTYPE)
 
 
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
@@ -107,6 +141,11 @@ _TMA_LAUNCHES = _launch.CompiledCache()
 
 _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
               torch.float64: tl.float64}
+#: Split-K workspaces and arrival counters by (device index, stream): kept, like cuBLAS's
+#: workspace, so a repeated call allocates only its output; per stream, because two
+#: launches sharing counters must not overlap (one stream runs its kernels in order).
+#: The counters start at zero and every launch leaves them at zero.
+_SPLIT_K_BUFFERS: dict = {}
 
 
 def tf32_enabled() -> bool:
@@ -127,17 +166,21 @@ def _max_offset(t: torch.Tensor) -> int:
 
 
 def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                  out: torch.Tensor, pre: torch.Tensor | None = None) -> tuple[tuple, dict]:
+                  out: torch.Tensor, pre: torch.Tensor | None = None,
+                  split_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[tuple, dict]:
     """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``.
 
-    Works on meta tensors, so the code a call would compile can be inspected anywhere.
+    ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
+    tuning tries no split-K config. Works on meta tensors, so the code a call would
+    compile can be inspected anywhere.
     """
     M, K = a.shape
     N = b.shape[1]
     code = act.ACTIVATIONS[activation]
     int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
     precision = "tf32" if a.dtype == torch.float32 and tf32_enabled() else "ieee"
-    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out,
+    ws, arrivals = split_k if split_k is not None else (out, out)  # out: "no workspace" to the pruner
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals,
             M, N, K, matmul_m_bucket(M),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             bias.stride(0) if bias is not None else 0)
@@ -158,18 +201,49 @@ class _Plan:
     meta: dict   # compile-time switches, no tile
     tma_ok: bool  # the TMA kernel is chosen and the layout allows it (base alignment aside)
     tuned: bool
+    split_k: int  # the widest split-K the pointer kernel may launch with (1: none, no workspace)
+    ws_dtype: torch.dtype
     prefix: tuple  # the launch-cache key, less pointer alignment and the kernel choice
     #: Kept launches by (kernel choice, pointer alignment): found once in the shared
     #: cache, so a repeated call skips hashing the ~35-item key.
     launches: dict = field(default_factory=dict, compare=False)
 
 
+def _split_k_max(a, meta, tuned: bool, n: int) -> int:
+    """The widest split the pointer kernel may run with for this call (1: no workspace)."""
+    if INTERPRETED:
+        return MATMUL_INTERPRETER_TILE["SPLIT_K"]
+    if not tuned:
+        return MATMUL_FIXED_TILE["SPLIT_K"]
+    m = a.shape[0]
+    exact = meta["INPUT_PRECISION"] == "ieee" and a.dtype in (torch.float32, torch.float64)
+    return matmul_split_k_max(matmul_m_bucket(m), exact, m, n, 8 if a.dtype == torch.float64 else 4)
+
+
+def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: torch.dtype):
+    """This stream's split-K workspace (at least ``split * m * n`` accumulators of ``dtype``)
+    and arrival counters (one per tile of the smallest split-K tile), grown as needed."""
+    index = device.index if device.type == "cuda" else None
+    key = (index, dtype, 0 if index is None else _launch.stream_of(index))
+    ws, arrivals = _SPLIT_K_BUFFERS.get(key, (None, None))
+    tiles = triton.cdiv(m, SPLIT_K_MIN_TILE[0]) * triton.cdiv(n, SPLIT_K_MIN_TILE[1])
+    if ws is None or ws.numel() < split * m * n or arrivals.numel() < tiles:
+        # A grown pair replaces the old; kernels still queued on this stream with the old
+        # pair run before anything that reuses its memory (the allocator is stream-ordered).
+        ws = torch.empty(split * m * n, dtype=dtype, device=device)
+        arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
+        _SPLIT_K_BUFFERS[key] = (ws, arrivals)
+    return ws, arrivals
+
+
 def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
-    args, meta = launch_config(a, b, bias, activation, out, pre)
-    tma_ok = matmul_kernel_choice(a.shape[0]) == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
     tuned = autotune_enabled()
-    prefix = (tuned, a.device.index, a.dtype, *args[5:], *meta.values())
-    return _Plan(args[5:], meta, tma_ok, tuned, prefix)
+    args, meta = launch_config(a, b, bias, activation, out, pre)
+    split = _split_k_max(a, meta, tuned, b.shape[1])
+    tma_ok = matmul_kernel_choice(a.shape[0]) == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
+    prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
+    ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix)
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
@@ -184,9 +258,14 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan)
     plan = plan or plan_matmul(a, b, bias, activation, out, pre)
+    M, K = a.shape
+    N = b.shape[1]
     o = out.data_ptr()
+    ws = arrivals = out  # no split-K: the kernel never reads these
+    if plan.split_k > 1:
+        ws, arrivals = split_k_buffers(a.device, plan.split_k, M, N, plan.ws_dtype)
     addresses = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
-                 o if pre is None else pre.data_ptr())
+                 o if pre is None else pre.data_ptr(), ws.data_ptr(), arrivals.data_ptr())
     aligned = tuple([p % _launch.ALIGNMENT == 0 for p in addresses])
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
     use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
@@ -195,13 +274,11 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     if entry is not None:
         _launch.CompiledCache.run(entry, addresses + plan.ints, index)
         return out
-    M, K = a.shape
-    N = b.shape[1]
-    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out) + plan.ints
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals) + plan.ints
     meta = plan.meta
 
     def grid(m):
-        return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
+        return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
 
     if INTERPRETED:
         if use_tma:
@@ -236,7 +313,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         compiled = _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
                                               num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
     constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
-    _LAUNCHES.put(key, compiled, (grid(tile)[0], 1, 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
+    _LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
     return out
 
 
@@ -279,7 +356,8 @@ def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | 
         return grad
     if activation == "relu":
         return elementwise("relu_grad", grad, saved)  # torch's threshold_backward: NaN passes
-    x = saved.float()
+    wide = torch.promote_types(saved.dtype, torch.float32)  # fp32 math for half types, fp64 kept
+    x = saved.to(wide)
     if activation == "gelu":
         cdf = 0.5 * (1 + torch.erf(x * act.SQRT_1_2.value))
         pdf = torch.exp(-0.5 * x * x) * (0.5 * act.SQRT_2_OVER_PI.value)  # 1/sqrt(2 pi)
@@ -292,7 +370,7 @@ def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | 
     else:  # silu
         s = torch.sigmoid(x)
         d = s * (1 + x * (1 - s))
-    return (grad.float() * d).to(grad.dtype)
+    return (grad.to(wide) * d).to(grad.dtype)
 
 
 def _validate(a, b, bias, activation, name: str):

@@ -50,7 +50,7 @@ def elementwise_tile(size_r: int, size_c: int, transposed: bool) -> TileConfig:
 # --- matmul -------------------------------------------------------------------
 
 #: Tile of the interpreter (CPU) runs: small, so tests stay fast; tl.dot needs >= 16.
-MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, DOT=True)
+MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, DOT=True, SPLIT_K=1)
 #: Programs along M that share a band of B before moving on (L2 reuse).
 MATMUL_GROUP_M = 8
 #: Largest M bucket: every M above it shares one tuning result.
@@ -119,46 +119,111 @@ EXACT_TALL_M_BUCKET = 32
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
 
+#: Split-K tiles, as (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SPLIT_K): SPLIT_K programs
+#: share a tile's K range and the last to finish sums their partial accumulators (a
+#: workspace of SPLIT_K x M x N) and runs the epilogue. For grids of fewer tiles than
+#: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs (0.74x cuBLASLt's
+#: epilogue on the H200 without split-K, 87e937c). Decode-sized M:
+MATMUL_SPLIT_K_TILES = (
+    (16, 64, 128, 4, 4, 4),
+    (32, 64, 128, 4, 4, 4),
+    (64, 64, 64, 4, 4, 4),
+    (64, 128, 64, 4, 4, 4),
+    (64, 64, 128, 3, 4, 2),
+)
+#: Exact fp32 / fp64 at M buckets of 32 and 64: the tall FMA tiles split over K, so the
+#: CUDA cores get 4 to 8 times the warps (128 programs of 4 warps at M = 64, N = 4096).
+MATMUL_EXACT_SPLIT_K_TILES = (
+    (64, 32, 32, 3, 4, 4),
+    (64, 32, 32, 3, 4, 8),
+    (64, 64, 32, 3, 8, 4),
+    (32, 32, 64, 3, 4, 4),
+)
+#: M buckets above SMALL_M_BUCKET up to this one also try split-K large tiles (M = 512,
+#: N = 4096: 128 tiles of 128 x 128 for 132 SMs; 0.89x cuBLASLt's epilogue, 87e937c).
+SPLIT_K_MAX_M_BUCKET = 512
+MATMUL_MID_M_SPLIT_K_TILES = (
+    (128, 128, 64, 4, 8, 2),
+    (128, 256, 64, 3, 8, 2),
+    (64, 128, 64, 4, 4, 2),
+)
+#: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
+#: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
+SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
+_SPLIT_SETS = (MATMUL_SPLIT_K_TILES, MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES)
+#: The smallest (BLOCK_M, BLOCK_N) of any split-K tile: sizes the arrival counters.
+SPLIT_K_MIN_TILE = (min(t[0] for t in sum(_SPLIT_SETS, ())), min(t[1] for t in sum(_SPLIT_SETS, ())))
+
 
 def _config(tile, dot: bool = True):
     from triton import Config
 
-    bm, bn, bk, stages, warps = tile
-    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=dot), num_stages=stages,
-                  num_warps=warps)
+    bm, bn, bk, stages, warps, *split = tile
+    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=dot,
+                       SPLIT_K=split[0] if split else 1), num_stages=stages, num_warps=warps)
 
 
 def _tile_of(config) -> tuple:
+    """A config as (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SPLIT_K)."""
     kw = config.kwargs
-    return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_stages, config.num_warps
+    return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_stages, config.num_warps, kw["SPLIT_K"]
+
+
+def _with_split(tiles) -> set:
+    return {t if len(t) == 6 else (*t, 1) for t in tiles}
 
 
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    return ([_config(t) for t in MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES]
-            + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES])
+    dot_tiles = MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + sum(_SPLIT_SETS, ())
+    return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
+
+
+def _candidate_tiles(bucket: int, exact: bool) -> tuple[set, set]:
+    """(dot tiles, multiply-and-sum tiles) that tuning tries for an M bucket, split-K included."""
+    if bucket > SMALL_M_BUCKET:
+        split = MATMUL_MID_M_SPLIT_K_TILES if bucket <= SPLIT_K_MAX_M_BUCKET else ()
+        return _with_split(MATMUL_LARGE_M_TILES + split), set()
+    tall = exact and bucket >= EXACT_TALL_M_BUCKET
+    dot_tiles = MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES + (
+        MATMUL_EXACT_DECODE_TILES + MATMUL_EXACT_SPLIT_K_TILES if tall else ())
+    return _with_split(dot_tiles), _with_split(MATMUL_REDUCE_TILES if exact else ())
+
+
+def split_k_fits(split: int, m: int, n: int, acc_bytes: int) -> bool:
+    """Whether ``split`` ways of K keep the workspace within ``SPLIT_K_WORKSPACE_BYTES``."""
+    return split == 1 or split * m * n * acc_bytes <= SPLIT_K_WORKSPACE_BYTES
+
+
+def matmul_split_k_max(bucket: int, exact: bool, m: int, n: int, acc_bytes: int) -> int:
+    """The widest split among the configs tuning may try for these sizes (1: none), which
+    sizes the workspace a tuning launch passes."""
+    dot_tiles, reduce_tiles = _candidate_tiles(bucket, exact)
+    return max(t[5] for t in dot_tiles | reduce_tiles if split_k_fits(t[5], m, n, acc_bytes))
 
 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
     """Autotune pre-filter: for small M the decode-sized tiles, plus, when the operands are
     fp32 / fp64 without TF32, the multiply-and-sum tiles and (from ``EXACT_TALL_M_BUCKET``
-    rows) the tall FMA tiles; the large-M tiles otherwise."""
-    bucket = named_args["M_BUCKET"]
-    if bucket > SMALL_M_BUCKET:
-        kept = [c for c in configs if c.kwargs["DOT"] and _tile_of(c) in MATMUL_LARGE_M_TILES]
-        return kept or configs
-    exact = INPUT_PRECISION == "ieee" and named_args["a_ptr"].dtype in (torch.float32, torch.float64)
-    dot_tiles = MATMUL_DECODE_TILES + (MATMUL_EXACT_DECODE_TILES if exact and bucket >= EXACT_TALL_M_BUCKET else ())
-    reduce_tiles = MATMUL_REDUCE_TILES if exact else ()
-    kept = [c for c in configs if _tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)]
+    rows) the tall FMA tiles; the large-M tiles otherwise; split-K tiles with each set
+    where the launch passes a workspace and it fits."""
+    a = named_args["a_ptr"]
+    exact = INPUT_PRECISION == "ieee" and a.dtype in (torch.float32, torch.float64)
+    dot_tiles, reduce_tiles = _candidate_tiles(named_args["M_BUCKET"], exact)
+    acc_bytes = 8 if a.dtype == torch.float64 else 4
+    m, n = named_args.get("M", 1), named_args.get("N", 1)
+    # A launch without a workspace passes the output in its place.
+    has_ws = named_args.get("ws_ptr") is not None and named_args.get("ws_ptr") is not named_args.get("c_ptr")
+    kept = [c for c in configs if _tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)
+            and (c.kwargs["SPLIT_K"] == 1 or has_ws and split_k_fits(c.kwargs["SPLIT_K"], m, n, acc_bytes))]
     return kept or configs
 
 
 #: A tile that fits shared memory for every dtype, fp64 included: the config used
 #: when autotuning is off (``FUSEDKIT_AUTOTUNE=0``), e.g. for deterministic runs and
 #: for test suites that would otherwise tune hundreds of variants.
-MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M, DOT=True)
+MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M, DOT=True, SPLIT_K=1)
 MATMUL_FIXED_STAGES, MATMUL_FIXED_WARPS = 2, 4
 
 

@@ -17,13 +17,17 @@ workers=()
 # Most telling first (a part cut off by its limit still covers these): the matmul's
 # masked edges, the fast path's direct launches, then the elementwise layouts.
 MEM_TESTS=(tests/test_matmul.py::test_odd_sizes tests/test_matmul.py::test_every_output_element_is_written
-  tests/test_fast_path.py tests/test_elementwise.py::test_block_boundaries
+  tests/test_matmul.py::test_split_k_configs tests/test_fast_path.py tests/test_elementwise.py::test_block_boundaries
   tests/test_elementwise.py::test_high_rank_permuted tests/test_elementwise.py::test_out_layouts_and_aliasing
   tests/test_elementwise.py::test_in_place_on_broadcast_and_transposed_views
   tests/test_elementwise.py::test_strided_views tests/test_elementwise.py::test_broadcast
   tests/test_elementwise.py::test_contiguous)
 MEM_K="not 2_pow_31 and not cuda_graph"
-RACE_TESTS=(tests/test_matmul.py -k "odd_sizes or every_activation")
+RACE_TESTS=(tests/test_matmul.py -k "odd_sizes or every_activation or split_k")
+# SANITIZE_TESTS="tests/x.py::test_y ...": that selection alone, under both tools.
+if [ -n "${SANITIZE_TESTS:-}" ]; then
+  read -ra MEM_TESTS <<< "$SANITIZE_TESTS"; RACE_TESTS=("${MEM_TESTS[@]}"); MEM_K=""
+fi
 echo "== warm-up (no sanitizer)"
 timeout "${WARMUP_SECS:-120}" python3 -m pytest -q -p no:cacheprovider "${MEM_TESTS[@]}" -k "$MEM_K" 2>&1 | tail -3
 LOG=$(mktemp)
@@ -36,8 +40,8 @@ sanitized() {  # sanitized TOOL SECONDS PYTEST_ARGS...
   local r=$?
   # A count that survives a cut-off: the tests that finished, and the tool's reports so far.
   echo; echo "== $tool: $(grep -c ' PASSED' "$LOG") tests passed, $(grep -c ' FAILED' "$LOG") failed," \
-       "$(grep -E '^========= ' "$LOG" | grep -vc -e 'COMPUTE-SANITIZER' -e 'ERROR SUMMARY') sanitizer report lines;" \
-       "$(grep 'ERROR SUMMARY' "$LOG" || echo 'no ERROR SUMMARY (cut off)')"
+       "$(grep -E '^========= ' "$LOG" | grep -vc -e 'COMPUTE-SANITIZER' -e ' SUMMARY') sanitizer report lines;" \
+       "$(grep -E '(ERROR|RACECHECK) SUMMARY' "$LOG" || echo 'no summary line (cut off)')"
   return $r
 }
 sanitized memcheck "${MEMCHECK_SECS:-400}" "${MEM_TESTS[@]}" -k "$MEM_K"

@@ -333,3 +333,81 @@ def test_negated_views_and_broadcast_operands():
 def test_unhashable_activation_is_a_value_error():
     with pytest.raises(ValueError, match="unknown activation"):
         fusedkit.matmul(mk(4, 8), mk(8, 4), None, ["relu"])
+
+
+# --- Split-K: programs share a tile's K range; the last to arrive runs the epilogue ---------
+
+def _split_cases():
+    from fusedkit.configs import MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
+
+    cases = [(t, torch.bfloat16) for t in MATMUL_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES]
+    return cases + [(t, d) for t in MATMUL_EXACT_SPLIT_K_TILES for d in (torch.float32, torch.float64)]
+
+
+@pytest.mark.parametrize("tile,dtype", _split_cases(),
+                         ids=[f"{'x'.join(map(str, t[:3]))}-s{t[5]}-{str(d)[6:]}" for t, d in _split_cases()])
+def test_split_k_configs(tile, dtype, matmul_kernel):
+    """Every split-K config tuning may pick, launched directly: ragged M, N and K (a last
+    partial K step; with 8 splits, splits left without a K step), bias, a kept
+    pre-activation, a K-major B; counters back at zero; a rerun bit-identical."""
+    if matmul_kernel == "tma":
+        pytest.skip("split-K is the pointer kernel's")
+    bm, bn, bk, stages, warps, split = tile
+    m, n, k = 37, 70, 3 * bk + 5
+    a, b, bias = mk(m, k, dtype=dtype), mk(n, k, dtype=dtype).t(), mk(n, dtype=dtype)
+    out, pre = poisoned((m, n), dtype, DEVICE), poisoned((m, n), dtype, DEVICE)
+    ws_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    ws, arrivals = mm.split_k_buffers(out.device, split, m, n, ws_dtype)
+    ws.fill_(float("nan"))  # partials are written before they are read
+    args, meta = mm.launch_config(a, b, bias, "gelu", out, pre, (ws, arrivals))
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT=True, SPLIT_K=split, EVEN_K=k % bk == 0)
+    options = {} if mm.INTERPRETED else dict(num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    mm._matmul_kernel[grid](*args, **meta, **cfg, **options)
+    assert_rel_err(out, ref64(a, b, bias, "gelu"), matmul_rel_err(dtype))
+    assert_rel_err(pre, ref64(a, b, bias), matmul_rel_err(dtype))
+    assert not arrivals.any(), "a launch left split-K counters behind"
+    first = out.clone()
+    mm._matmul_kernel[grid](*args, **meta, **cfg, **options)
+    assert torch.equal(out, first)
+
+
+def test_split_k_through_the_public_path(monkeypatch, matmul_kernel):
+    """The launcher's split-K buffers, forward and backward, with the interpreter's tile
+    split three ways (on a GPU the tuned path picks split-K; see the next test)."""
+    if not mm.INTERPRETED:
+        pytest.skip("the interpreter's tile; GPUs take split-K through tuning")
+    monkeypatch.setattr(mm, "MATMUL_INTERPRETER_TILE", dict(mm.MATMUL_INTERPRETER_TILE, SPLIT_K=3))
+    monkeypatch.setattr(mm, "_RECIPES", {})
+    for dtype in (torch.float32, torch.bfloat16):
+        a, w, bias = mk(9, 100, dtype=dtype), mk(33, 100, dtype=dtype), mk(33, dtype=dtype)
+        ref = ref64(a, w.t(), bias, "relu")
+        for _ in range(2):  # the second call takes the kept plan
+            assert_rel_err(fusedkit.linear_relu(a, w, bias), ref, matmul_rel_err(dtype))
+    x = mk(9, 100, dtype=torch.float64).requires_grad_()
+    w = mk(33, 100, dtype=torch.float64).requires_grad_()
+    g = mk(9, 33, dtype=torch.float64)
+    got = torch.autograd.grad(fusedkit.matmul(x, w.t(), None, "silu"), (x, w), g)
+    want = torch.autograd.grad(torch.nn.functional.silu(x @ w.t()), (x, w), g)
+    for have, ref in zip(got, want):
+        assert_rel_err(have, ref, matmul_rel_err(torch.float64))
+    assert all(not arrivals.any() for _, arrivals in mm._SPLIT_K_BUFFERS.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_autotuned_split_k_path(dtype, monkeypatch):
+    """Tuning over split-K tiles alone (decode-sized M), then the kept direct launch."""
+    from fusedkit import configs
+
+    monkeypatch.setattr(configs, "MATMUL_DECODE_TILES", ())
+    monkeypatch.setattr(configs, "MATMUL_EXACT_DECODE_TILES", ())
+    monkeypatch.setattr(configs, "MATMUL_REDUCE_TILES", ())
+    m, n, k = 24, 328, 1032  # sizes no other test tunes, so this tuning runs here
+    a, w, bias = mk(m, k, dtype=dtype), mk(n, k, dtype=dtype), mk(n, dtype=dtype)
+    ref = ref64(a, w.t(), bias, "relu")
+    for _ in range(3):
+        assert_rel_err(fusedkit.linear_relu(a, w, bias), ref, matmul_rel_err(dtype))
+    assert mm._matmul_tuned.best_config.kwargs["SPLIT_K"] > 1
+    torch.cuda.synchronize()
+    assert all(not arrivals.any() for _, arrivals in mm._SPLIT_K_BUFFERS.values())
