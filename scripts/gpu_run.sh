@@ -5,7 +5,7 @@
 # files), so a call that runs out of time still returns what finished; the test
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and linprobe: benchmarks/probe_linear_backward.py alone)
+#   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, PYTEST_ARGS (default: the tests folder),
@@ -82,6 +82,7 @@ for s in $stages; do case $s in
               --json "$W/backward_fp32.json"
             PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
+  mmprobe) PYTHONPATH=. step mmprobe 200 python3 benchmarks/probe_matmul_configs.py ;;
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
@@ -109,5 +110,6 @@ grep -A14 "fit in L2 again" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
 tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
 cat "$W/linprobe.txt" 2>/dev/null
+cat "$W/mmprobe.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null
 exit $rc
