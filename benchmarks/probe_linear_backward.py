@@ -69,7 +69,9 @@ def main():
         print(f"{label:<48} {us(lambda: torch.autograd.grad(mod(xg), params, g_out)):9.1f}")
     if dev.type == "cuda":  # the pieces above sum to less than the step (e375e1b): kernels or gaps?
         for label, mod in (("fusedkit LinearReLU", module), ("torch Linear+ReLU", ref)):
-            _profile(label, lambda: torch.autograd.grad(mod(xg), [xg, *mod.parameters()], g_out))
+            step = lambda mod=mod: torch.autograd.grad(mod(xg), [xg, *mod.parameters()], g_out)  # noqa: E731
+            _host_time(label, step)
+            _profile(label, step)
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
@@ -87,6 +89,21 @@ def _decode(dev, m, k, n):
                       ("torch._addmm_activation", lambda: torch._addmm_activation(bias, a, b)),
                       ("torch.mm", lambda: torch.mm(a, b))):
         print(f"  {label:<30} {_timer(dev)(fn):9.1f}")
+
+
+def _host_time(label, step, steps: int = 20):
+    """Host time to enqueue a step beside the wall time per step: equal means the GPU waits on the host."""
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"{label}: host {1e6 * (t1 - t0) / steps:.1f} us to enqueue a step, {1e6 * (t2 - t0) / steps:.1f} us wall")
 
 
 def _profile(label, step, steps: int = 5):
