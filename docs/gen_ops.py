@@ -5,7 +5,7 @@ holds the marker line ``<!-- fusedkit:op-table -->`` gets the table in its
 place, built from the registry at build time, so a registered kernel cannot be
 missing from the docs. ``python docs/gen_ops.py`` prints the table. The hook
 also strips the reST role prefixes (``:func:``) that docstrings bring into the
-API reference, and adds the plots of the committed GPU run (``RESULTS_RUN``)
+API reference, and adds the plots of the committed GPU runs (``PLOTS``)
 to the site as ``img/*.png``, so the figures are not copied into ``docs/``.
 
 Importing fusedkit launches nothing, so this runs on a machine without a GPU.
@@ -29,9 +29,9 @@ from fusedkit.registry import ElementwiseKernel  # noqa: E402
 MARKER = "<!-- fusedkit:op-table -->"
 #: Pages that must hold the marker: the build fails when it is gone.
 TABLE_PAGES = ("elementwise.md",)
-#: The committed GPU run whose plots the docs show (``benchmarks/results/<run>/*.png``).
-RESULTS_RUN = "2026-12-02-h200-87e937c"
-PLOTS = ("elementwise_gbps.png", "elementwise_bytes.png", "matmul_tflops.png")
+#: The committed GPU runs whose plots the docs show: ``benchmarks/results/<run>/<name>``.
+PLOTS = {"elementwise_gbps.png": "2026-12-02-h200-87e937c", "elementwise_bytes.png": "2026-12-02-h200-87e937c",
+         "matmul_tflops.png": "2026-12-03-h200-e18660b"}
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "int32", torch.int64: "int64"}
@@ -116,8 +116,8 @@ def on_files(files, config):
     """MkDocs hook: serve the committed run's plots as ``img/<name>.png``."""
     from mkdocs.structure.files import File
 
-    for name in PLOTS:
-        path = ROOT / "benchmarks" / "results" / RESULTS_RUN / name
+    for name, run in PLOTS.items():
+        path = ROOT / "benchmarks" / "results" / run / name
         if not path.is_file():
             raise RuntimeError(f"{path} is missing: the docs show it")
         files.append(File.generated(config, f"img/{name}", abs_src_path=str(path)))
