@@ -84,7 +84,8 @@ def _matmul_kernel(
         k_hi = tl.minimum(k_hi, k_lo + per_split)
         if INT64:
             k_lo = k_lo.to(tl.int64)
-    ks = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_offs = tl.arange(0, BLOCK_K)
+    ks = k_lo * BLOCK_K + k_offs
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
 
@@ -95,8 +96,8 @@ def _matmul_kernel(
             b = tl.load(b_ptrs, mask=col_ok, other=0.0)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok & (tl.arange(0, BLOCK_K)[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(tl.arange(0, BLOCK_K)[:, None] < k_left) & col_ok, other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok & (k_offs[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
         if UPCAST_OPERANDS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -209,7 +210,7 @@ class _Plan:
     launches: dict = field(default_factory=dict, compare=False)
 
 
-def _split_k_max(a, meta, tuned: bool, n: int) -> int:
+def _split_k_max(a, meta, tuned: bool, n: int, ws_dtype: torch.dtype) -> int:
     """The widest split the pointer kernel may run with for this call (1: no workspace)."""
     if INTERPRETED:
         return MATMUL_INTERPRETER_TILE["SPLIT_K"]
@@ -217,7 +218,7 @@ def _split_k_max(a, meta, tuned: bool, n: int) -> int:
         return MATMUL_FIXED_TILE["SPLIT_K"]
     m = a.shape[0]
     exact = meta["INPUT_PRECISION"] == "ieee" and a.dtype in (torch.float32, torch.float64)
-    return matmul_split_k_max(matmul_m_bucket(m), exact, m, n, 8 if a.dtype == torch.float64 else 4)
+    return matmul_split_k_max(matmul_m_bucket(m), exact, m, n, ws_dtype.itemsize)
 
 
 def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: torch.dtype):
@@ -239,10 +240,10 @@ def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: tor
 def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     tuned = autotune_enabled()
     args, meta = launch_config(a, b, bias, activation, out, pre)
-    split = _split_k_max(a, meta, tuned, b.shape[1])
+    ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
+    split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     tma_ok = matmul_kernel_choice(a.shape[0]) == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
-    ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix)
 
 

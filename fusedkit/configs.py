@@ -150,9 +150,9 @@ MATMUL_MID_M_SPLIT_K_TILES = (
 #: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
 #: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
 SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
-_SPLIT_SETS = (MATMUL_SPLIT_K_TILES, MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES)
+_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
 #: The smallest (BLOCK_M, BLOCK_N) of any split-K tile: sizes the arrival counters.
-SPLIT_K_MIN_TILE = (min(t[0] for t in sum(_SPLIT_SETS, ())), min(t[1] for t in sum(_SPLIT_SETS, ())))
+SPLIT_K_MIN_TILE = (min(t[0] for t in _SPLIT_TILES), min(t[1] for t in _SPLIT_TILES))
 
 
 def _config(tile, dot: bool = True):
@@ -176,7 +176,7 @@ def _with_split(tiles) -> set:
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    dot_tiles = MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + sum(_SPLIT_SETS, ())
+    dot_tiles = MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
     return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
 
 
