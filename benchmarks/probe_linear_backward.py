@@ -72,6 +72,8 @@ def main():
             step = lambda mod=mod: torch.autograd.grad(mod(xg), [xg, *mod.parameters()], g_out)  # noqa: E731
             _host_time(label, step)
             _profile(label, step)
+            _syncs(label, step)
+        _host_split(lambda: torch.autograd.grad(module(xg), [xg, *module.parameters()], g_out))
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
@@ -106,6 +108,71 @@ def _host_time(label, step, steps: int = 20):
     print(f"{label}: host {1e6 * (t1 - t0) / steps:.1f} us to enqueue a step, {1e6 * (t2 - t0) / steps:.1f} us wall")
 
 
+def _syncs(label, step) -> None:
+    """Any call in a step that torch's sync debug mode flags (a host-device synchronisation)."""
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    print(f"{label}: {len(caught)} synchronising call(s) flagged" + (f", first: {caught[0].message}" if caught else ""))
+
+
+def _host_split(step, steps: int = 20) -> None:
+    """Host time of each piece of a fusedkit LinearReLU step (inclusive; no sync inside the
+    step), to find the call that holds the host: e18660b measured 844 us a step of host time
+    against torch's 558 with the same kernel time."""
+    import collections
+    import time
+
+    from fusedkit import _launch
+
+    totals, counts, patched = collections.defaultdict(float), collections.Counter(), []
+
+    def wrap(owner, name):
+        fn = owner.__dict__[name]
+        inner = fn.__func__ if isinstance(fn, staticmethod) else fn
+        label = f"{getattr(owner, '__name__', owner).split('.')[-1]}.{name}"
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - t0
+                counts[label] += 1
+        setattr(owner, name, staticmethod(timed) if isinstance(fn, staticmethod) else timed)
+        patched.append((owner, name, fn))
+
+    for owner, name in ((mm, "matmul"), (mm, "_validate"), (mm, "_apply"), (mm, "_forward"), (mm, "_backward"),
+                        (mm, "_activation_grad"), (mm, "launch_matmul"), (mm, "_launch_tma"),
+                        (mm, "plan_matmul"), (tma, "descriptors"), (tma, "tail_args"),
+                        (_launch.CompiledCache, "run")):
+        if name in owner.__dict__:
+            wrap(owner, name)
+    try:
+        step()
+        torch.cuda.synchronize()
+        totals.clear()
+        counts.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
+    print(f"fusedkit LinearReLU host time by piece (inclusive, us a step; {1e6 * host / steps:.1f} us a step in all):")
+    for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {1e6 * total / steps:9.1f} us  x{counts[label] // steps}  {label}")
+
+
 def _profile(label, step, steps: int = 5):
     """Kernels of ``steps`` training steps by GPU time, beside the steps' wall time."""
     from torch.profiler import ProfilerActivity, profile
@@ -129,6 +196,10 @@ def _profile(label, step, steps: int = 5):
     for e in events[:8]:
         total = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
         print(f"  {total / steps:9.1f} us  x{e.count // steps}  {e.key[:90]}")
+    print(f"{label}: host calls by self CPU time (profiled, us a step):")
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in cpu[:10]:
+        print(f"  {e.self_cpu_time_total / steps:9.1f} us  x{e.count // steps}  {e.key[:90]}")
 
 
 def _tf32x3_linear_relu(a, w, bias):
