@@ -15,6 +15,7 @@ tf32x3 dot, with each result's error against float64.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -73,7 +74,17 @@ def main():
             _host_time(label, step)
             _profile(label, step)
             _syncs(label, step)
-        _host_split(lambda: torch.autograd.grad(module(xg), [xg, *module.parameters()], g_out))
+        step = lambda: torch.autograd.grad(module(xg), [xg, *module.parameters()], g_out)  # noqa: E731
+        _host_split(step)
+        # The same step on other launch paths: is the host time the TMA kernel's launches?
+        for env in ({"FUSEDKIT_AUTOTUNE": "0"}, {"FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "pointer"}):
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)
+            try:
+                _host_time(f"fusedkit LinearReLU, {' '.join(f'{k}={v}' for k, v in env.items())}", step)
+            finally:
+                for name, value in saved.items():
+                    os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
