@@ -215,14 +215,19 @@ def _profile(label, step, steps: int = 5):
 
 def _tf32x3_linear_relu(a, w, bias):
     """The pointer kernel with ``input_precision="tf32x3"`` (three TF32 products per
-    product, about fp32 accuracy on the tensor cores): an experiment, not a library path."""
+    product, about fp32 accuracy on the tensor cores), split-K tiles allowed as for the
+    library's calls: an experiment, not a library path. (Until c05e427 it passed no
+    workspace, so tuning could pick no split-K tile: 32 programs at M = 64.)"""
     out = torch.empty(a.shape[0], w.shape[0], device=a.device, dtype=a.dtype)
-    args, meta = mm.launch_config(a, w.t(), bias, "relu", out)
-    meta["INPUT_PRECISION"] = "tf32x3"
+    b = w.t()
     m_rows, n_cols = out.shape
+    split = mm.matmul_split_k_max(mm.matmul_m_bucket(m_rows), False, m_rows, n_cols, 4) if not mm.INTERPRETED else 1
+    buffers = mm.split_k_buffers(a.device, split, m_rows, n_cols, torch.float32) if split > 1 else None
+    args, meta = mm.launch_config(a, b, bias, "relu", out, None, buffers)
+    meta["INPUT_PRECISION"] = "tf32x3"
 
     def grid(c):
-        return (triton.cdiv(m_rows, c["BLOCK_M"]) * triton.cdiv(n_cols, c["BLOCK_N"]),)
+        return (triton.cdiv(m_rows, c["BLOCK_M"]) * triton.cdiv(n_cols, c["BLOCK_N"]), c["SPLIT_K"])
     if mm.INTERPRETED:
         mm._matmul_even_k[grid(mm.MATMUL_INTERPRETER_TILE)](*args, **meta, **mm.MATMUL_INTERPRETER_TILE)
     else:
@@ -245,7 +250,7 @@ def _exact_fp32(dev, m, k, n):
             got = fn()
             err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
             print(f"  {label:<30} {_timer(dev)(fn):9.1f}   max error / max |ref| {err:.2e}")
-            if label.startswith("fusedkit (ieee)"):
+            if label.startswith("fusedkit"):
                 print("    tuned config:", _best(mm._matmul_tuned))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
