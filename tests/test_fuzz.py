@@ -156,7 +156,26 @@ def matmul_case(draw):
     bias = _rand(n, dtype) if draw(st.booleans()) else None
     if draw(st.booleans()) and m % 2 == 0:
         a = a.view(2, m // 2, k) if a.is_contiguous() else a.unflatten(0, (2, m // 2))  # batched (..., M, K)
-    return a, b, bias, draw(st.sampled_from(MATMUL_ACTS)), draw(st.sampled_from(["pointer", "tma"]))
+    kernel = draw(st.sampled_from(["pointer", "tma"]))
+    split = draw(st.sampled_from([1, 2, 3])) if kernel == "pointer" else 1  # split-K: the pointer kernel's
+    return a, b, bias, draw(st.sampled_from(MATMUL_ACTS)), kernel, split
+
+
+@contextlib.contextmanager
+def _split_k(split: int):
+    """The untuned tile (GPU) and the interpreter's tile split ``split`` ways over K, with
+    no kept call plans (a plan records the split it was made with)."""
+    from fusedkit import _matmul as mm
+
+    saved = mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE, mm._RECIPES
+    if split > 1:
+        mm.MATMUL_FIXED_TILE = dict(mm.MATMUL_FIXED_TILE, SPLIT_K=split)
+        mm.MATMUL_INTERPRETER_TILE = dict(mm.MATMUL_INTERPRETER_TILE, SPLIT_K=split)
+        mm._RECIPES = {}
+    try:
+        yield
+    finally:
+        mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE, mm._RECIPES = saved
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
@@ -168,10 +187,15 @@ def _check_matmul(args):
     from fusedkit._matmul import matmul_reference
     from fusedkit.testing import assert_rel_err, matmul_rel_err
 
-    a, b, bias, activation, kernel = args
+    a, b, bias, activation, kernel, split = args
     # every random shape would otherwise be tuned afresh; both kernels are drawn
-    with _env(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel):
+    with _env(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel), _split_k(split):
         out = fusedkit.matmul(a, b, bias, activation)
+        if split > 1 and out.numel() and a.shape[-1]:
+            from fusedkit import _matmul as mm
+
+            plans = [r.plan.split_k for r in mm._RECIPES.values()]
+            assert plans == [split], f"the call was planned with split-K {plans}, not {split}"
     wide = [None if t is None else t.double().cpu() for t in (a, b, bias)]
     expected = matmul_reference(*wide, activation)
     assert out.shape == expected.shape and out.dtype == a.dtype
