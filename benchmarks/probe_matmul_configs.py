@@ -11,6 +11,7 @@ tells whether the autotuner's timings and the kernels' own times disagree.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -21,8 +22,10 @@ from fusedkit import _matmul as mm
 from fusedkit.bench import _timer
 from fusedkit.configs import _tile_of, matmul_configs, prune_matmul_configs
 
-CASES = (("bf16", 64, 4096, 4096), ("fp16", 64, 4096, 4096), ("fp32", 64, 4096, 4096), ("bf16", 512, 4096, 4096))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CASES = (("bf16", 64, 4096, 4096), ("fp16", 64, 4096, 4096), ("fp32", 64, 4096, 4096), ("fp32x3", 64, 4096, 4096),
+         ("bf16", 512, 4096, 4096), ("fp32x3", 512, 4096, 4096))
+#: fp32x3: float32 with FUSEDKIT_FP32_MATMUL=tf32x3 (every case runs with TF32 off).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp32x3": torch.float32}
 
 
 def probe(dtype, m, n, k, dev):
@@ -62,7 +65,11 @@ def probe(dtype, m, n, k, dev):
         mark = "  <- picked" if tile == picked else ""
         tuned_us = f"{1e3 * mine[0]:8.1f}" if mine else "       -"
         print(f"  {str(tile):<32} {t:8.1f} {flop / t / 1e6:7.1f} {tuned_us}{mark}")
-    print(f"  linear_relu as called: {us(lambda: fusedkit.linear_relu(a, w, bias)):.1f} us")
+    got = fusedkit.linear_relu(a, w, bias)
+    ref = torch.relu(torch.nn.functional.linear(a.double(), w.double(), bias.double()))
+    err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+    print(f"  linear_relu as called: {us(lambda: fusedkit.linear_relu(a, w, bias)):.1f} us (max error / max |ref| "
+          f"{err:.2e}); torch relu(F.linear): {us(lambda: torch.relu(torch.nn.functional.linear(a, w, bias))):.1f} us")
 
 
 def main():
@@ -72,10 +79,13 @@ def main():
     for name, m, n, k in cases:
         allow = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
+        mode = os.environ.get("FUSEDKIT_FP32_MATMUL")
+        os.environ["FUSEDKIT_FP32_MATMUL"] = "tf32x3" if name == "fp32x3" else "ieee"
         try:
             probe(DTYPES[name], m, n, k, dev)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = allow
+            os.environ.pop("FUSEDKIT_FP32_MATMUL") if mode is None else os.environ.__setitem__("FUSEDKIT_FP32_MATMUL", mode)
 
 
 if __name__ == "__main__":

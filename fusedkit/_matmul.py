@@ -25,8 +25,9 @@ from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import tracing
 from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
-    MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, autotune_enabled, matmul_configs, matmul_kernel_choice,
-    matmul_kernel_setting, matmul_m_bucket, matmul_split_k_max, matmul_tma_fixed_tile, prune_matmul_configs,
+    MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, autotune_enabled, fp32_matmul_setting, matmul_configs,
+    matmul_kernel_choice, matmul_kernel_setting, matmul_m_bucket, matmul_split_k_max, matmul_tma_fixed_tile,
+    prune_matmul_configs,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -162,6 +163,12 @@ def tf32_enabled() -> bool:
     return bool(matmul.allow_tf32)
 
 
+def fp32_precision() -> str:
+    """The ``tl.dot`` precision of a float32 matmul: "tf32" where PyTorch allows TF32,
+    else ``FUSEDKIT_FP32_MATMUL`` ("ieee" unless set, or "tf32x3")."""
+    return "tf32" if tf32_enabled() else fp32_matmul_setting()
+
+
 def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
@@ -179,7 +186,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     N = b.shape[1]
     code = act.ACTIVATIONS[activation]
     int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
-    precision = "tf32" if a.dtype == torch.float32 and tf32_enabled() else "ieee"
+    precision = fp32_precision() if a.dtype == torch.float32 else "ieee"
     ws, arrivals = split_k if split_k is not None else (out, out)  # out: "no workspace" to the pruner
     args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals,
             M, N, K, matmul_m_bucket(M),
@@ -515,7 +522,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     Returns:
         (..., M, N) in the inputs' dtype: float16, bfloat16, float32 (TF32 when
-        PyTorch's matmul setting allows it, see ``tf32_enabled``) or float64.
+        PyTorch's matmul setting allows it, see ``tf32_enabled``; else fp32 multiply-adds,
+        or with ``FUSEDKIT_FP32_MATMUL=tf32x3`` three TF32 products each) or float64.
         Accumulates in fp32 (fp64 for float64). Differentiable in a, b and bias.
 
     Raises:
@@ -581,8 +589,8 @@ def _call_key(a, b, bias, activation) -> tuple | None:
         if t.is_neg():
             return None
         key += (t.dtype, t.device, t.shape, t.stride())
-    if a.dtype == torch.float32:  # the TF32 setting matters to fp32 only (and costs ~0.7 us to read)
-        key.append(tf32_enabled())
+    if a.dtype == torch.float32:  # the precision settings matter to fp32 only (and cost ~1 us to read)
+        key.append(fp32_precision())
     return tuple(key)
 
 

@@ -273,6 +273,25 @@ def matmul_kernel_setting() -> str:
     return choice
 
 
+#: How float32 matmuls run when PyTorch's setting rules TF32 out (``FUSEDKIT_FP32_MATMUL``):
+#: "ieee" (the default: fp32 multiply-adds, what torch's "ieee" precision names) or
+#: "tf32x3" (each product as three TF32 tensor-core products, big * big + big * small +
+#: small * big, with fp32-sized errors; Triton's ``input_precision="tf32x3"``). Opt-in:
+#: its rounding differs from fp32's, and inputs within 0.01% of the fp32 maximum round to
+#: inf in the split. TF32 itself, when PyTorch allows it, takes precedence.
+FP32_MATMUL_MODES = ("ieee", "tf32x3")
+
+
+def fp32_matmul_setting() -> str:
+    """``FUSEDKIT_FP32_MATMUL`` as set ("ieee" unless set), validated."""
+    import os
+
+    mode = os.environ.get("FUSEDKIT_FP32_MATMUL", "ieee")
+    if mode not in FP32_MATMUL_MODES:
+        raise ValueError(f"FUSEDKIT_FP32_MATMUL={mode!r}; choose from {', '.join(FP32_MATMUL_MODES)}")
+    return mode
+
+
 def matmul_kernel_choice(m: int) -> str:
     """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible operands)."""
     choice = matmul_kernel_setting()

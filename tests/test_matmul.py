@@ -411,3 +411,32 @@ def test_autotuned_split_k_path(dtype, monkeypatch):
     assert mm._matmul_tuned.best_config.kwargs["SPLIT_K"] > 1
     torch.cuda.synchronize()
     assert all(not arrivals.any() for _, arrivals in mm._SPLIT_K_BUFFERS.values())
+
+
+def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
+    """``FUSEDKIT_FP32_MATMUL=tf32x3``: float32 products as three TF32 products, within
+    fp32's error bound, infinities kept as fp32 keeps them; a plan of its own beside the
+    IEEE one; an unknown value raises before any launch."""
+    if mm.tf32_enabled():
+        pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
+    m, n, k = 37, 70, 132  # ragged M, N and K; 16-byte rows, so the TMA kernel takes it too
+    a, w, bias = mk(m, k, dtype=torch.float32), mk(n, k, dtype=torch.float32).abs() + 0.1, mk(n, dtype=torch.float32)
+    a[3, 5] = float("inf")  # row 3: inf * positive weights, +inf after the ReLU
+    ref = ref64(a, w.t(), bias, "relu")
+    finite = torch.ones(m, dtype=torch.bool)
+    finite[3] = False
+    fusedkit.linear_relu(a, w, bias)  # the IEEE plan first
+    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "tf32x3")
+    for _ in range(2):  # the second call takes the kept plan
+        got = fusedkit.linear_relu(a, w, bias)
+        assert got[3].isposinf().all()
+        assert_rel_err(got[finite.to(got.device)], ref[finite], matmul_rel_err(torch.float32))
+    precisions = {r.plan.meta["INPUT_PRECISION"] for r in mm._RECIPES.values() if r.dtype == torch.float32}
+    assert {"ieee", "tf32x3"} <= precisions
+    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "fast")
+    out = poisoned((m, n), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
+        fusedkit.linear_relu(a, w, bias)
+    with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
+        launch_matmul(a, w.t(), bias, "relu", out)
+    assert out.isnan().all(), "a refused call wrote its output"
