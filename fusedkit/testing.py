@@ -15,7 +15,7 @@ from ._matmul import tf32_enabled
 from .registry import ElementwiseKernel, result_dtype
 
 __all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned",
-           "MATMUL_REL_ERR", "matmul_rel_err", "assert_rel_err"]
+           "MATMUL_REL_ERR", "matmul_rel_err", "assert_rel_err", "below_normal_floor"]
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,21 @@ def matmul_rel_err(dtype: torch.dtype) -> float:
     return MATMUL_REL_ERR[dtype]
 
 
-def assert_rel_err(actual: torch.Tensor, expected: torch.Tensor, bound: float) -> None:
-    """``||actual - expected|| / ||expected|| <= bound``, computed in float64; NaN fails."""
+def below_normal_floor(t: torch.Tensor) -> float:
+    """The norm of a tensor like ``t`` whose every element is the smallest normal value of
+    its dtype: with it as ``assert_rel_err``'s floor, a result below the normal range
+    (where a dtype keeps few significant bits, or none) is held to an absolute error."""
+    return torch.finfo(t.dtype).tiny * max(t.numel(), 1) ** 0.5
+
+
+def assert_rel_err(actual: torch.Tensor, expected: torch.Tensor, bound: float, floor: float = 0.0) -> None:
+    """``||actual - expected|| / max(||expected||, floor) <= bound``, computed in float64;
+    NaN fails. ``floor``: see ``below_normal_floor``."""
     got = actual.detach().to("cpu", torch.float64)
     ref = expected.detach().to("cpu", torch.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)
     assert not got.isnan().any(), "NaN in the result"
-    denom = ref.norm().item() or 1.0
+    denom = max(ref.norm().item(), floor) or 1.0
     err = (got - ref).norm().item() / denom
     assert err <= bound, f"relative error {err:.3g} > {bound:.3g}"
 

@@ -8,7 +8,7 @@
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
-#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, PYTEST_ARGS (default: the tests folder),
+#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
 #   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
 #   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
 #   the tests that log does not report as passed)
@@ -90,7 +90,7 @@ for s in $stages; do case $s in
             --json "$W/latency_native.json" ;;
   sanitize) step sanitize 590 bash scripts/sanitize.sh ;;  # memcheck 400 s + racecheck 150 s: a call of its own
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
-          step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" \
+          step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" ${FUZZ_ARGS:-} \
           --junitxml "$W/fuzz.xml" ;;  # the examples each shard ran: <property name="examples">
   pybench) step pybench 500 python3 -m pytest benchmarks --benchmark-only -q -p no:cacheprovider \
              --benchmark-json "$W/pybench.json" ${PYBENCH_ARGS:-} ;;

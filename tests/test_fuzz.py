@@ -38,7 +38,7 @@ def operand(draw, shape, dtype):
     numel = 1
     for n in base_shape:
         numel *= n
-    flat = _rand(numel + offset, dtype, specials=draw(st.booleans()) and draw(st.booleans()))
+    flat = _rand(numel + offset, dtype, draw(SEEDS), specials=draw(st.booleans()) and draw(st.booleans()))
     t = flat[offset:].view(base_shape) if base_shape else flat[offset:offset + 1].view(())
     t = t[tuple(slice(None, None, s) for s in steps)] if steps else t
     if t.dim() >= 2 and draw(st.booleans()):
@@ -51,14 +51,20 @@ def operand(draw, shape, dtype):
 SPECIALS = (float("nan"), float("inf"), float("-inf"), -0.0)
 
 
-def _rand(n, dtype, specials: bool = False):
+def _rand(n, dtype, seed: int, specials: bool = False):
+    """``n`` random values from ``seed`` (a value Hypothesis drew, so a replayed example
+    gets the same tensors: Hypothesis replays draws, not PyTorch's generator)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     if dtype.is_floating_point:
-        t = (torch.randn(n, device=DEVICE) * 3).to(dtype)
+        t = (torch.randn(n, device=DEVICE, generator=gen) * 3).to(dtype)
         if specials and n:
-            idx = torch.randint(0, n, (min(n, 4),), device=DEVICE)
+            idx = torch.randint(0, n, (min(n, 4),), device=DEVICE, generator=gen)
             t[idx] = torch.tensor(SPECIALS[:len(idx)], device=DEVICE, dtype=dtype)
         return t
-    return torch.randint(1, 40, (n,), device=DEVICE, dtype=dtype)
+    return torch.randint(1, 40, (n,), device=DEVICE, dtype=dtype, generator=gen)
+
+
+SEEDS = st.integers(0, 2**31 - 1)
 
 
 @st.composite
@@ -151,9 +157,11 @@ MATMUL_ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 def matmul_case(draw):
     m, n, k = (draw(st.integers(0, 70)) for _ in range(3))
     dtype = draw(st.sampled_from(MATMUL_DTYPES))
-    a = _rand(m * k * 2, dtype).view(m, 2 * k)[:, ::2] if draw(st.booleans()) else _rand(m * k, dtype).view(m, k)
-    b = _rand(n * k, dtype).view(n, k).t() if draw(st.booleans()) else _rand(k * n, dtype).view(k, n)
-    bias = _rand(n, dtype) if draw(st.booleans()) else None
+    seed = draw(SEEDS)
+    a = _rand(m * k * 2, dtype, seed).view(m, 2 * k)[:, ::2] if draw(st.booleans()) else \
+        _rand(m * k, dtype, seed).view(m, k)
+    b = _rand(n * k, dtype, seed + 1).view(n, k).t() if draw(st.booleans()) else _rand(k * n, dtype, seed + 1).view(k, n)
+    bias = _rand(n, dtype, seed + 2) if draw(st.booleans()) else None
     if draw(st.booleans()) and m % 2 == 0:
         a = a.view(2, m // 2, k) if a.is_contiguous() else a.unflatten(0, (2, m // 2))  # batched (..., M, K)
     kernel = draw(st.sampled_from(["pointer", "tma"]))
@@ -185,7 +193,7 @@ def test_matmul_matches_torch(shard, record_property):
 
 def _check_matmul(args):
     from fusedkit._matmul import matmul_reference
-    from fusedkit.testing import assert_rel_err, matmul_rel_err
+    from fusedkit.testing import assert_rel_err, below_normal_floor, matmul_rel_err
 
     a, b, bias, activation, kernel, split = args
     # every random shape would otherwise be tuned afresh; both kernels are drawn
@@ -199,4 +207,7 @@ def _check_matmul(args):
     wide = [None if t is None else t.double().cpu() for t in (a, b, bias)]
     expected = matmul_reference(*wide, activation)
     assert out.shape == expected.shape and out.dtype == a.dtype
-    assert_rel_err(out, expected, matmul_rel_err(a.dtype))
+    # A result below the dtype's normal range (the SiLU of a very negative input, say)
+    # is held to an absolute error: on the H200 a 1 x 1 float16 SiLU output of about
+    # 1e-9 came back 0, the right rounding, and a relative error of 1 (a failure before).
+    assert_rel_err(out, expected, matmul_rel_err(a.dtype), floor=below_normal_floor(out))

@@ -440,3 +440,20 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
         launch_matmul(a, w.t(), bias, "relu", out)
     assert out.isnan().all(), "a refused call wrote its output"
+
+
+def test_result_below_the_normal_range(matmul_kernel):
+    """A float16 SiLU output too small for float16's normal range (the fuzz's example on the
+    H200, 2026-12-03): rounded as float16 rounds it, to within half its smallest subnormal
+    step; the fuzz holds such results to an absolute error (``below_normal_floor``)."""
+    from fusedkit.testing import below_normal_floor
+
+    k = 24
+    a = torch.full((1, k), 2.0, dtype=torch.float16, device=DEVICE)
+    b = torch.full((k, 1), -0.5, dtype=torch.float16, device=DEVICE)  # pre-activation -24: SiLU -9e-10
+    out = fusedkit.matmul(a, b, None, "silu")
+    ref = ref64(a, b, None, "silu")
+    assert (out.double().cpu() - ref).abs().max().item() <= 2.0 ** -25
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_rel_err(out, ref, matmul_rel_err(torch.float16))  # 0 against -9e-10: relative error 1
+    assert_rel_err(out, ref, matmul_rel_err(torch.float16), floor=below_normal_floor(out))
