@@ -442,18 +442,21 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     assert out.isnan().all(), "a refused call wrote its output"
 
 
-def test_result_below_the_normal_range(matmul_kernel):
-    """A float16 SiLU output too small for float16's normal range (the fuzz's example on the
-    H200, 2026-12-03): rounded as float16 rounds it, to within half its smallest subnormal
-    step; the fuzz holds such results to an absolute error (``below_normal_floor``)."""
-    from fusedkit.testing import below_normal_floor
+@pytest.mark.parametrize("dtype,a_val,b_val,activation", [
+    (torch.float16, 2.0, -0.5, "silu"),          # pre-activation -24: SiLU -9e-10, float16's 0
+    (torch.float32, 3.1821, -2.8535, "gelu_tanh"),  # -9.08: float64's GELU-tanh is -0, fp32's -2.9e-29
+], ids=["float16-silu", "float32-gelu_tanh"])
+def test_activation_tail_results(dtype, a_val, b_val, activation, matmul_kernel):
+    """Results an activation sends to almost zero (examples the fuzz found on the H200,
+    2026-12-03): within a few units of the dtype's rounding of their products' size, where
+    a relative error says nothing; ``matmul_error_floor`` is how the fuzz judges them."""
+    from fusedkit.testing import matmul_error_floor
 
-    k = 24
-    a = torch.full((1, k), 2.0, dtype=torch.float16, device=DEVICE)
-    b = torch.full((k, 1), -0.5, dtype=torch.float16, device=DEVICE)  # pre-activation -24: SiLU -9e-10
-    out = fusedkit.matmul(a, b, None, "silu")
-    ref = ref64(a, b, None, "silu")
-    assert (out.double().cpu() - ref).abs().max().item() <= 2.0 ** -25
-    with pytest.raises(AssertionError, match="relative error"):
-        assert_rel_err(out, ref, matmul_rel_err(torch.float16))  # 0 against -9e-10: relative error 1
-    assert_rel_err(out, ref, matmul_rel_err(torch.float16), floor=below_normal_floor(out))
+    k = 24 if dtype == torch.float16 else 1
+    a = torch.full((1, k), a_val, dtype=dtype, device=DEVICE)
+    b = torch.full((k, 1), b_val, dtype=dtype, device=DEVICE)
+    out = fusedkit.matmul(a, b, None, activation)
+    ref = ref64(a, b, None, activation)
+    scale = (a.double().abs().cpu() @ b.double().abs().cpu()).abs().max().item()
+    assert (out.double().cpu() - ref).abs().max().item() <= 4 * torch.finfo(dtype).eps * scale
+    assert_rel_err(out, ref, matmul_rel_err(dtype), floor=matmul_error_floor(a, b))
