@@ -277,7 +277,7 @@ def matmul_kernel_setting() -> str:
 #: "ieee" (the default: fp32 multiply-adds, what torch's "ieee" precision names) or
 #: "tf32x3" (each product as three TF32 tensor-core products, big * big + big * small +
 #: small * big, with fp32-sized errors; Triton's ``input_precision="tf32x3"``). Opt-in:
-#: its rounding differs from fp32's, and inputs within 0.01% of the fp32 maximum round to
+#: its rounding differs from fp32's, and inputs within 0.025% of the fp32 maximum round to
 #: inf in the split. TF32 itself, when PyTorch allows it, takes precedence.
 FP32_MATMUL_MODES = ("ieee", "tf32x3")
 
