@@ -76,6 +76,7 @@ def main():
             _syncs(label, step)
         step = lambda: torch.autograd.grad(module(xg), [xg, *module.parameters()], g_out)  # noqa: E731
         _host_split(step)
+        _host_alone(x, w, bias, g_out, out)
         # The same step on other launch paths: is the host time the TMA kernel's launches?
         for env in ({"FUSEDKIT_AUTOTUNE": "0"}, {"FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "pointer"}):
             saved = {name: os.environ.get(name) for name in env}
@@ -182,6 +183,31 @@ def _host_split(step, steps: int = 20) -> None:
     print(f"fusedkit LinearReLU host time by piece (inclusive, us a step; {1e6 * host / steps:.1f} us a step in all):")
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {1e6 * total / steps:9.1f} us  x{counts[label] // steps}  {label}")
+
+
+def _host_alone(x, w, bias, g, out, calls: int = 50) -> None:
+    """The step's host pieces called alone, back to back without autograd (host time per call
+    while enqueuing, and wall time after a synchronize). At c93e6d2 the same pieces took 24 us
+    (four TMA descriptors) and 82 us (a TMA ``launch_matmul``) per call inside a training
+    step, against a few us each in the latency probe: alone, are they slow too?"""
+    import time
+
+    tile = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SUBTILE=True)
+    print(f"the step's pieces alone ({calls} calls each, us a call):")
+    for label, fn in (("four TMA descriptors", lambda: tma.descriptors(x, w.t(), out, None, tile)),
+                      ("linear_relu(x, W, b), no autograd", lambda: fusedkit.linear_relu(x, w, bias)),
+                      ("matmul(g, W), no autograd", lambda: fusedkit.matmul(g, w)),
+                      ("matmul(x.t(), g), no autograd", lambda: fusedkit.matmul(x.t(), g)),
+                      ("relu_grad(g, out)", lambda: fusedkit.elementwise("relu_grad", g, out))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        print(f"  {label:<36} host {1e6 * host / calls:8.1f}   wall {1e6 * wall / calls:8.1f}")
 
 
 def _profile(label, step, steps: int = 5):
