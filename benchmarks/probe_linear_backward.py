@@ -15,7 +15,6 @@ tf32x3 dot, with each result's error against float64.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -26,6 +25,7 @@ import fusedkit
 from fusedkit import _matmul as mm
 from fusedkit import _matmul_tma as tma
 from fusedkit.bench import _timer  # the report's timer: do_bench medians on a GPU (a CPU run only checks the script)
+from fusedkit.configs import settings
 
 
 def _best(autotuner) -> str:
@@ -79,13 +79,8 @@ def main():
         _host_alone(x, w, bias, g_out, out)
         # The same step on other launch paths: is the host time the TMA kernel's launches?
         for env in ({"FUSEDKIT_AUTOTUNE": "0"}, {"FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "pointer"}):
-            saved = {name: os.environ.get(name) for name in env}
-            os.environ.update(env)
-            try:
+            with settings(**env):
                 _host_time(f"fusedkit LinearReLU, {' '.join(f'{k}={v}' for k, v in env.items())}", step)
-            finally:
-                for name, value in saved.items():
-                    os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
     _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
@@ -105,7 +100,7 @@ def _decode(dev, m, k, n):
         print(f"  {label:<30} {_timer(dev)(fn):9.1f}")
 
 
-def _host_time(label, step, steps: int = 20):
+def _host_time(label, step, steps: int = 20, unit: str = "step"):
     """Host time to enqueue a step beside the wall time per step: equal means the GPU waits on the host."""
     import time
 
@@ -117,7 +112,7 @@ def _host_time(label, step, steps: int = 20):
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print(f"{label}: host {1e6 * (t1 - t0) / steps:.1f} us to enqueue a step, {1e6 * (t2 - t0) / steps:.1f} us wall")
+    print(f"{label}: host {1e6 * (t1 - t0) / steps:.1f} us to enqueue a {unit}, {1e6 * (t2 - t0) / steps:.1f} us wall")
 
 
 def _syncs(label, step) -> None:
@@ -188,26 +183,16 @@ def _host_split(step, steps: int = 20) -> None:
 def _host_alone(x, w, bias, g, out, calls: int = 50) -> None:
     """The step's host pieces called alone, back to back without autograd (host time per call
     while enqueuing, and wall time after a synchronize). At c93e6d2 the same pieces took 24 us
-    (four TMA descriptors) and 82 us (a TMA ``launch_matmul``) per call inside a training
-    step, against a few us each in the latency probe: alone, are they slow too?"""
-    import time
-
+    (four TMA descriptors; 13.5 us alone on a 2-core CPU host) and 82 us (a TMA
+    ``launch_matmul``) per call inside a training step: alone, are they slow too?"""
     tile = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SUBTILE=True)
-    print(f"the step's pieces alone ({calls} calls each, us a call):")
+    print(f"the step's pieces alone ({calls} calls each):")
     for label, fn in (("four TMA descriptors", lambda: tma.descriptors(x, w.t(), out, None, tile)),
                       ("linear_relu(x, W, b), no autograd", lambda: fusedkit.linear_relu(x, w, bias)),
                       ("matmul(g, W), no autograd", lambda: fusedkit.matmul(g, w)),
                       ("matmul(x.t(), g), no autograd", lambda: fusedkit.matmul(x.t(), g)),
                       ("relu_grad(g, out)", lambda: fusedkit.elementwise("relu_grad", g, out))):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        print(f"  {label:<36} host {1e6 * host / calls:8.1f}   wall {1e6 * wall / calls:8.1f}")
+        _host_time(f"  {label}", fn, calls, unit="call")
 
 
 def _profile(label, step, steps: int = 5):
@@ -247,7 +232,8 @@ def _tf32x3_linear_relu(a, w, bias):
     out = torch.empty(a.shape[0], w.shape[0], device=a.device, dtype=a.dtype)
     b = w.t()
     m_rows, n_cols = out.shape
-    split = mm.matmul_split_k_max(mm.matmul_m_bucket(m_rows), False, m_rows, n_cols, 4) if not mm.INTERPRETED else 1
+    split = mm.matmul_split_k_max(mm.matmul_m_bucket(m_rows), False, m_rows, n_cols,
+                                    torch.float32.itemsize) if not mm.INTERPRETED else 1
     buffers = mm.split_k_buffers(a.device, split, m_rows, n_cols, torch.float32) if split > 1 else None
     args, meta = mm.launch_config(a, b, bias, "relu", out, None, buffers)
     meta["INPUT_PRECISION"] = "tf32x3"

@@ -11,7 +11,6 @@ tells whether the autotuner's timings and the kernels' own times disagree.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -20,7 +19,7 @@ import triton
 import fusedkit
 from fusedkit import _matmul as mm
 from fusedkit.bench import _timer
-from fusedkit.configs import _tile_of, matmul_configs, prune_matmul_configs
+from fusedkit.configs import _tile_of, matmul_configs, prune_matmul_configs, settings
 
 CASES = (("bf16", 64, 4096, 4096), ("fp16", 64, 4096, 4096), ("fp32", 64, 4096, 4096), ("fp32x3", 64, 4096, 4096),
          ("bf16", 512, 4096, 4096), ("fp32x3", 512, 4096, 4096))
@@ -79,13 +78,11 @@ def main():
     for name, m, n, k in cases:
         allow = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
-        mode = os.environ.get("FUSEDKIT_FP32_MATMUL")
-        os.environ["FUSEDKIT_FP32_MATMUL"] = "tf32x3" if name == "fp32x3" else "ieee"
         try:
-            probe(DTYPES[name], m, n, k, dev)
+            with settings(FUSEDKIT_FP32_MATMUL="tf32x3" if name == "fp32x3" else "ieee"):
+                probe(DTYPES[name], m, n, k, dev)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = allow
-            os.environ.pop("FUSEDKIT_FP32_MATMUL") if mode is None else os.environ.__setitem__("FUSEDKIT_FP32_MATMUL", mode)
 
 
 if __name__ == "__main__":

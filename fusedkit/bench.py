@@ -191,21 +191,11 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-@contextlib.contextmanager
 def _matmul_kernel(choice: str | None):
-    """Run the block with FUSEDKIT_MATMUL_KERNEL=choice (None: leave it as it is)."""
-    if choice is None:
-        yield
-        return
-    previous = os.environ.get("FUSEDKIT_MATMUL_KERNEL")
-    os.environ["FUSEDKIT_MATMUL_KERNEL"] = choice
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["FUSEDKIT_MATMUL_KERNEL"]
-        else:
-            os.environ["FUSEDKIT_MATMUL_KERNEL"] = previous
+    """A block with FUSEDKIT_MATMUL_KERNEL=choice (None: left as it is)."""
+    from .configs import settings
+
+    return contextlib.nullcontext() if choice is None else settings(FUSEDKIT_MATMUL_KERNEL=choice)
 
 
 def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict]:

@@ -7,6 +7,8 @@ too.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -280,6 +282,24 @@ def matmul_kernel_setting() -> str:
 #: its rounding differs from fp32's, and inputs within 0.025% of the fp32 maximum round to
 #: inf in the split. TF32 itself, when PyTorch allows it, takes precedence.
 FP32_MATMUL_MODES = ("ieee", "tf32x3")
+
+
+@contextlib.contextmanager
+def settings(**values: str):
+    """Run the block with these environment settings (``FUSEDKIT_MATMUL_KERNEL="tma"``, ...);
+    each is read at every call, and each is put back as it was afterwards."""
+    import os
+
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def fp32_matmul_setting() -> str:

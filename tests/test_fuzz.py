@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import fusedkit
+from fusedkit.configs import settings as env_settings
 from fusedkit.testing import assert_matches_reference, poisoned, reference_result
 
 EXAMPLES = int(os.environ.get("FUSEDKIT_FUZZ_EXAMPLES", "60"))
@@ -135,20 +136,6 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return may_self_overlap(t.shape, t.stride())
 
 
-@contextlib.contextmanager
-def _env(**values):
-    previous = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in previous.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-
-
 MATMUL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 MATMUL_ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 
@@ -197,7 +184,7 @@ def _check_matmul(args):
 
     a, b, bias, activation, kernel, split = args
     # every random shape would otherwise be tuned afresh; both kernels are drawn
-    with _env(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel), _split_k(split):
+    with env_settings(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel), _split_k(split):
         out = fusedkit.matmul(a, b, bias, activation)
         if split > 1 and out.numel() and a.shape[-1]:
             from fusedkit import _matmul as mm
