@@ -8,9 +8,9 @@ At commit e375e1b on the H200 (torch 2.11, triton 3.6) fwd + bwd at 4096^3 bf16 
 dispatcher: so not host time. This times the pieces: the forward, the activation's
 gradient, grad_a = g @ W (W row-major), grad_b = x.t() @ g (a column-major ``a``, the TMA
 kernel's A_MMAJOR path), the bias gradient, and torch's matmuls for the same products.
-It also prints the tile chosen for fp32 ``linear_relu`` at M = 64, K = N = 4096 with TF32
-off (302 us against cuBLAS's 90 us in the same run), and times the same kernel with a
-tf32x3 dot, with each result's error against float64.
+It also prints the tile chosen for fp32 ``linear_relu`` at M = 64, 512 and 4096, K = N = 4096
+with TF32 off (302 us against cuBLAS's 90 us at M = 64 in one run), and times the same
+call with ``FUSEDKIT_FP32_MATMUL=tf32x3``, with each result's error against float64.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import fusedkit
 from fusedkit import _matmul as mm
@@ -74,6 +73,11 @@ def main():
             _host_time(label, step)
             _profile(label, step)
             _syncs(label, step)
+            # Forward and backward apart: which half holds the host?
+            params = [xg, *mod.parameters()]
+            _host_time(f"{label} forward alone (recording autograd)", lambda mod=mod: mod(xg))
+            y = mod(xg)
+            _host_time(f"{label} backward alone", lambda y=y, p=params: torch.autograd.grad(y, p, g_out, retain_graph=True))
         step = lambda: torch.autograd.grad(module(xg), [xg, *module.parameters()], g_out)  # noqa: E731
         _host_split(step)
         _host_alone(x, w, bias, g_out, out)
@@ -82,7 +86,8 @@ def main():
             with settings(**env):
                 _host_time(f"fusedkit LinearReLU, {' '.join(f'{k}={v}' for k, v in env.items())}", step)
 
-    _exact_fp32(dev, *((64, 4096, 4096) if dev.type == "cuda" else (m, k, n)))
+    for rows in ((64, 512, 4096) if dev.type == "cuda" else (m,)):
+        _exact_fp32(dev, rows, *((4096, 4096) if dev.type == "cuda" else (k, n)), ieee=rows < 4096)
     for rows in ((64, 512) if dev.type == "cuda" else (m,)):
         _decode(dev, rows, *((4096, 4096) if dev.type == "cuda" else (k, n)))
 
@@ -187,14 +192,21 @@ def _host_alone(x, w, bias, g, out, calls: int = 50) -> None:
     while enqueuing, and wall time after a synchronize). At c93e6d2 the same pieces took 24 us
     (four TMA descriptors; 13.5 us alone on a 2-core CPU host) and 82 us (a TMA
     ``launch_matmul``) per call inside a training step: alone, are they slow too?"""
+    import threading
+
     tile = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SUBTILE=True)
-    print(f"the step's pieces alone ({calls} calls each):")
+    print(f"the step's pieces alone ({calls} calls each; then the same from another thread,")
+    print("as autograd runs a CUDA backward: 6b564a5 measured 250 us for these alone against 839 a step):")
     for label, fn in (("four TMA descriptors", lambda: tma.descriptors(x, w.t(), out, None, tile)),
                       ("linear_relu(x, W, b), no autograd", lambda: fusedkit.linear_relu(x, w, bias)),
                       ("matmul(g, W), no autograd", lambda: fusedkit.matmul(g, w)),
                       ("matmul(x.t(), g), no autograd", lambda: fusedkit.matmul(x.t(), g)),
                       ("relu_grad(g, out)", lambda: fusedkit.elementwise("relu_grad", g, out))):
         _host_time(f"  {label}", fn, calls, unit="call")
+        worker = threading.Thread(target=_host_time, args=(f"  {label}, another thread", fn, calls),
+                                  kwargs={"unit": "call"})
+        worker.start()
+        worker.join()
 
 
 def _profile(label, step, steps: int = 5):
@@ -226,46 +238,27 @@ def _profile(label, step, steps: int = 5):
         print(f"  {e.self_cpu_time_total / steps:9.1f} us  x{e.count // steps}  {e.key[:90]}")
 
 
-def _tf32x3_linear_relu(a, w, bias):
-    """The pointer kernel with ``input_precision="tf32x3"`` (three TF32 products per
-    product, about fp32 accuracy on the tensor cores), split-K tiles allowed as for the
-    library's calls: an experiment, not a library path. (Until c05e427 it passed no
-    workspace, so tuning could pick no split-K tile: 32 programs at M = 64.)"""
-    out = torch.empty(a.shape[0], w.shape[0], device=a.device, dtype=a.dtype)
-    b = w.t()
-    m_rows, n_cols = out.shape
-    split = mm.matmul_split_k_max(mm.matmul_m_bucket(m_rows), False, m_rows, n_cols,
-                                    torch.float32.itemsize) if not mm.INTERPRETED else 1
-    buffers = mm.split_k_buffers(a.device, split, m_rows, n_cols, torch.float32) if split > 1 else None
-    args, meta = mm.launch_config(a, b, bias, "relu", out, None, buffers)
-    meta["INPUT_PRECISION"] = "tf32x3"
-
-    def grid(c):
-        return (triton.cdiv(m_rows, c["BLOCK_M"]) * triton.cdiv(n_cols, c["BLOCK_N"]), c["SPLIT_K"])
-    if mm.INTERPRETED:
-        mm._matmul_even_k[grid(mm.MATMUL_INTERPRETER_TILE)](*args, **meta, **mm.MATMUL_INTERPRETER_TILE)
-    else:
-        mm._matmul_tuned[grid](*args, **meta)
-    return out
-
-
-def _exact_fp32(dev, m, k, n):
+def _exact_fp32(dev, m, k, n, ieee: bool = True):
     """fp32 ``linear_relu`` with TF32 off (302 us against cuBLAS's 90 at M = 64, K = N = 4096,
-    e375e1b): the tuned tile, and what a tf32x3 dot would cost and how far off it is."""
+    e375e1b): the tuned tile, and the same call with ``FUSEDKIT_FP32_MATMUL=tf32x3`` (since
+    this session fusedkit's own truncating split), with each result's error against float64.
+    ``ieee=False`` leaves out the IEEE kernel (its tuning is slow at large M)."""
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         a, w, bias = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev), torch.randn(n, device=dev)
         ref = torch.relu(F.linear(a.double(), w.double(), bias.double()))
         print(f"fp32 (TF32 off) linear_relu M={m} K={k} N={n}, us:")
-        for label, fn in (("fusedkit (ieee)", lambda: fusedkit.linear_relu(a, w, bias)),
-                          ("fusedkit kernel with tf32x3", lambda: _tf32x3_linear_relu(a, w, bias)),
-                          ("torch relu(F.linear)", lambda: torch.relu(F.linear(a, w, bias)))):
-            got = fn()
-            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-            print(f"  {label:<30} {_timer(dev)(fn):9.1f}   max error / max |ref| {err:.2e}")
-            if label.startswith("fusedkit"):
-                print("    tuned config:", _best(mm._matmul_tuned))
+        rows = [("fusedkit (ieee)", "ieee"), ("fusedkit (tf32x3)", "tf32x3"), ("torch relu(F.linear)", None)]
+        for label, mode in rows[0 if ieee else 1:]:
+            with settings(FUSEDKIT_FP32_MATMUL=mode or "ieee"):
+                fn = (lambda: fusedkit.linear_relu(a, w, bias)) if mode else (lambda: torch.relu(F.linear(a, w, bias)))
+                got = fn()
+                err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                print(f"  {label:<30} {_timer(dev)(fn):9.1f}   max error / max |ref| {err:.2e}")
+            if mode:
+                kernel = tma._matmul_tma_tuned if mm.matmul_kernel_choice(m) == "tma" else mm._matmul_tuned
+                print("    tuned config:", _best(kernel))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
 

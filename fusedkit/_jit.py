@@ -144,3 +144,34 @@ def outer_sum(a, b, ACC_DTYPE: tl.constexpr):
     in ``ACC_DTYPE``: exact fp32 on CUDA cores. Blocks of fewer than 16 rows only: from 16
     up in every dimension Triton rewrites this pattern into a ``tl.dot`` with TF32 inputs."""
     return tl.sum(a[:, :, None].to(ACC_DTYPE) * b[None, :, :].to(ACC_DTYPE), axis=1)
+
+
+#: Clears the 13 low mantissa bits of an fp32 bit pattern (0xFFFFE000 as int32): what
+#: is left (sign, exponent, 10 mantissa bits) is exactly a TF32 value.
+TF32_KEEP_BITS = tl.constexpr(-(1 << 13))
+
+
+@triton.jit
+def tf32_split(x):
+    """fp32 ``x`` as ``big + small`` exactly, ``big`` a TF32 value. Truncating, not rounding:
+    ``big`` never outgrows ``x``, so an input near the fp32 maximum stays finite (Triton's own
+    "tf32x3" rounds to nearest, and inputs within 0.025% of the maximum become inf)."""
+    big = (x.to(tl.int32, bitcast=True) & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
+    return big, x - big
+
+
+@triton.jit
+def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """``acc + a @ b`` at ``INPUT_PRECISION``; "tf32x3" is three TF32 tensor-core products,
+    big * big + (small * big + big * small), with fp32-sized errors. An infinite input's
+    small part is inf - inf = NaN: those small sums are dropped, so infinities pass as in fp32."""
+    if INPUT_PRECISION == "tf32x3":
+        a_big, a_small = tf32_split(a)
+        b_big, b_small = tf32_split(b)
+        small = tl.dot(a_small, b_big, input_precision="tf32")
+        small = tl.dot(a_big, b_small, small, input_precision="tf32")
+        small = tl.where(small == small, small, 0.0)
+        acc = tl.dot(a_big, b_big, acc + small, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
+    return acc

@@ -36,7 +36,12 @@ try:  # Triton 3.5+ keeps launch hooks in a chain that is never None
 except ImportError:  # pragma: no cover - older Triton
     _HookChain = ()
 
-from .configs import COMPILED_CACHE_SIZE
+from .configs import COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
+
+try:  # Triton 3.6's CUDA launcher: the TMA element-type codes its descriptor encoder takes
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as _TMA_HOST_TYPE
+except ImportError:  # pragma: no cover - another Triton or no CUDA backend
+    _TMA_HOST_TYPE = None
 
 try:  # what Triton's own driver calls for the current stream and device
     from torch._C import _cuda_getCurrentRawStream as _current_stream
@@ -49,7 +54,7 @@ except ImportError:  # a PyTorch without CUDA support
         return torch.cuda.current_device()
 
 __all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled",
-           "hooks_idle", "int_class", "stream_of"]
+           "hooks_idle", "int_class", "stream_of", "tensor_map_args"]
 
 
 def stream_of(index: int) -> int:
@@ -135,7 +140,10 @@ class Entry(NamedTuple):
     arguments (the compile-time constants, in signature order: the compiled launcher
     skips them, but expects every parameter), and the caller's ``extra`` (e.g. a tile).
     ``head`` goes between the function handle and the packed metadata: empty for
-    Triton's launcher object, its flags and scratch buffers (None) for its C ``launch``."""
+    Triton's launcher object, its flags and scratch buffers (None) for its C ``launch``.
+    ``layouts``: when the launcher takes TMA descriptors already encoded (see
+    :func:`tensor_map_args`), the hardware layout of each descriptor parameter, in order;
+    None when it takes ``TensorDescriptor`` objects (or the kernel has none)."""
 
     compiled: CompiledKernel
     launcher: object
@@ -145,11 +153,31 @@ class Entry(NamedTuple):
     tail: tuple
     extra: object
     head: tuple = ()
+    layouts: tuple | None = None
 
 
-def _raw_launcher(launcher):
-    """``(launch, head)`` for calling Triton's C launch function directly, or None when
-    this launcher needs its Python wrapper (scratch buffers to allocate, an unknown release)."""
+def _descriptor_launch(launch, metadata):
+    """``(C launch, layouts)`` when ``launch`` is the wrapper Triton 3.6 puts around its C
+    launch for a kernel with TMA descriptor parameters (it encodes every ``TensorDescriptor``
+    on every call, after the caller has built them: four built alone took 19.5 us of the
+    H200 host's time, 6b564a5), else None (no descriptors, or a layout this module does
+    not encode: the wrapper stays)."""
+    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
+    cells = dict(zip(names, getattr(launch, "__closure__", None) or ()))
+    metas = getattr(metadata, "tensordesc_meta", None)
+    if "launcher" not in cells or "tensordesc_meta" not in cells or not metas or _TMA_HOST_TYPE is None:
+        return None
+    if any(m is None or m.get("fp4_padded") for m in metas):
+        return None
+    layouts = tuple((m["swizzle"], m["elem_size"], _TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
+                    for m in metas)
+    return cells["launcher"].cell_contents, layouts
+
+
+def _raw_launcher(launcher, metadata=None):
+    """``(launch, head, layouts)`` for calling Triton's C launch function directly, or None
+    when this launcher needs its Python wrapper (scratch buffers to allocate, an unknown
+    release). ``layouts``: see :class:`Entry`."""
     if not _RAW_LAUNCH:
         return None
     try:
@@ -158,7 +186,36 @@ def _raw_launcher(launcher):
         launch = launcher.launch
     except AttributeError:
         return None
-    return None if needs_scratch else (launch, head)
+    if needs_scratch:
+        return None
+    unwrapped = _descriptor_launch(launch, metadata)
+    return (launch, head, None) if unwrapped is None else (unwrapped[0], head, unwrapped[1])
+
+
+#: Encoded TMA descriptors by (address, shape, strides, layout): a CUtensorMap is a pure
+#: function of those, so a repeated operand (a weight; an activation the caching allocator
+#: hands back at the same address) reuses its encoding.
+_TENSOR_MAPS: dict = {}
+
+
+def _encode_tensor_map(*args):
+    """Triton's CUtensorMap encoder (``cuTensorMapEncodeTiled``), as its launcher calls it."""
+    return triton.runtime.driver.active.utils.fill_tma_descriptor(*args)
+
+
+def tensor_map_args(address: int, shape: tuple, strides: tuple, layout: tuple) -> list:
+    """What Triton's C launcher takes for one TMA descriptor parameter: the encoded
+    CUtensorMap, then the sizes and strides (as its own wrapper expands a ``TensorDescriptor``
+    with zero padding). ``layout``: one of :attr:`Entry.layouts`."""
+    key = (address, shape, strides, layout)
+    args = _TENSOR_MAPS.get(key)
+    if args is None:
+        swizzle, elem_size, elem_type, block = layout
+        tensor_map = _encode_tensor_map(address, swizzle, elem_size, elem_type, block, shape, strides, 0)
+        if len(_TENSOR_MAPS) >= TENSOR_MAP_CACHE_SIZE:
+            _TENSOR_MAPS.clear()
+        args = _TENSOR_MAPS[key] = [tensor_map, *shape, *strides]
+    return args
 
 
 class CompiledCache:
@@ -191,13 +248,13 @@ class CompiledCache:
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        launcher, head = _raw_launcher(compiled.run) or (compiled.run, ())
+        launcher, head, layouts = _raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None)
         self._entries[key] = Entry(compiled, launcher, compiled.function, compiled.packed_metadata,
-                                   grid, tail, extra, head)
+                                   grid, tail, extra, head, layouts)
 
     @staticmethod
     def run(entry: Entry, args: tuple, device_index: int) -> None:
-        compiled, launcher, function, packed, grid, tail, _, head = entry
+        compiled, launcher, function, packed, grid, tail, _, head, _ = entry
         stream = _current_stream(device_index)
         enter, exit_ = _hooks()
         # Launch metadata only feeds hooks; Triton builds it on every launch (a lazy dict).

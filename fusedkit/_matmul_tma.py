@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["a_mmajor", "b_kmajor", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
+__all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,7 +85,7 @@ def _matmul_tma_kernel(
             if UPCAST_OPERANDS:  # the interpreter's bf16 dot (see _matmul.launch_config)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = _jit.dot(a, b, acc, INPUT_PRECISION, tl.float32)
         # Epilogue on the accumulator, as in the pointer kernel.
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
@@ -167,6 +167,26 @@ def descriptors(a, b, out, pre, tile: dict):
     p = pre if pre is not None else out
     pre_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [bm, store_n])
     return a_desc, b_desc, c_desc, pre_desc
+
+
+def _row_major(t: torch.Tensor, flip: bool) -> tuple:
+    """(address, sizes, strides) of the row-major 2-D view a descriptor reads: ``t`` itself,
+    or with ``flip`` its transpose (as ``descriptors`` builds, without making the view)."""
+    (rows, cols), (s0, s1) = t.shape, t.stride()
+    return (t.data_ptr(), (cols, rows), (s1, s0)) if flip else (t.data_ptr(), (rows, cols), (s0, s1))
+
+
+def encoded_args(a, b, out, pre, layouts: tuple) -> list:
+    """The four descriptor parameters as Triton's C launcher takes them (see
+    ``_launch.tensor_map_args``): the same views as :func:`descriptors`, with the block
+    shapes and swizzles the compiled kernel recorded (``layouts``), encoded once per
+    address, shape and strides."""
+    views = (_row_major(a, a_mmajor(a)), _row_major(b, b_kmajor(b)), _row_major(out, False),
+             _row_major(pre if pre is not None else out, False))
+    args = []
+    for (address, shape, strides), layout in zip(views, layouts):
+        args += _launch.tensor_map_args(address, shape, strides, layout)
+    return args
 
 
 def _set_block_shapes(nargs):

@@ -251,6 +251,11 @@ COMPILED_CACHE_SIZE = 1024
 #: launch is prepared; the same size bound and clearing rule.
 CALL_CACHE_SIZE = 4096
 
+#: Encoded TMA descriptors (128 bytes each) kept by address, shape, strides and layout;
+#: a training loop repeats a handful (weights, and activations the caching allocator
+#: returns at the same address). The same clearing rule.
+TENSOR_MAP_CACHE_SIZE = 512
+
 
 # --- Matmul: the TMA persistent kernel (fusedkit._matmul_tma) -------------------------
 
@@ -278,9 +283,8 @@ def matmul_kernel_setting() -> str:
 #: How float32 matmuls run when PyTorch's setting rules TF32 out (``FUSEDKIT_FP32_MATMUL``):
 #: "ieee" (the default: fp32 multiply-adds, what torch's "ieee" precision names) or
 #: "tf32x3" (each product as three TF32 tensor-core products, big * big + big * small +
-#: small * big, with fp32-sized errors; Triton's ``input_precision="tf32x3"``). Opt-in:
-#: its rounding differs from fp32's, and inputs within 0.025% of the fp32 maximum round to
-#: inf in the split. TF32 itself, when PyTorch allows it, takes precedence.
+#: small * big, with fp32-sized errors; the split truncates, ``_jit.tf32_split``). Opt-in:
+#: its rounding differs from fp32's. TF32 itself, when PyTorch allows it, takes precedence.
 FP32_MATMUL_MODES = ("ieee", "tf32x3")
 
 

@@ -256,8 +256,8 @@ def test_raw_launch_calls_the_c_launch_function(monkeypatch):
     # function, with the flags and (absent) scratch buffers its Python wrapper adds.
     monkeypatch.setattr(_launch, "_RAW_LAUNCH", True)
     cuda_launcher = _StandInCudaLauncher()
-    launch, head = _launch._raw_launcher(cuda_launcher)
-    assert launch is cuda_launcher.launch and head == (0, 1, None, None)
+    launch, head, layouts = _launch._raw_launcher(cuda_launcher)
+    assert launch is cuda_launcher.launch and head == (0, 1, None, None) and layouts is None
     entry = _launch.Entry(compiled=None, launcher=launch, function=7, packed_metadata="packed", grid=(3, 1, 1),
                           tail=("tail",), extra=None, head=head)
     monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
@@ -268,6 +268,74 @@ def test_raw_launch_calls_the_c_launch_function(monkeypatch):
     assert _launch._raw_launcher(object()) is None
     monkeypatch.setattr(_launch, "_RAW_LAUNCH", False)
     assert _launch._raw_launcher(cuda_launcher) is None
+
+
+def _descriptor_wrapper(c_launch, tensordesc_meta):
+    """A stand-in for the function Triton 3.6 wraps its C launch in when a kernel takes TMA
+    descriptors (its closure holds the C launch and the descriptors' metadata)."""
+    launcher = c_launch
+
+    def inner(*args):
+        return launcher(tensordesc_meta, *args)
+
+    return inner
+
+
+class _Metadata:
+    def __init__(self, tensordesc_meta):
+        self.tensordesc_meta = tensordesc_meta
+
+
+def test_raw_launch_takes_encoded_descriptors(monkeypatch):
+    # A TMA kernel's launcher is Triton's descriptor-expanding wrapper: a kept launch calls
+    # the C launch inside it, with the layouts the compiled kernel recorded.
+    monkeypatch.setattr(_launch, "_RAW_LAUNCH", True)
+    monkeypatch.setattr(_launch, "_TMA_HOST_TYPE", {10: 8, 7: 7})
+    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False},
+            {"swizzle": 2, "elem_size": 4, "elem_type": 7, "block_size": [64, 32], "fp4_padded": False}]
+    cuda_launcher = _StandInCudaLauncher()
+    c_launch = cuda_launcher.launch
+    cuda_launcher.launch = _descriptor_wrapper(c_launch, meta)
+    launch, head, layouts = _launch._raw_launcher(cuda_launcher, _Metadata(meta))
+    assert launch is c_launch and head == (0, 1, None, None)
+    assert layouts == ((3, 2, 8, (128, 64)), (2, 4, 7, (64, 32)))  # host-side element type codes
+    # A descriptor without a hardware layout, or an fp4 one: the wrapper stays.
+    for odd in ([meta[0], None], [meta[0], {**meta[1], "fp4_padded": True}]):
+        cuda_launcher.launch = _descriptor_wrapper(c_launch, odd)
+        launch, _, layouts = _launch._raw_launcher(cuda_launcher, _Metadata(odd))
+        assert launch is cuda_launcher.launch and layouts is None
+
+
+def test_tensor_maps_are_encoded_once_per_operand(monkeypatch):
+    encoded = []
+    monkeypatch.setattr(_launch, "_encode_tensor_map", lambda *args: encoded.append(args) or f"map{len(encoded)}")
+    monkeypatch.setattr(_launch, "_TENSOR_MAPS", {})
+    layout = (3, 2, 8, (128, 64))
+    first = _launch.tensor_map_args(4096, (300, 64), (64, 1), layout)
+    assert first == ["map1", 300, 64, 64, 1]
+    assert encoded == [(4096, 3, 2, 8, (128, 64), (300, 64), (64, 1), 0)]  # zero padding
+    assert _launch.tensor_map_args(4096, (300, 64), (64, 1), layout) is first  # reused
+    # Any other address, size, stride or layout is its own encoding.
+    for args in ((8192, (300, 64), (64, 1), layout), (4096, (299, 64), (64, 1), layout),
+                 (4096, (300, 64), (128, 1), layout), (4096, (300, 64), (64, 1), (3, 2, 8, (64, 64)))):
+        _launch.tensor_map_args(*args)
+    assert len(encoded) == 5
+    # A full cache starts over.
+    monkeypatch.setattr(_launch, "TENSOR_MAP_CACHE_SIZE", 5)
+    _launch.tensor_map_args(1, (1, 1), (1, 1), layout)
+    assert len(_launch._TENSOR_MAPS) == 1
+
+
+def test_encoded_operands_are_the_row_major_views_tma_reads():
+    # The operand views encoded_args encodes: a column-major a and an nn.Linear weight's
+    # transpose are read as the row-major tensors they are in memory.
+    from fusedkit import _matmul_tma
+
+    x, w = torch.empty(96, 64), torch.empty(48, 64)
+    for t, flip in ((x, False), (x.t(), True), (w.t(), True), (w, False)):
+        v = t.t() if flip else t
+        assert _matmul_tma._row_major(t, flip) == (v.data_ptr(), tuple(v.shape), v.stride())
+    assert _matmul_tma.a_mmajor(x.t()) and _matmul_tma.b_kmajor(w.t())
 
 
 def test_direct_launch_feeds_installed_hooks(monkeypatch):
@@ -391,3 +459,42 @@ def test_fast_launch_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FUSEDKIT_FAST_LAUNCH", "1")
     fusedkit.add_relu(x, y)
     assert len(_recipe(ADD_RELU, x, y).compiled) == 0
+
+
+@gpu_only
+@pytest.mark.parametrize("layout", ["weight", "column_major_a", "row_major_b"])
+def test_tma_kept_launches_with_encoded_descriptors(layout, monkeypatch):
+    # Kept TMA launches pass descriptors encoded once per operand address (Triton 3.6):
+    # values, layouts and the saved pre-activation must match a fresh reference on every
+    # repeat, with new tensors, with the same tensors refilled in place, and in backward.
+    if torch.cuda.get_device_capability(DEVICE)[0] not in (9, 10):
+        pytest.skip("the TMA kernel needs Hopper or datacenter Blackwell")
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "tma")
+    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    dt = torch.bfloat16
+    m, k, n = 200, 136, 72
+    bias = rand((n,), dt, DEVICE)
+
+    def operands():
+        a = rand((k, m), dt, DEVICE).t() if layout == "column_major_a" else rand((m, k), dt, DEVICE)
+        b = rand((k, n), dt, DEVICE) if layout == "row_major_b" else rand((n, k), dt, DEVICE).t()
+        return a, b
+
+    a, b = operands()
+    for step in range(4):
+        if step == 2:
+            a.copy_(rand(a.shape, dt, DEVICE))  # the same addresses, new values
+        elif step:
+            a, b = operands()
+        a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+        got = fusedkit.matmul(a_, b_, bias, "gelu")  # gelu with grad: the pre-activation is stored
+        ref_a, ref_b = a.double().requires_grad_(), b.double().requires_grad_()
+        ref = torch.nn.functional.gelu(ref_a @ ref_b + bias.double())
+        assert_rel_err(got, ref, matmul_rel_err(dt))
+        g = rand(got.shape, dt, DEVICE)
+        got.backward(g)
+        ref.backward(g.double())
+        assert_rel_err(a_.grad, ref_a.grad, matmul_rel_err(dt))
+        assert_rel_err(b_.grad, ref_b.grad, matmul_rel_err(dt))
+    if _launch._RAW_LAUNCH:
+        assert mm._TMA_LAUNCHES._entries and all(e.layouts for e in mm._TMA_LAUNCHES._entries.values())

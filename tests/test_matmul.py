@@ -442,6 +442,26 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     assert out.isnan().all(), "a refused call wrote its output"
 
 
+def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(monkeypatch, matmul_kernel):
+    """The tf32x3 split truncates: the fp32 maximum's TF32 part is below it, not inf (Triton's
+    own rounding split, ``cvt.rna``, turns inputs within 0.025% of the maximum into inf).
+    A product of it by 0.5 is finite and as exact as the other rows."""
+    if mm.tf32_enabled():
+        pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
+    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "tf32x3")
+    m, n, k = 20, 40, 48
+    a, b = mk(m, k, dtype=torch.float32), mk(k, n, dtype=torch.float32) * 0.1
+    a[2, 3] = torch.finfo(torch.float32).max
+    a[5, 7] = -torch.finfo(torch.float32).max * (1 - 2.0**-20)  # within 0.025% of the maximum
+    b[3, :] = b[7, :] = 0.5
+    got, ref = fusedkit.matmul(a, b).cpu(), ref64(a, b)
+    assert got.isfinite().all()
+    big = torch.zeros(m, dtype=torch.bool)
+    big[[2, 5]] = True
+    assert_rel_err(got[big], ref[big], matmul_rel_err(torch.float32))
+    assert_rel_err(got[~big], ref[~big], matmul_rel_err(torch.float32))  # not judged against the maximum
+
+
 @pytest.mark.parametrize("dtype,a_val,b_val,activation", [
     (torch.float16, 2.0, -0.5, "silu"),          # pre-activation -24: SiLU -9e-10, float16's 0
     (torch.float32, 3.1821, -2.8535, "gelu_tanh"),  # -9.08: float64's GELU-tanh is -0, fp32's -2.9e-29
