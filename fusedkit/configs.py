@@ -283,8 +283,9 @@ def matmul_kernel_setting() -> str:
 #: How float32 matmuls run when PyTorch's setting rules TF32 out (``FUSEDKIT_FP32_MATMUL``):
 #: "ieee" (the default: fp32 multiply-adds, what torch's "ieee" precision names) or
 #: "tf32x3" (each product as three TF32 tensor-core products, big * big + big * small +
-#: small * big, with fp32-sized errors; the split truncates, ``_jit.tf32_split``). Opt-in:
-#: its rounding differs from fp32's. TF32 itself, when PyTorch allows it, takes precedence.
+#: small * big, meant for fp32-sized errors; the split rounds, and truncates where rounding
+#: would overflow: ``_jit.tf32_split``). Opt-in: its rounding differs from fp32's. TF32
+#: itself, when PyTorch allows it, takes precedence.
 FP32_MATMUL_MODES = ("ieee", "tf32x3")
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+import triton.language as tl
 from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
 from fusedkit.errors import DeviceError, DTypeError, ShapeError
+from fusedkit import _jit
 from fusedkit import _matmul as mm
 from fusedkit._matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
 from fusedkit.configs import matmul_configs, prune_matmul_configs
@@ -440,6 +442,46 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
         launch_matmul(a, w.t(), bias, "relu", out)
     assert out.isnan().all(), "a refused call wrote its output"
+
+
+@triton.jit
+def _tf32_split_kernel(x_ptr, big_ptr, small_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    big, small = _jit.tf32_split(x)
+    tl.store(big_ptr + offs, big, mask=offs < n)
+    tl.store(small_ptr + offs, small, mask=offs < n)
+
+
+def test_tf32_split_rounds_to_nearest_and_stays_finite(matmul_kernel):
+    """``_jit.tf32_split``, the tf32x3 mode's split: ``big + small == x`` exactly, ``big`` a
+    TF32 value (13 low bits clear) within half a TF32 unit of ``x`` (ties away from zero, as
+    ``cvt.rna``), finite for every finite ``x`` (truncated where rounding would overflow);
+    inf and NaN (any payload) are their own ``big``."""
+    if matmul_kernel == "tma":
+        pytest.skip("a jit helper's test: once is enough")
+    f32 = torch.finfo(torch.float32)
+    bits = lambda *v: torch.tensor(v, dtype=torch.int32).view(torch.float32)  # noqa: E731
+    ties = torch.tensor([1 + 2.0**-11, -(1 + 2.0**-11), 1 + 3 * 2.0**-11])
+    finite = torch.cat([rand((300,), torch.float32, "cpu") * 10.0 ** torch.randint(-30, 30, (300,)), ties,
+                        torch.tensor([f32.max, -f32.max, f32.max * (1 - 2.0**-20), f32.tiny / 7, 0.0, -0.0])])
+    special = torch.cat([torch.tensor([float("inf"), -float("inf"), float("nan")]), bits(-1, 0x7F800001, -4096)])
+    x = torch.cat([finite, special]).to(DEVICE)
+    big, small = poisoned(x.shape, torch.float32, DEVICE), poisoned(x.shape, torch.float32, DEVICE)
+    _tf32_split_kernel[(1,)](x, big, small, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    big, small, x = big.cpu(), small.cpu(), x.cpu()
+    n = finite.numel()
+    assert big[:n].isfinite().all()
+    assert torch.equal(big[:n].double() + small[:n].double(), x[:n].double())
+    assert not (big[:n].view(torch.int32) & ((1 << 13) - 1)).any()
+    normal = x[:n].abs() >= f32.tiny
+    normal[n - 6: n - 3] = False  # the maximum's three: truncated, up to a whole unit
+    bad = normal & (small[:n].abs() > x[:n].abs() * 2.0**-11)  # half a TF32 unit is at most that
+    assert not bad.any(), list(zip(x[:n][bad].tolist(), small[:n][bad].tolist()))
+    assert big[n - 9: n - 6].tolist() == [1 + 2.0**-10, -(1 + 2.0**-10), 1 + 2 * 2.0**-10]  # ties away from 0
+    assert big[n - 6] < f32.max and big[n - 5] > -f32.max  # truncated at the top, not inf
+    assert big[n:n + 2].tolist() == [float("inf"), -float("inf")] and small[n:n + 2].isnan().all()
+    assert big[n + 2:].isnan().all() and small[n + 2:].isnan().all()
 
 
 def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(monkeypatch, matmul_kernel):
