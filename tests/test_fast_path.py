@@ -187,15 +187,50 @@ def test_matmul_recipes_reuse_plans_and_stay_correct(kernel, monkeypatch):
             assert got.shape == ref.shape
             assert_rel_err(got, ref, matmul_rel_err(torch.float32))
     assert len(mm._RECIPES) == 2
-    # grad enabled: the full path records autograd
+    # grad enabled: autograd records the call, under a signature of its own
     assert fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b).grad_fn is not None
+    assert len(mm._RECIPES) == 3 and sum(r.grad for r in mm._RECIPES.values()) == 1
     # a signature that fails validation is never cached
     with pytest.raises(ShapeError):
         fusedkit.linear_relu(rand((8, 63), torch.float32, DEVICE), w.detach(), b)
     monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer" if kernel == "tma" else "tma")
     with torch.no_grad():
         fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b)
-    assert len(mm._RECIPES) == 3  # the kernel choice is part of the signature
+    assert len(mm._RECIPES) == 4  # the kernel choice is part of the signature
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])  # gelu keeps its pre-activation
+def test_matmul_recipes_with_autograd(activation, monkeypatch):
+    # A repeated signature that autograd records skips validation and goes straight to
+    # the autograd Function, whose forward launches with the kept plan; every repeat
+    # gives the right values and gradients, with new tensors and with grad mode toggled.
+    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    w = torch.nn.Parameter(rand((48, 64), torch.float32, DEVICE))
+    bias = torch.nn.Parameter(rand((48,), torch.float32, DEVICE))
+    validated = []
+    real = mm._validate
+    monkeypatch.setattr(mm, "_validate", lambda *args: validated.append(step) or real(*args))
+    for step in range(4):
+        x = rand((2, 5, 64), torch.float32, DEVICE).requires_grad_()
+        with torch.set_grad_enabled(step != 2):
+            got = fusedkit.matmul(x, w.t(), bias, activation)
+        xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, bias))
+        ref = mm.matmul_reference(xr, wr.t(), br, activation)
+        assert got.shape == ref.shape
+        assert_rel_err(got, ref, matmul_rel_err(torch.float32))
+        if step == 2:
+            assert got.grad_fn is None
+            continue
+        g = rand(got.shape, torch.float32, DEVICE)
+        grads = torch.autograd.grad(got, (x, w, bias), g)
+        refs = torch.autograd.grad(ref, (xr, wr, br), g.double())
+        for got_g, ref_g in zip(grads, refs):
+            assert_rel_err(got_g, ref_g, matmul_rel_err(torch.float32))
+    # Each signature is validated when it first appears (step 0: the forward with autograd,
+    # its first inner launch and the backward's two products; step 2: without autograd),
+    # and the repeats take their recipes.
+    assert set(validated) == {0, 2}, validated
+    assert sorted(r.grad for r in mm._RECIPES.values() if r.lead == (2, 5)) == [False, True]
 
 
 class _StandInLauncher:
