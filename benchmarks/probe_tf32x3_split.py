@@ -1,12 +1,13 @@
 """Which TF32 split gives fp32-sized errors on the tensor cores? (H200 question, 2026-12-03.)
 
 Triton's ``input_precision="tf32x3"`` rounds the big part to nearest (``cvt.rna``), so
-an input within 0.025% of the fp32 maximum becomes inf. fusedkit's truncating split
-(``big = x & 0xFFFFE000``) keeps those finite, but at M = 64, K = N = 4096 it measured
-3.1e-6 (max error / max |ref|) against the IEEE kernel's 7.8e-7 and, for Triton's split
-in earlier runs, 2.6e-7 and 2.7e-7. A third split rounds like ``cvt.rna`` by integer add and
-falls back to truncation only where rounding would overflow. One small kernel, one
-tile per program, each split a compile-time switch:
+an input within 0.025% of the fp32 maximum becomes inf. fusedkit's first own split
+(b758956: ``big = x & 0xFFFFE000``, the big product summed into the accumulator on the
+tensor cores) kept those finite, but at M = 64, K = N = 4096 it measured 3.1e-6 (max
+error / max |ref|) against the IEEE kernel's 7.8e-7 and, for Triton's split in earlier
+runs, 2.6e-7 and 2.7e-7. fusedkit now rounds like ``cvt.rna`` by integer add, truncating
+only where rounding would overflow, and sums in Triton's order (``_jit.dot``). One small
+kernel, one tile per program, each variant a compile-time switch:
 
     python benchmarks/probe_tf32x3_split.py [M K N]
 
@@ -21,21 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-SPLITS = {0: "ieee (no split)", 1: "triton tf32x3 (cvt.rna)", 2: "truncating", 3: "rounding, truncating at overflow"}
-KEEP = tl.constexpr(-(1 << 13))   # sign, exponent, 10 mantissa bits
-HALF = tl.constexpr(1 << 12)      # half a TF32 unit in the last place
-FP32_MAX = tl.constexpr(3.4028234663852886e38)
+from fusedkit import _jit
+
+#: The variants: 2 against 4 isolates the order of the sums, 4 against 3 the split.
+SPLITS = {0: "ieee (no split)", 1: "triton tf32x3 (cvt.rna)", 2: "truncating, summed on tensor cores",
+          3: "fusedkit (_jit.dot)", 4: "truncating, Triton's order"}
 
 
 @triton.jit
-def _split(x, SPLIT: tl.constexpr):
-    bits = x.to(tl.int32, bitcast=True)
-    truncated = (bits & KEEP).to(tl.float32, bitcast=True)
-    if SPLIT == 2:
-        big = truncated
-    else:
-        rounded = ((bits + HALF) & KEEP).to(tl.float32, bitcast=True)
-        big = tl.where(tl.abs(rounded) <= FP32_MAX, rounded, tl.where(tl.abs(x) <= FP32_MAX, truncated, x))
+def _truncating_split(x):
+    big = (x.to(tl.int32, bitcast=True) & _jit.TF32_KEEP_BITS).to(tl.float32, bitcast=True)
     return big, x - big
 
 
@@ -54,13 +50,18 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, SPLIT: tl.constexpr,
             acc = tl.dot(a, b, acc, input_precision="ieee")
         elif SPLIT == 1:
             acc = tl.dot(a, b, acc, input_precision="tf32x3")
+        elif SPLIT == 3:
+            acc = _jit.dot(a, b, acc, "tf32x3", tl.float32)
         else:
-            a_big, a_small = _split(a, SPLIT)
-            b_big, b_small = _split(b, SPLIT)
+            a_big, a_small = _truncating_split(a)
+            b_big, b_small = _truncating_split(b)
             small = tl.dot(a_small, b_big, input_precision="tf32")
             small = tl.dot(a_big, b_small, small, input_precision="tf32")
             small = tl.where(small == small, small, 0.0)
-            acc = tl.dot(a_big, b_big, acc + small, input_precision="tf32")
+            if SPLIT == 2:
+                acc = tl.dot(a_big, b_big, acc + small, input_precision="tf32")
+            else:
+                acc += tl.dot(a_big, b_big, small, input_precision="tf32")
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
 
 

@@ -84,7 +84,7 @@ for s in $stages; do case $s in
             PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
   mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ;;
-  tf32probe) step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ;;  # the fp32 splits side by side
+  tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ;;  # the fp32 splits side by side
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
