@@ -468,7 +468,9 @@ def _backward(ctx, grad_out, _grad_pre):
     if ctx.needs_input_grad[1]:
         grad_b = matmul(a2.t(), g)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_bias = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32).to(g.dtype)
+        # PyTorch sums half types with an fp32 accumulator and rounds once, as nn.Linear's own
+        # bias gradient does (an fp32 sum and a cast were a second kernel and launch).
+        grad_bias = g.sum(0)
     return grad_a, grad_b, grad_bias, None, None
 
 
