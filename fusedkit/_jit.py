@@ -174,9 +174,8 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     big * big + (small * big + big * small), meant for fp32-sized errors (Triton's own
     tf32x3, the same order with its own split, measured 2.6e-7 and 2.7e-7 max error / max
     |ref| at M = 64, K = N = 4096 on the H200, torch's fp32 8.3e-7 and 7.5e-7 in the same
-    runs, 6b564a5 and c93e6d2). An infinite
-    input's small part is inf - inf = NaN: those small sums are dropped, so infinities pass
-    as in fp32."""
+    runs, 6b564a5 and c93e6d2). An infinite input's small part is inf - inf = NaN: those
+    small sums are dropped, so infinities pass as in fp32."""
     if INPUT_PRECISION == "tf32x3":
         a_big, a_small = tf32_split(a)
         b_big, b_small = tf32_split(b)

@@ -8,6 +8,7 @@ too.
 from __future__ import annotations
 
 import contextlib
+import os
 
 from dataclasses import dataclass
 
@@ -231,8 +232,6 @@ MATMUL_FIXED_STAGES, MATMUL_FIXED_WARPS = 2, 4
 
 def autotune_enabled() -> bool:
     """Autotuning is on unless ``FUSEDKIT_AUTOTUNE=0``."""
-    import os
-
     return os.environ.get("FUSEDKIT_AUTOTUNE", "1") != "0"
 
 
@@ -272,8 +271,6 @@ MATMUL_TMA_MIN_M = 1024
 
 def matmul_kernel_setting() -> str:
     """``FUSEDKIT_MATMUL_KERNEL`` as set ("auto" unless set), validated."""
-    import os
-
     choice = os.environ.get("FUSEDKIT_MATMUL_KERNEL", "auto")
     if choice not in MATMUL_KERNELS:
         raise ValueError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
@@ -293,8 +290,6 @@ FP32_MATMUL_MODES = ("ieee", "tf32x3")
 def settings(**values: str):
     """Run the block with these environment settings (``FUSEDKIT_MATMUL_KERNEL="tma"``, ...);
     each is read at every call, and each is put back as it was afterwards."""
-    import os
-
     previous = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -309,8 +304,6 @@ def settings(**values: str):
 
 def fp32_matmul_setting() -> str:
     """``FUSEDKIT_FP32_MATMUL`` as set ("ieee" unless set), validated."""
-    import os
-
     mode = os.environ.get("FUSEDKIT_FP32_MATMUL", "ieee")
     if mode not in FP32_MATMUL_MODES:
         raise ValueError(f"FUSEDKIT_FP32_MATMUL={mode!r}; choose from {', '.join(FP32_MATMUL_MODES)}")
