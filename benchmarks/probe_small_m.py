@@ -1,0 +1,81 @@
+"""Small-M bf16 ``matmul_relu``: is the time the GPU's or the host's? (H200 question, 2026-12-03.)
+
+At 6b564a5 bf16 ``matmul_relu`` with bias, M = 64, K = N = 4096, took 21.0 us (do_bench)
+against cuBLASLt's 17.9; at b758956 the same tile took 39.3 against 20.4. do_bench queues
+calls back to back, so a call whose host work outlasts its kernel is timed by the host.
+For each M this prints three times per call: do_bench's median, the host's time to enqueue
+one call (no sync inside the loop), and a CUDA graph of the call replayed (GPU time alone,
+no Python). Then the fp32 cases the b758956 probe ran before it, then bf16 again.
+
+    python benchmarks/probe_small_m.py [M ...]     (default: 1 16 64 512)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import fusedkit
+from fusedkit.bench import _timer
+
+K = N = 4096
+#: Calls per host-time measurement (enough to fill the launch queue's steady state).
+HOST_CALLS = 200
+
+
+def _host_us(fn, calls: int = HOST_CALLS) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / calls
+
+
+def _graph_us(fn, timer) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (tuning, buffers) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timer(graph.replay)
+
+
+def rows(ms, timer, label):
+    print(f"bf16 matmul_relu with bias, K = N = {K} ({label}): do_bench us / host us per call / graph replay us")
+    for m in ms:
+        a, b, bias = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((m, K), (K, N), (N,)))
+        peers = (("fusedkit.matmul_relu", lambda: fusedkit.matmul_relu(a, b, bias)),
+                 ("torch._addmm_activation", lambda: torch._addmm_activation(bias, a, b)),
+                 ("torch.relu(addmm)", lambda: torch.relu(torch.addmm(bias, a, b))))
+        for name, fn in peers:
+            fn()
+            print(f"  M={m:<5} {name:<26} {timer(fn):8.1f} {_host_us(fn):8.1f} {_graph_us(fn, timer):8.1f}")
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("needs a GPU (host and graph times)")
+        return
+    ms = [int(v) for v in sys.argv[1:]] or [1, 16, 64, 512]
+    timer = _timer(torch.device("cuda"))
+    rows(ms, timer, "fresh process")
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for m in (64, 512, 4096):  # the fp32 cases b758956's probe ran before its bf16 rows
+        a, w = torch.randn(m, K, device="cuda"), torch.randn(N, K, device="cuda")
+        fusedkit.linear_relu(a, w, torch.randn(N, device="cuda"))
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    rows(ms, timer, "after fp32 linear_relu at M = 64, 512, 4096")
+
+
+if __name__ == "__main__":
+    main()
