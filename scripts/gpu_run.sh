@@ -83,7 +83,7 @@ for s in $stages; do case $s in
               --json "$W/backward_fp32.json"
             PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
-  mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ;;
+  mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
   tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ;;  # the fp32 splits side by side
   smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
