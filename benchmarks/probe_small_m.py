@@ -39,12 +39,12 @@ def _host_us(fn, calls: int = HOST_CALLS) -> float:
 def _graph_us(fn, timer) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (tuning, buffers) outside the capture
+    with torch.cuda.stream(stream):  # warm up (tuning, split-K buffers) on the capturing stream
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     return timer(graph.replay)
 
