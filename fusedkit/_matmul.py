@@ -165,7 +165,7 @@ def tf32_enabled() -> bool:
 
 def fp32_precision() -> str:
     """The ``tl.dot`` precision of a float32 matmul: "tf32" where PyTorch allows TF32,
-    else ``FUSEDKIT_FP32_MATMUL`` ("ieee" unless set, or "tf32x3")."""
+    else ``FUSEDKIT_FP32_MATMUL`` ("tf32x3" unless set, or "ieee")."""
     return "tf32" if tf32_enabled() else fp32_matmul_setting()
 
 
@@ -538,8 +538,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     Returns:
         (..., M, N) in the inputs' dtype: float16, bfloat16, float32 (TF32 when
-        PyTorch's matmul setting allows it, see ``tf32_enabled``; else fp32 multiply-adds,
-        or with ``FUSEDKIT_FP32_MATMUL=tf32x3`` three TF32 products each) or float64.
+        PyTorch's matmul setting allows it, see ``tf32_enabled``; else three TF32 products
+        each, with fp32-sized errors, or fp32 multiply-adds with ``FUSEDKIT_FP32_MATMUL=ieee``)
+        or float64.
         Accumulates in fp32 (fp64 for float64). Differentiable in a, b and bias.
 
     Raises:

@@ -6,7 +6,8 @@
 # log goes straight to $OUT/pytest.txt.  The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
-#   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times)
+#   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
+#   fp32probe: fp32 modes against torch, time and error)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
@@ -86,6 +87,7 @@ for s in $stages; do case $s in
   mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
   tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ;;  # the fp32 splits side by side
   smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
+  fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ;;  # fp32 modes: time and error
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
@@ -116,5 +118,6 @@ cat "$W/linprobe.txt" 2>/dev/null
 cat "$W/mmprobe.txt" 2>/dev/null
 cat "$W/tf32probe.txt" 2>/dev/null
 cat "$W/smallm.txt" 2>/dev/null
+cat "$W/fp32probe.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null
 exit $rc

@@ -264,6 +264,21 @@ def test_autotuned_path(m, n, k, dtype, activation, linear):
     assert_rel_err(out, want, matmul_rel_err(dtype))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
+@pytest.mark.parametrize("m", [1, 8, 64, 1024])
+def test_autotuned_ieee_fp32_path(m, monkeypatch):
+    """``FUSEDKIT_FP32_MATMUL=ieee`` with TF32 off tunes over its own tiles (multiply-and-sum
+    and FMA ``tl.dot`` tiles at decode-sized M, split-K among them): every M bucket they serve."""
+    if mm.tf32_enabled():
+        pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
+    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "ieee")
+    n, k = 200, 264  # sizes no other test tunes
+    a, w, bias = mk(m, k, dtype=torch.float32), mk(n, k, dtype=torch.float32), mk(n, dtype=torch.float32)
+    for _ in range(2):  # tuned, then the kept launch
+        assert_rel_err(fusedkit.linear_relu(a, w, bias), ref64(a, w.t(), bias, "relu"), matmul_rel_err(torch.float32))
+    assert {r.plan.meta["INPUT_PRECISION"] for r in mm._RECIPES.values() if r.m == m and r.n == n} == {"ieee"}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_large_shapes_on_gpu(dtype):
@@ -416,9 +431,9 @@ def test_autotuned_split_k_path(dtype, monkeypatch):
 
 
 def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
-    """``FUSEDKIT_FP32_MATMUL=tf32x3``: float32 products as three TF32 products, within
-    fp32's error bound, infinities kept as fp32 keeps them; a plan of its own beside the
-    IEEE one; an unknown value raises before any launch."""
+    """``FUSEDKIT_FP32_MATMUL=tf32x3`` (the default): float32 products as three TF32
+    products, within fp32's error bound, infinities kept as fp32 keeps them; a plan of its
+    own beside the IEEE one; an unknown value raises before any launch."""
     if mm.tf32_enabled():
         pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
     m, n, k = 37, 70, 132  # ragged M, N and K; 16-byte rows, so the TMA kernel takes it too
@@ -427,8 +442,10 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     ref = ref64(a, w.t(), bias, "relu")
     finite = torch.ones(m, dtype=torch.bool)
     finite[3] = False
-    fusedkit.linear_relu(a, w, bias)  # the IEEE plan first
-    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "tf32x3")
+    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "ieee")
+    assert_rel_err(fusedkit.linear_relu(a, w, bias)[finite.to(DEVICE)], ref[finite], matmul_rel_err(torch.float32))
+    monkeypatch.delenv("FUSEDKIT_FP32_MATMUL")
+    assert mm.fp32_precision() == "tf32x3"
     for _ in range(2):  # the second call takes the kept plan
         got = fusedkit.linear_relu(a, w, bias)
         assert got[3].isposinf().all()
