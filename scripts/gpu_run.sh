@@ -11,7 +11,7 @@
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
-#   MATMUL_DTYPES pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
+#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096) pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
 #   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
 #   the tests that log does not report as passed)
 set -uo pipefail
@@ -76,7 +76,7 @@ for s in $stages; do case $s in
            --csv "$W/bench.csv" --plots "$W/plots" ;;
   ncu) step ncu 240 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
          --sizes 20,26 --no-compile --json "$W/ncu.json" ;;  # 2^20: inside L2, also measured warm
-  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} \
+  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
   backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
             # fp32 apart: tuning the exact-fp32 LinearReLU matmuls is the slow part
