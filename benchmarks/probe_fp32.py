@@ -1,10 +1,14 @@
 """float32 ``linear_relu`` with TF32 off: fusedkit's modes against torch, time and error.
 (H200 question, 2026-12-03: can tf32x3 be the default?)
 
-At 5e05ab7 on the H200 (torch 2.11, triton 3.6), M = 64, K = N = 4096: fusedkit's tf32x3
+At 0ede8f0 on the H200 (torch 2.11, triton 3.6), M = 64, K = N = 4096: fusedkit's tf32x3
 68.1 us with max error / max |ref| 2.76e-7, its IEEE kernel 160.0 us (8.91e-7), torch
 93.7 us (8.91e-7). This adds M = 512 and 4096, a case whose products fall in fp32's
-subnormal range (do the tensor cores keep them?), and TF32 on for both sides.
+subnormal range (do the tensor cores keep them?), and TF32 on for both sides. At 9ec4d64:
+tf32x3 2.6e-7 / 2.7e-7 / 5.3e-7 at M = 64 / 512 / 4096 against torch's 9.8e-7 / 2.2e-6 /
+3.1e-6, in 68.3 / 459.6 / 2008.8 us against torch's 93.5 / 368.8 / 2735.1 (M = 512 the
+slow one: 293.7 us with b758956's split and tile); subnormal products kept (262,114 of
+262,144 results nonzero, torch 262,113); TF32 on, M = 64: 30.5 us against torch's 33.2.
 
     python benchmarks/probe_fp32.py [M ...]      (default: 64 512 4096; K = N = 4096)
 """
