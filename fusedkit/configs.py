@@ -126,13 +126,16 @@ SMALL_M_BUCKET = 64
 #: share a tile's K range and the last to finish sums their partial accumulators (a
 #: workspace of SPLIT_K x M x N) and runs the epilogue. For grids of fewer tiles than
 #: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs (0.74x cuBLASLt's
-#: epilogue on the H200 without split-K, 87e937c). Decode-sized M:
+#: epilogue on the H200 without split-K, 87e937c). Decode-sized M; the last, 64 x 128 x 128
+#: with 8 warps, took 20.4 us there against 21.3 for the tile tuning picked without it
+#: (0ede8f0, ``probe_matmul_configs.py``; cuBLASLt's epilogue 18.2):
 MATMUL_SPLIT_K_TILES = (
     (16, 64, 128, 4, 4, 4),
     (32, 64, 128, 4, 4, 4),
     (64, 64, 64, 4, 4, 4),
     (64, 128, 64, 4, 4, 4),
     (64, 64, 128, 3, 4, 2),
+    (64, 128, 128, 3, 8, 4),
 )
 #: Exact fp32 / fp64 at M buckets of 32 and 64: the tall FMA tiles split over K, so the
 #: CUDA cores get 4 to 8 times the warps (128 programs of 4 warps at M = 64, N = 4096).
