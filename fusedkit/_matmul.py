@@ -224,8 +224,7 @@ def _split_k_max(a, meta, tuned: bool, n: int, ws_dtype: torch.dtype) -> int:
     if not tuned:
         return MATMUL_FIXED_TILE["SPLIT_K"]
     m = a.shape[0]
-    exact = meta["INPUT_PRECISION"] == "ieee" and a.dtype in (torch.float32, torch.float64)
-    return matmul_split_k_max(matmul_m_bucket(m), exact, m, n, ws_dtype.itemsize)
+    return matmul_split_k_max(matmul_m_bucket(m), meta["INPUT_PRECISION"], a.dtype, m, n, ws_dtype.itemsize)
 
 
 def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: torch.dtype):

@@ -186,15 +186,27 @@ def matmul_configs():
     return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
 
 
-def _candidate_tiles(bucket: int, exact: bool) -> tuple[set, set]:
+def exact_tiles(precision: str, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(tall, reduce): whether a call at decode-sized M tunes over the tall FMA ``tl.dot``
+    tiles (IEEE fp32 / fp64 only) and over the multiply-and-sum tiles (fp32 / fp64 unless
+    TF32). The latter use no ``tl.dot``, so they are fp32's own math in the tf32x3 mode too,
+    and at M = 1 the faster: fp32 M = 1, N = K = 4096 with tf32x3's 16-row dot tiles alone
+    took 0.54x cuBLASLt's time on the H200 (9ec4d64) where these took 20.2 us against
+    torch's 26.6 (e375e1b)."""
+    wide = dtype in (torch.float32, torch.float64)
+    return wide and precision == "ieee", wide and precision != "tf32"
+
+
+def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[set, set]:
     """(dot tiles, multiply-and-sum tiles) that tuning tries for an M bucket, split-K included."""
     if bucket > SMALL_M_BUCKET:
         split = MATMUL_MID_M_SPLIT_K_TILES if bucket <= SPLIT_K_MAX_M_BUCKET else ()
         return _with_split(MATMUL_LARGE_M_TILES + split), set()
+    exact, reduce = exact_tiles(precision, dtype)
     tall = exact and bucket >= EXACT_TALL_M_BUCKET
     dot_tiles = MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES + (
         MATMUL_EXACT_DECODE_TILES + MATMUL_EXACT_SPLIT_K_TILES if tall else ())
-    return _with_split(dot_tiles), _with_split(MATMUL_REDUCE_TILES if exact else ())
+    return _with_split(dot_tiles), _with_split(MATMUL_REDUCE_TILES if reduce else ())
 
 
 def split_k_fits(split: int, m: int, n: int, acc_bytes: int) -> bool:
@@ -202,21 +214,20 @@ def split_k_fits(split: int, m: int, n: int, acc_bytes: int) -> bool:
     return split == 1 or split * m * n * acc_bytes <= SPLIT_K_WORKSPACE_BYTES
 
 
-def matmul_split_k_max(bucket: int, exact: bool, m: int, n: int, acc_bytes: int) -> int:
+def matmul_split_k_max(bucket: int, precision: str, dtype: torch.dtype, m: int, n: int, acc_bytes: int) -> int:
     """The widest split among the configs tuning may try for these sizes (1: none), which
     sizes the workspace a tuning launch passes."""
-    dot_tiles, reduce_tiles = _candidate_tiles(bucket, exact)
+    dot_tiles, reduce_tiles = _candidate_tiles(bucket, precision, dtype)
     return max(t[5] for t in dot_tiles | reduce_tiles if split_k_fits(t[5], m, n, acc_bytes))
 
 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
     """Autotune pre-filter: for small M the decode-sized tiles, plus, when the operands are
-    fp32 / fp64 without TF32, the multiply-and-sum tiles and (from ``EXACT_TALL_M_BUCKET``
-    rows) the tall FMA tiles; the large-M tiles otherwise; split-K tiles with each set
-    where the launch passes a workspace and it fits."""
+    fp32 / fp64 without TF32, the multiply-and-sum tiles and, for IEEE ones (from
+    ``EXACT_TALL_M_BUCKET`` rows), the tall FMA tiles (``exact_tiles``); the large-M tiles
+    otherwise; split-K tiles with each set where the launch passes a workspace and it fits."""
     a = named_args["a_ptr"]
-    exact = INPUT_PRECISION == "ieee" and a.dtype in (torch.float32, torch.float64)
-    dot_tiles, reduce_tiles = _candidate_tiles(named_args["M_BUCKET"], exact)
+    dot_tiles, reduce_tiles = _candidate_tiles(named_args["M_BUCKET"], INPUT_PRECISION, a.dtype)
     acc_bytes = 8 if a.dtype == torch.float64 else 4
     m, n = named_args.get("M", 1), named_args.get("N", 1)
     # A launch without a workspace passes the output in its place.

@@ -91,6 +91,7 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert dot_flags(1, a32, "ieee") == {True, False}
     assert dot_flags(64, a32, "ieee") == {True, False}
     assert dot_flags(1, a32, "tf32") == {True}
+    assert dot_flags(1, a32, "tf32x3") == {True, False}  # fp32's own math, no tl.dot
     assert dot_flags(1, a16, "ieee") == {True}
     assert dot_flags(128, a32, "ieee") == {True}
 
@@ -100,6 +101,7 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
 
     # Tiles as tall as M (one or two passes over the weight) only for exact fp32 / fp64 at M in 33..64.
     assert tall(64, a32, "ieee") >= 2 and tall(64, a32, "tf32") == 0 and tall(64, a16, "ieee") == 0
+    assert tall(64, a32, "tf32x3") == 0
 
 
 def test_every_output_element_is_written():
