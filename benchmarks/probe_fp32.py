@@ -10,7 +10,11 @@ tf32x3 2.6e-7 / 2.7e-7 / 5.3e-7 at M = 64 / 512 / 4096 against torch's 9.8e-7 / 
 slow one: 293.7 us with b758956's split and tile); subnormal products kept (262,114 of
 262,144 results nonzero, torch 262,113); TF32 on, M = 64: 30.5 us against torch's 33.2.
 
-    python benchmarks/probe_fp32.py [M ...]      (default: 64 512 4096; K = N = 4096)
+    python benchmarks/probe_fp32.py [--quick] [M ...]   (default: 64 512 4096; K = N = 4096)
+
+``--quick``: TF32 off only, tf32x3 against torch, each in both weight layouts (``linear_relu``
+with W, and ``matmul_relu`` with a row-major ``b``, which the tensor cores' TF32 products
+take transposed: 0.55x-0.79x cuBLASLt's epilogue in the matmul report at 9ec4d64).
 """
 
 from __future__ import annotations
@@ -33,12 +37,17 @@ def _err(got, ref) -> float:
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def rows(m, dev, timer, modes):
+def rows(m, dev, timer, modes, row_major: bool = False):
     a, w, bias = torch.randn(m, K, device=dev), torch.randn(N, K, device=dev), torch.randn(N, device=dev)
     ref = torch.relu(F.linear(a.double(), w.double(), bias.double()))
+    b = w.t().contiguous()
     for label, mode in modes:
         with settings(FUSEDKIT_FP32_MATMUL=mode or "tf32x3"):
-            fn = (lambda: fusedkit.linear_relu(a, w, bias)) if mode else (lambda: torch.relu(F.linear(a, w, bias)))
+            if row_major:
+                label = f"{label}, b row-major"
+                fn = (lambda: fusedkit.matmul_relu(a, b, bias)) if mode else (lambda: torch._addmm_activation(bias, a, b))
+            else:
+                fn = (lambda: fusedkit.linear_relu(a, w, bias)) if mode else (lambda: torch.relu(F.linear(a, w, bias)))
             got = fn()
             print(f"  M={m:<5} {label:<22} {timer(fn):9.1f} us   max error / max |ref| {_err(got, ref):.2e}")
 
@@ -60,13 +69,19 @@ def main():
         print("needs a GPU (TF32 and tensor cores)")
         return
     dev, timer = torch.device("cuda"), _timer(torch.device("cuda"))
-    ms = [int(v) for v in sys.argv[1:]] or [64, 512, 4096]
+    quick = "--quick" in sys.argv
+    ms = [int(v) for v in sys.argv[1:] if v != "--quick"] or [64, 512, 4096]
     matmul = torch.backends.cuda.matmul
     allow = matmul.allow_tf32
     try:
         matmul.allow_tf32 = False
         modes = (("fusedkit tf32x3", "tf32x3"), ("fusedkit ieee", "ieee"), ("torch", None))
         print(f"fp32 linear_relu, TF32 off, K = N = {K}, do_bench median:")
+        if quick:
+            for m in ms:
+                for row_major in (False, True):
+                    rows(m, dev, timer, (modes[0], modes[2]), row_major)
+            return
         for m in ms:
             rows(m, dev, timer, modes if m <= 64 else (modes[0], modes[2]))  # ieee's tuning is slow at large M
         subnormal(dev, modes)
