@@ -153,10 +153,25 @@ MATMUL_MID_M_SPLIT_K_TILES = (
     (128, 256, 64, 3, 8, 2),
     (64, 128, 64, 4, 4, 2),
 )
+#: float32 at M buckets above SMALL_M_BUCKET (pointer kernel), beside the tiles above:
+#: 32-wide K steps, so three or four stages fit shared memory with 4-byte operands. Of
+#: the 11 tiles above tuning could try for fp32 tf32x3 at M = 512, N = K = 4096, 9 did not
+#: fit (OutOfResources on the H200, 139f353) and the best left took 457.0 us against
+#: torch's 368.3. These fit sm_90's shared memory in the tf32x3 mode (checked at compile
+#: time: ``tests/test_codegen.py``); their speed is not yet measured.
+MATMUL_FP32_TILES = (
+    (128, 128, 32, 3, 8, 1),
+    (128, 128, 32, 4, 8, 1),
+    (128, 128, 32, 3, 8, 2),
+    (64, 128, 32, 4, 4, 1),
+    (128, 64, 32, 4, 4, 1),
+    (64, 256, 32, 3, 8, 1),
+)
 #: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
 #: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
 SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
-_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
+_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES + tuple(
+    t for t in MATMUL_FP32_TILES if t[5] > 1)
 #: The smallest (BLOCK_M, BLOCK_N) of any split-K tile: sizes the arrival counters.
 SPLIT_K_MIN_TILE = (min(t[0] for t in _SPLIT_TILES), min(t[1] for t in _SPLIT_TILES))
 
@@ -182,7 +197,8 @@ def _with_split(tiles) -> set:
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    dot_tiles = MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
+    dot_tiles = dict.fromkeys(MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
+                              + MATMUL_FP32_TILES)  # in order, each once
     return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
 
 
@@ -201,7 +217,8 @@ def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[s
     """(dot tiles, multiply-and-sum tiles) that tuning tries for an M bucket, split-K included."""
     if bucket > SMALL_M_BUCKET:
         split = MATMUL_MID_M_SPLIT_K_TILES if bucket <= SPLIT_K_MAX_M_BUCKET else ()
-        return _with_split(MATMUL_LARGE_M_TILES + split), set()
+        fp32 = tuple(t for t in MATMUL_FP32_TILES if t[5] == 1 or split) if dtype == torch.float32 else ()
+        return _with_split(MATMUL_LARGE_M_TILES + split + fp32), set()
     exact, reduce = exact_tiles(precision, dtype)
     tall = exact and bucket >= EXACT_TALL_M_BUCKET
     dot_tiles = MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES + (

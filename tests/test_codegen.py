@@ -193,6 +193,28 @@ def test_tma_autotune_configs_fit_hopper_shared_memory(tma_codegen):
         assert f["wgmma"] and f["tma"] and f["smem"] <= HOPPER_SMEM_BYTES, f
 
 
+FP32_FIT_CODEGEN = """
+import json, torch
+from fusedkit._codegen import compile_matmul
+from fusedkit.configs import MATMUL_FP32_TILES, MATMUL_GROUP_M
+r = []
+a, out = torch.empty(512, 4096, device="meta"), torch.empty(512, 4096, device="meta")
+for b in (torch.empty(4096, 4096, device="meta"), torch.empty(4096, 4096, device="meta").t()):
+    for bm, bn, bk, stages, warps, split in MATMUL_FP32_TILES:
+        tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=True)
+        k = compile_matmul(a, b, None, "relu", out, tile, num_warps=warps, num_stages=stages)
+        r.append({"tile": [bm, bn, bk, stages, warps], "smem": k.metadata.shared})
+print(json.dumps(r))
+"""
+
+
+def test_fp32_tiles_fit_shared_memory_in_the_tf32x3_mode():
+    # With 4-byte operands and three TF32 dots, 9 of the 11 mid-M tiles did not fit on the
+    # H200 (139f353); the fp32 set must, in both weight layouts.
+    for f in run_fresh(FP32_FIT_CODEGEN, FUSEDKIT_FP32_MATMUL="tf32x3"):
+        assert f["smem"] <= HOPPER_SMEM_BYTES, f
+
+
 REDUCE_CODEGEN = """
 import json, torch
 from fusedkit._codegen import compile_matmul
