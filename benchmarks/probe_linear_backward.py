@@ -105,8 +105,9 @@ def _decode(dev, m, k, n):
         print(f"  {label:<30} {_timer(dev)(fn):9.1f}")
 
 
-def _host_time(label, step, steps: int = 20, unit: str = "step"):
-    """Host time to enqueue a step beside the wall time per step: equal means the GPU waits on the host."""
+def host_us(step, steps: int = 20) -> tuple[float, float]:
+    """(host us to enqueue a step, wall us a step) over ``steps`` steps without a sync
+    inside: equal means the GPU waits on the host."""
     import time
 
     step()
@@ -117,7 +118,12 @@ def _host_time(label, step, steps: int = 20, unit: str = "step"):
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print(f"{label}: host {1e6 * (t1 - t0) / steps:.1f} us to enqueue a {unit}, {1e6 * (t2 - t0) / steps:.1f} us wall")
+    return 1e6 * (t1 - t0) / steps, 1e6 * (t2 - t0) / steps
+
+
+def _host_time(label, step, steps: int = 20, unit: str = "step"):
+    host, wall = host_us(step, steps)
+    print(f"{label}: host {host:.1f} us to enqueue a {unit}, {wall:.1f} us wall")
 
 
 def _syncs(label, step) -> None:

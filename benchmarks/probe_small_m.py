@@ -13,9 +13,9 @@ no Python). Then the fp32 cases the b758956 probe ran before it, then bf16 again
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
+from probe_linear_backward import host_us  # this folder is on the path when the script runs
 
 import fusedkit
 from fusedkit.bench import _timer
@@ -23,17 +23,6 @@ from fusedkit.bench import _timer
 K = N = 4096
 #: Calls per host-time measurement (enough to fill the launch queue's steady state).
 HOST_CALLS = 200
-
-
-def _host_us(fn, calls: int = HOST_CALLS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / calls
 
 
 def _graph_us(fn, timer) -> float:
@@ -58,7 +47,7 @@ def rows(ms, timer, label):
                  ("torch.relu(addmm)", lambda: torch.relu(torch.addmm(bias, a, b))))
         for name, fn in peers:
             fn()
-            print(f"  M={m:<5} {name:<26} {timer(fn):8.1f} {_host_us(fn):8.1f} {_graph_us(fn, timer):8.1f}")
+            print(f"  M={m:<5} {name:<26} {timer(fn):8.1f} {host_us(fn, HOST_CALLS)[0]:8.1f} {_graph_us(fn, timer):8.1f}")
 
 
 def profile(m, calls: int = HOST_CALLS, top: int = 14):
