@@ -170,10 +170,9 @@ MATMUL_FP32_TILES = (
 #: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
 #: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
 SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
-_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES + tuple(
-    t for t in MATMUL_FP32_TILES if t[5] > 1)
+_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
 #: The smallest (BLOCK_M, BLOCK_N) of any split-K tile: sizes the arrival counters.
-SPLIT_K_MIN_TILE = (min(t[0] for t in _SPLIT_TILES), min(t[1] for t in _SPLIT_TILES))
+SPLIT_K_MIN_TILE = tuple(min(t[i] for t in _SPLIT_TILES + MATMUL_FP32_TILES if t[5] > 1) for i in (0, 1))
 
 
 def _config(tile, dot: bool = True):
@@ -197,8 +196,8 @@ def _with_split(tiles) -> set:
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    dot_tiles = dict.fromkeys(MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
-                              + MATMUL_FP32_TILES)  # in order, each once
+    dot_tiles = (MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
+                 + MATMUL_FP32_TILES)
     return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
 
 
@@ -216,8 +215,9 @@ def exact_tiles(precision: str, dtype: torch.dtype) -> tuple[bool, bool]:
 def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[set, set]:
     """(dot tiles, multiply-and-sum tiles) that tuning tries for an M bucket, split-K included."""
     if bucket > SMALL_M_BUCKET:
-        split = MATMUL_MID_M_SPLIT_K_TILES if bucket <= SPLIT_K_MAX_M_BUCKET else ()
-        fp32 = tuple(t for t in MATMUL_FP32_TILES if t[5] == 1 or split) if dtype == torch.float32 else ()
+        mid = bucket <= SPLIT_K_MAX_M_BUCKET  # split-K tiles only up to here
+        split = MATMUL_MID_M_SPLIT_K_TILES if mid else ()
+        fp32 = tuple(t for t in MATMUL_FP32_TILES if mid or t[5] == 1) if dtype == torch.float32 else ()
         return _with_split(MATMUL_LARGE_M_TILES + split + fp32), set()
     exact, reduce = exact_tiles(precision, dtype)
     tall = exact and bucket >= EXACT_TALL_M_BUCKET
