@@ -11,7 +11,7 @@
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
-#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096) pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
+#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096), MMPROBE_ARGS, TF32PROBE_ARGS, FP32PROBE_ARGS pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
 #   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
 #   the tests that log does not report as passed)
 set -uo pipefail
@@ -86,9 +86,9 @@ for s in $stages; do case $s in
             PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
   mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
-  tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ;;  # the fp32 splits side by side
+  tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ${TF32PROBE_ARGS:-} ;;  # the fp32 splits side by side, e.g. "512 4096 4096"
   smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
-  fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ;;  # fp32 modes: time and error
+  fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ${FP32PROBE_ARGS:-} ;;  # fp32 modes: time and error, e.g. "--quick 1 8 64 512"
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
   native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
