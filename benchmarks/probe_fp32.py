@@ -12,9 +12,10 @@ slow one: 293.7 us with b758956's split and tile); subnormal products kept (262,
 
     python benchmarks/probe_fp32.py [--quick] [M ...]   (default: 64 512 4096; K = N = 4096)
 
-``--quick``: TF32 off only, tf32x3 against torch, each in both weight layouts (``linear_relu``
-with W, and ``matmul_relu`` with a row-major ``b``, which the tensor cores' TF32 products
-take transposed: 0.55x-0.79x cuBLASLt's epilogue in the matmul report at 9ec4d64).
+``--quick``: TF32 off only, tf32x3 against torch (from M = 256 also the TMA kernel, forced),
+each in both weight layouts (``linear_relu`` with W, and ``matmul_relu`` with a row-major
+``b``, which the tensor cores' TF32 products take transposed: 0.55x-0.79x cuBLASLt's
+epilogue in the matmul report at 9ec4d64).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def rows(m, dev, timer, modes, row_major: bool = False):
     a, w, bias = torch.randn(m, K, device=dev), torch.randn(N, K, device=dev), torch.randn(N, device=dev)
     ref = torch.relu(F.linear(a.double(), w.double(), bias.double()))
     b = w.t().contiguous()
-    for label, mode in modes:
-        with settings(FUSEDKIT_FP32_MATMUL=mode or "tf32x3"):
+    for label, mode, *kernel in modes:
+        with settings(FUSEDKIT_FP32_MATMUL=mode or "tf32x3", FUSEDKIT_MATMUL_KERNEL=kernel[0] if kernel else "auto"):
             if row_major:
                 label = f"{label}, b row-major"
                 fn = (lambda: fusedkit.matmul_relu(a, b, bias)) if mode else (lambda: torch._addmm_activation(bias, a, b))
@@ -78,9 +79,10 @@ def main():
         modes = (("fusedkit tf32x3", "tf32x3"), ("fusedkit ieee", "ieee"), ("torch", None))
         print(f"fp32 linear_relu, TF32 off, K = N = {K}, do_bench median:")
         if quick:
+            tma = ("fusedkit tf32x3 TMA", "tf32x3", "tma")  # the default takes it from M = 1024
             for m in ms:
                 for row_major in (False, True):
-                    rows(m, dev, timer, (modes[0], modes[2]), row_major)
+                    rows(m, dev, timer, (modes[0], tma, modes[2]) if m >= 256 else (modes[0], modes[2]), row_major)
             return
         for m in ms:
             rows(m, dev, timer, modes if m <= 64 else (modes[0], modes[2]))  # ieee's tuning is slow at large M
