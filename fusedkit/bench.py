@@ -274,6 +274,10 @@ def environment(device) -> dict:
     env = {"torch": torch.__version__, "triton": triton.__version__, "device": str(device),
            "backend": backend_for(device), "native_launch": _native.enabled(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    from .configs import fp32_matmul_setting
+
+    # what an fp32 matmul runs as, on both sides: TF32 when PyTorch allows it, else fusedkit's mode
+    env["fp32_matmul"] = "tf32" if torch.backends.cuda.matmul.allow_tf32 else fp32_matmul_setting()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
@@ -390,9 +394,13 @@ def main(argv=None) -> int:
                    help="the small-tensor report instead: host time per call against torch")
     p.add_argument("--shapes", default=None,
                    help="matmul shapes MxNxK, comma-separated (default: the report's set)")
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TF32 in fp32 matmuls (torch.backends.cuda.matmul.allow_tf32), both sides")
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     args = p.parse_args(argv)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     kernels = [registry.get(k) for k in args.kernels.split(",")]

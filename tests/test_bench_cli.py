@@ -93,3 +93,12 @@ def test_benchmark_suite_runs_on_the_cpu():
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+def test_matmul_report_tf32_flag(tmp_path):
+    # --tf32 turns TF32 on for both sides, and the environment line says what fp32 ran as.
+    _, on = bench_cli(tmp_path, "--matmul", "--dtypes", "fp32", "--shapes", "16x32x16", "--tf32")
+    _, off = bench_cli(tmp_path, "--matmul", "--dtypes", "fp32", "--shapes", "16x32x16")
+    assert on["environment"]["fp32_matmul"] == "tf32"
+    assert off["environment"]["fp32_matmul"] == "tf32x3"
+    assert on["matmul"][0]["fusedkit_us"] > 0
