@@ -9,7 +9,7 @@ runs, 2.6e-7 and 2.7e-7. fusedkit now rounds like ``cvt.rna`` by integer add, tr
 only where rounding would overflow, and sums in Triton's order (``_jit.dot``). One small
 kernel, one tile per program, each variant a compile-time switch:
 
-    python benchmarks/probe_tf32x3_split.py [M K N]
+    python benchmarks/probe_tf32x3_split.py [M K N [BLOCK_M BLOCK_N BLOCK_K WARPS]]   (default 64 64 32 4)
 
 Without a GPU it prints the CPU emulation of the splits' own error (``emulate``).
 """
@@ -24,9 +24,10 @@ import triton.language as tl
 
 from fusedkit import _jit
 
-#: The variants: 2 against 4 isolates the order of the sums, 4 against 3 the split.
+#: The variants: 2 against 4 isolates the order of the sums, 4 against 3 the split, 5
+#: against 3 the time of the per-step NaN guard on the small sums (5 turns inf inputs to NaN).
 SPLITS = {0: "ieee (no split)", 1: "triton tf32x3 (cvt.rna)", 2: "truncating, summed on tensor cores",
-          3: "fusedkit (_jit.dot)", 4: "truncating, Triton's order"}
+          3: "fusedkit (_jit.dot)", 4: "truncating, Triton's order", 5: "fusedkit's split, no NaN guard"}
 
 
 @triton.jit
@@ -52,6 +53,12 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, SPLIT: tl.constexpr,
             acc = tl.dot(a, b, acc, input_precision="tf32x3")
         elif SPLIT == 3:
             acc = _jit.dot(a, b, acc, "tf32x3", tl.float32)
+        elif SPLIT == 5:
+            a_big, a_small = _jit.tf32_split(a)
+            b_big, b_small = _jit.tf32_split(b)
+            small = tl.dot(a_small, b_big, input_precision="tf32")
+            small = tl.dot(a_big, b_small, small, input_precision="tf32")
+            acc += tl.dot(a_big, b_big, small, input_precision="tf32")
         else:
             a_big, a_small = _truncating_split(a)
             b_big, b_small = _truncating_split(b)
@@ -97,13 +104,14 @@ def main():
     torch.manual_seed(0)
     a, b = torch.randn(m, k, device="cuda"), torch.randn(k, n, device="cuda")
     ref = a.double() @ b.double()
-    tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+    bm, bn, bk, warps = (int(v) for v in sys.argv[4:8]) if len(sys.argv) > 7 else (64, 64, 32, 4)
+    tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     grid = (m // tile["BLOCK_M"], n // tile["BLOCK_N"])
-    print(f"M={m} K={k} N={n} fp32, tile {tile}: max error / max |ref|, do_bench median us", flush=True)
+    print(f"M={m} K={k} N={n} fp32, tile {tile}, {warps} warps: max error / max |ref|, do_bench median us", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     for split, name in SPLITS.items():
         c = torch.empty(m, n, device="cuda")
-        run = lambda: _kernel[grid](a, b, c, m, n, k, split, **tile, num_warps=4, num_stages=3)  # noqa: E731
+        run = lambda: _kernel[grid](a, b, c, m, n, k, split, **tile, num_warps=warps, num_stages=3)  # noqa: E731
         run()
         err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
         print(f"  {name:<36} {err:.2e}  {1e3 * triton.testing.do_bench(run, rep=50):8.1f}", flush=True)
@@ -113,7 +121,7 @@ def main():
     half = torch.full((32, 64), 0.5 / 32, device="cuda")
     for split, name in SPLITS.items():
         c = torch.empty(64, 64, device="cuda")
-        _kernel[(1, 1)](big, half, c, 64, 64, 32, split, **tile, num_warps=4, num_stages=3)
+        _kernel[(1, 1)](big, half, c, 64, 64, 32, split, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
         print(f"  fp32 max * 0.5 with {name:<36} finite: {bool(c.isfinite().all())}", flush=True)
 
 
