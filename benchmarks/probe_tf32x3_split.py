@@ -5,8 +5,9 @@ an input within 0.025% of the fp32 maximum becomes inf. fusedkit's first own spl
 (b758956: ``big = x & 0xFFFFE000``, the big product summed into the accumulator on the
 tensor cores) kept those finite, but at M = 64, K = N = 4096 it measured 3.1e-6 (max
 error / max |ref|) against the IEEE kernel's 7.8e-7 and, for Triton's split in earlier
-runs, 2.6e-7 and 2.7e-7. fusedkit now rounds like ``cvt.rna`` by integer add, truncating
-only where rounding would overflow, and sums in Triton's order (``_jit.dot``). One small
+runs, 2.6e-7 and 2.7e-7. fusedkit now rounds like ``cvt.rna``, truncating only where
+rounding would overflow (first by integer add and mask, about 10 operations an element;
+now ``cvt.rna.satfinite``, one), and sums in Triton's order (``_jit.dot``). One small
 kernel, one tile per program, each variant a compile-time switch:
 
     python benchmarks/probe_tf32x3_split.py [M K N [BLOCK_M BLOCK_N BLOCK_K WARPS]]   (default 64 64 32 4)
@@ -25,14 +26,22 @@ import triton.language as tl
 from fusedkit import _jit
 
 #: The variants: 2 against 4 isolates the order of the sums, 4 against 3 the split, 5
-#: against 3 the time of the per-step NaN guard on the small sums (5 turns inf inputs to NaN).
+#: against 3 the time of the per-step NaN guard on the small sums (5 turns inf inputs to NaN),
+#: 6 against 3 the split's instruction against its integer emulation.
 SPLITS = {0: "ieee (no split)", 1: "triton tf32x3 (cvt.rna)", 2: "truncating, summed on tensor cores",
-          3: "fusedkit (_jit.dot)", 4: "truncating, Triton's order", 5: "fusedkit's split, no NaN guard"}
+          3: "fusedkit (_jit.dot)", 4: "truncating, Triton's order", 5: "fusedkit's split, no NaN guard",
+          6: "integer rounding (fusedkit's before)"}
 
 
 @triton.jit
 def _truncating_split(x):
     big = (x.to(tl.int32, bitcast=True) & _jit.TF32_KEEP_BITS).to(tl.float32, bitcast=True)
+    return big, x - big
+
+
+@triton.jit
+def _integer_split(x):
+    big = tl.where(tl.abs(x) <= _jit.FP32_MAX, _jit.tf32_round_bits(x), x)
     return big, x - big
 
 
@@ -60,8 +69,12 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, SPLIT: tl.constexpr,
             small = tl.dot(a_big, b_small, small, input_precision="tf32")
             acc += tl.dot(a_big, b_big, small, input_precision="tf32")
         else:
-            a_big, a_small = _truncating_split(a)
-            b_big, b_small = _truncating_split(b)
+            if SPLIT == 6:
+                a_big, a_small = _integer_split(a)
+                b_big, b_small = _integer_split(b)
+            else:
+                a_big, a_small = _truncating_split(a)
+                b_big, b_small = _truncating_split(b)
             small = tl.dot(a_small, b_big, input_precision="tf32")
             small = tl.dot(a_big, b_small, small, input_precision="tf32")
             small = tl.where(small == small, small, 0.0)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._compat import is_interpreted
+
 
 @triton.jit
 def tile_coords(pid, tiles_c, tiles_per_batch):
@@ -155,16 +157,37 @@ TF32_HALF_ULP_BITS = tl.constexpr(1 << 12)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+#: ``x`` rounded to TF32, to nearest with ties away from zero, saturating to the largest
+#: finite TF32 value (the fp32 maximum truncated) where rounding would overflow: one
+#: instruction on sm_80 and newer.
+TF32_ROUND_ASM = tl.constexpr("cvt.rna.satfinite.tf32.f32 $0, $1;")
+
+
+@triton.jit
+def tf32_round_bits(x):
+    """``cvt.rna.satfinite.tf32.f32`` in integer operations, for finite ``x``: what the
+    interpreter runs, and what compiled kernels ran before the instruction took over. Its
+    cost: about 10 operations an element; in ``benchmarks/probe_tf32x3_split.py`` (H200,
+    torch 2.11, triton 3.6, M = 512, K = N = 4096, one 64 x 64 x 32 tile a program) the
+    tf32x3 product with it took 560.5 us, with Triton's one-instruction split 486.9."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + TF32_HALF_ULP_BITS) & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
+    truncated = (bits & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(rounded) <= FP32_MAX, rounded, truncated)
+
+
 @triton.jit
 def tf32_split(x):
     """fp32 ``x`` as ``big + small`` exactly, ``big`` a TF32 value: ``x`` rounded to nearest
     (as Triton's "tf32x3" rounds it), except where rounding would overflow to inf, where
     ``big`` is ``x`` truncated, so inputs near the fp32 maximum stay finite (Triton's turn
     into inf). inf and NaN are their own ``big``; their ``small`` is NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = ((bits + TF32_HALF_ULP_BITS) & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
-    truncated = (bits & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
-    big = tl.where(tl.abs(x) <= FP32_MAX, tl.where(tl.abs(rounded) <= FP32_MAX, rounded, truncated), x)
+    if NATIVE_TF32_ROUND:
+        rounded = tl.inline_asm_elementwise(TF32_ROUND_ASM, "=r,r", [x.to(tl.int32, bitcast=True)],
+                                            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        rounded = tf32_round_bits(x)
+    big = tl.where(tl.abs(x) <= FP32_MAX, rounded, x)
     return big, x - big
 
 
@@ -189,3 +212,9 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
     return acc
+
+
+#: Whether ``tf32_split`` runs the PTX instruction (compiled kernels) or its integer
+#: emulation (Triton's interpreter, which runs no inline assembly); Triton decides
+#: interpretation when a function is decorated, so this module's own function answers.
+NATIVE_TF32_ROUND = tl.constexpr(not is_interpreted(tf32_split))

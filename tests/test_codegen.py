@@ -248,17 +248,17 @@ a, w = torch.empty(64, 512, device="meta"), torch.empty(256, 512, device="meta")
 c = compile_matmul(a, w.t(), None, "relu", torch.empty(64, 256, device="meta"), tile, num_warps=4, num_stages=3)
 ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
 print(json.dumps({"dots": ttgir.count("warp_group_dot "), "tf32": "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32" in ptx,
-                  "split": "-8192" in ttgir and "cvt.rna" not in ptx, "nan_mask": "cmpf oeq" in ttgir,
+                  "split": "cvt.rna.satfinite.tf32.f32" in ptx, "nan_mask": "cmpf oeq" in ttgir,
                   "fma": "fma.rn.f32" in ptx}))
 """
 
 
 @pytest.mark.parametrize("mode", ["ieee", "tf32x3"])
 def test_fp32_matmul_modes_compile_as_named(mode):
-    # tf32x3: three TF32 wgmma products per K step from fusedkit's truncating split (a bit
-    # mask, no rounding conversion), with the small products' NaNs (inf - inf in the split of
-    # an infinite input) masked so infinities pass as in fp32; ieee: no tensor cores at all
-    # (the products are fp32 multiply-adds).
+    # tf32x3: three TF32 wgmma products per K step from fusedkit's split (the saturating
+    # rounding conversion, so inputs near the fp32 maximum stay finite), with the small
+    # products' NaNs (inf - inf in the split of an infinite input) masked so infinities
+    # pass as in fp32; ieee: no tensor cores at all (the products are fp32 multiply-adds).
     f = run_fresh(FP32_CODEGEN, FUSEDKIT_FP32_MATMUL=mode)
     if mode == "tf32x3":
         assert f["dots"] == 3 and f["tf32"] and f["split"] and f["nan_mask"], f
