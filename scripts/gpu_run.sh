@@ -7,7 +7,7 @@
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
 #   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
-#   fp32probe: fp32 modes against torch, time and error)
+#   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
@@ -79,6 +79,8 @@ for s in $stages; do case $s in
          --sizes 20,26 --no-compile --json "$W/ncu.json" ;;  # 2^20: inside L2, also measured warm
   matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
             --json "$W/matmul.json" --plots "$W/plots" ;;
+  matmul_tf32) step matmul_tf32 200 python3 -m fusedkit bench --matmul --tf32 --dtypes fp32 ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
+                 --json "$W/matmul_tf32.json" ;;  # fp32 with TF32 allowed, both sides
   backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
             # fp32 apart: tuning the exact-fp32 LinearReLU matmuls is the slow part
             step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
@@ -114,6 +116,7 @@ tail -16 "$W/latency.txt" 2>/dev/null
 grep -A26 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
 grep -A14 "fit in L2 again" "$W/ncu.txt" 2>/dev/null
 tail -18 "$W/matmul.txt" 2>/dev/null
+tail -8 "$W/matmul_tf32.txt" 2>/dev/null
 tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
 cat "$W/linprobe.txt" 2>/dev/null
 cat "$W/mmprobe.txt" 2>/dev/null
