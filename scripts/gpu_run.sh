@@ -7,7 +7,8 @@
 #   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
 #   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
-#   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed)
+#   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed;
+#   tf32layout: TF32 with a row-major b, two ways)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
@@ -82,13 +83,14 @@ for s in $stages; do case $s in
   matmul_tf32) step matmul_tf32 200 python3 -m fusedkit bench --matmul --tf32 --dtypes fp32 ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
                  --json "$W/matmul_tf32.json" ;;  # fp32 with TF32 allowed, both sides
   backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
-            # fp32 apart: tuning the exact-fp32 LinearReLU matmuls is the slow part
-            step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
+            # fp32 apart (BACKWARD_FP32=0 skips it): tuning the fp32 LinearReLU matmuls is the slow part
+            [ "${BACKWARD_FP32:-1}" != 0 ] && step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
               --json "$W/backward_fp32.json"
             PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
   mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
   tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ${TF32PROBE_ARGS:-} ;;  # the fp32 splits side by side, e.g. "512 4096 4096"
+  tf32layout) PYTHONPATH=. step tf32layout 90 python3 benchmarks/probe_tf32_layout.py ;;  # TF32 with a row-major b
   smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
   fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ${FP32PROBE_ARGS:-} ;;  # fp32 modes: time and error, e.g. "--quick 1 8 64 512"
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
@@ -121,6 +123,7 @@ tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
 cat "$W/linprobe.txt" 2>/dev/null
 cat "$W/mmprobe.txt" 2>/dev/null
 cat "$W/tf32probe.txt" 2>/dev/null
+cat "$W/tf32layout.txt" 2>/dev/null
 cat "$W/smallm.txt" 2>/dev/null
 cat "$W/fp32probe.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null
