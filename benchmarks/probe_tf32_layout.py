@@ -28,12 +28,6 @@ TILES = ((128, 128, 32, 3, 8), (128, 256, 32, 3, 8), (128, 128, 32, 4, 8))
 
 
 @triton.jit
-def _tf32_round(x):
-    return tl.inline_asm_elementwise(_jit.TF32_ROUND_ASM, "=r,r", [x.to(tl.int32, bitcast=True)],
-                                     dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_bk, stride_bn, ROUND_B: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -45,7 +39,7 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_bk, stride_bn, ROUND_B: tl.cons
         a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
         b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn)
         if ROUND_B:
-            b = _tf32_round(b)
+            b = _jit.tf32_round(b)
         acc = tl.dot(a, b, acc, input_precision="tf32")
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
 

@@ -177,17 +177,23 @@ def tf32_round_bits(x):
 
 
 @triton.jit
+def tf32_round(x):
+    """Finite fp32 ``x`` rounded to TF32 as ``TF32_ROUND_ASM`` rounds it: the instruction
+    in compiled kernels, ``tf32_round_bits`` in the interpreter."""
+    if NATIVE_TF32_ROUND:
+        return tl.inline_asm_elementwise(TF32_ROUND_ASM, "=r,r", [x.to(tl.int32, bitcast=True)],
+                                         dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        return tf32_round_bits(x)
+
+
+@triton.jit
 def tf32_split(x):
     """fp32 ``x`` as ``big + small`` exactly, ``big`` a TF32 value: ``x`` rounded to nearest
     (as Triton's "tf32x3" rounds it), except where rounding would overflow to inf, where
     ``big`` is ``x`` truncated, so inputs near the fp32 maximum stay finite (Triton's turn
     into inf). inf and NaN are their own ``big``; their ``small`` is NaN."""
-    if NATIVE_TF32_ROUND:
-        rounded = tl.inline_asm_elementwise(TF32_ROUND_ASM, "=r,r", [x.to(tl.int32, bitcast=True)],
-                                            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    else:
-        rounded = tf32_round_bits(x)
-    big = tl.where(tl.abs(x) <= FP32_MAX, rounded, x)
+    big = tl.where(tl.abs(x) <= FP32_MAX, tf32_round(x), x)
     return big, x - big
 
 
@@ -214,7 +220,7 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     return acc
 
 
-#: Whether ``tf32_split`` runs the PTX instruction (compiled kernels) or its integer
+#: Whether ``tf32_round`` runs the PTX instruction (compiled kernels) or its integer
 #: emulation (Triton's interpreter, which runs no inline assembly); Triton decides
 #: interpretation when a function is decorated, so this module's own function answers.
 NATIVE_TF32_ROUND = tl.constexpr(not is_interpreted(tf32_split))
