@@ -274,10 +274,9 @@ def environment(device) -> dict:
     env = {"torch": torch.__version__, "triton": triton.__version__, "device": str(device),
            "backend": backend_for(device), "native_launch": _native.enabled(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    from .configs import fp32_matmul_setting
+    from ._matmul import fp32_precision
 
-    # what an fp32 matmul runs as, on both sides: TF32 when PyTorch allows it, else fusedkit's mode
-    env["fp32_matmul"] = "tf32" if torch.backends.cuda.matmul.allow_tf32 else fp32_matmul_setting()
+    env["fp32_matmul"] = fp32_precision()  # "tf32" (both sides) where PyTorch allows it, else fusedkit's mode
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
