@@ -316,9 +316,10 @@ def matmul_kernel_setting() -> str:
 #: fp32 at every size tried: fp32 ``linear_relu``, K = N = 4096, TF32 off, on the H200
 #: (9ec4d64), max error / max |ref| 2.6e-7 / 2.7e-7 / 5.3e-7 at M = 64 / 512 / 4096
 #: against torch's 9.8e-7 / 2.2e-6 / 3.1e-6, in 68.3 / 459.6 / 2008.8 us against torch's
-#: 93.5 / 368.8 / 2735.1 (the IEEE kernel: 159.2 us at M = 64); products in fp32's
-#: subnormal range kept as torch keeps them. TF32 itself, when PyTorch allows it, takes
-#: precedence.
+#: 93.5 / 368.8 / 2735.1 (the IEEE kernel: 159.2 us at M = 64); M = 512 since 294.1 us
+#: against torch's 368.6 (e7e3de7: 32-wide K tiles, the one-instruction split); products
+#: in fp32's subnormal range kept as torch keeps them. TF32 itself, when PyTorch allows
+#: it, takes precedence.
 FP32_MATMUL_DEFAULT = "tf32x3"
 FP32_MATMUL_MODES = ("tf32x3", "ieee")
 
