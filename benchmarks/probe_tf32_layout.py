@@ -7,9 +7,14 @@ of ``b`` and fills it with 4-byte ``cp.async`` copies (48 a thread a stage for a
 x 32 tile, against 12 16-byte ones for ``a``); with ``b`` rounded in registers first
 (``cvt.rna.satfinite.tf32.f32``, fusedkit's tf32x3 split instruction) the copies are all
 16 bytes wide and the transpose happens on the shared-memory store. This probe times one
-small tiled kernel both ways, in both layouts of ``b``, against torch:
+small tiled kernel both ways, in both layouts of ``b``, and for a row-major ``b`` a TMA
+kernel three ways (``_tma_kernel``), against torch:
 
     python benchmarks/probe_tf32_layout.py [M ...]   (default: 4096 512; K = N = 4096)
+
+At 2bced09 (before the TMA rows): the rounded ``b`` was slower in all 12 cases (row-major
+67-87 TFLOP/s at M = 4096 either way, torch 393.5), and with nn.Linear's K-major ``b`` the
+plain kernel reached 370.3 against torch's 372.8: the row-major ``b``'s copies are the cost.
 """
 
 from __future__ import annotations
@@ -44,6 +49,55 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_bk, stride_bn, ROUND_B: tl.cons
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
 
 
+@triton.jit
+def _tma_kernel(a_desc, b_desc, c_desc, K, MODE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A row-major ``b`` through TMA. MODE 0: ``a @ b`` (Triton transposes ``b`` on a
+    shared-memory store); 1: ``(b^T a^T)^T``; 2: the same with ``b^T`` rounded in registers,
+    which makes it the register A operand of ``wgmma`` (read from TMA's N-major tile, no
+    store), cuBLAS's way with this layout (CPU codegen, triton 3.6: no in-loop stores)."""
+    off_m, off_n = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N
+    if MODE == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([off_m, k])
+        b = b_desc.load([k, off_n])
+        if MODE == 0:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        elif MODE == 1:
+            acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(_jit.tf32_round(tl.trans(b)), tl.trans(a), acc, input_precision="tf32")
+    if MODE == 0:
+        c_desc.store([off_m, off_n], acc)
+    else:
+        c_desc.store([off_m, off_n], tl.trans(acc))
+
+
+def tma_rows(a, b, ref, flop):
+    """``_tma_kernel``'s three modes for a row-major ``b``, each tile of ``TILES``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m = a.shape[0]
+    c = torch.empty(m, N, device="cuda")
+    for bm, bn, bk, stages, warps in TILES:
+        descs = (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bk, bn]),
+                 TensorDescriptor.from_tensor(c, [bm, bn]))
+        for mode in (0, 1, 2):
+            run = lambda: _tma_kernel[(m // bm, N // bn)](*descs, K, mode, BLOCK_M=bm, BLOCK_N=bn,  # noqa: E731
+                                                          BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            try:
+                run()
+                us = 1e3 * triton.testing.do_bench(run, rep=50)
+            except Exception as e:  # out of shared memory and the like: report, go on
+                print(f"    TMA {(bm, bn, bk, stages, warps)} mode {mode}: {type(e).__name__}", flush=True)
+                continue
+            err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
+            print(f"    TMA {(bm, bn, bk, stages, warps)} mode {mode} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
+
+
 def main():
     if not torch.cuda.is_available():
         print("needs a GPU (TF32 tensor cores)")
@@ -73,6 +127,8 @@ def main():
                         continue
                     err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
                     print(f"    {tile} round_b={round_b!s:<5} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
+            if b.is_contiguous():
+                tma_rows(a, b, ref, flop)
             us = 1e3 * triton.testing.do_bench(lambda: a @ b, rep=50)
             err = (((a @ b).double() - ref).abs().max() / ref.abs().max()).item()
             print(f"    torch a @ b {'':>26} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
