@@ -76,6 +76,19 @@ def _tma_kernel(a_desc, b_desc, c_desc, K, MODE: tl.constexpr,
         c_desc.store([off_m, off_n], tl.trans(acc))
 
 
+def _row(label: str, run, c, ref, flop: int) -> None:
+    """Run once, time, and print TFLOP/s and the error of ``c``; a launch that fails (out
+    of shared memory and the like) prints its exception's name instead."""
+    try:
+        run()
+        us = 1e3 * triton.testing.do_bench(run, rep=50)
+    except Exception as e:  # report it and go on to the next case
+        print(f"    {label}: {type(e).__name__}", flush=True)
+        return
+    err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
+    print(f"    {label} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
+
+
 def tma_rows(a, b, ref, flop):
     """``_tma_kernel``'s three modes for a row-major ``b``, each tile of ``TILES``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -88,14 +101,7 @@ def tma_rows(a, b, ref, flop):
         for mode in (0, 1, 2):
             run = lambda: _tma_kernel[(m // bm, N // bn)](*descs, K, mode, BLOCK_M=bm, BLOCK_N=bn,  # noqa: E731
                                                           BLOCK_K=bk, num_warps=warps, num_stages=stages)
-            try:
-                run()
-                us = 1e3 * triton.testing.do_bench(run, rep=50)
-            except Exception as e:  # out of shared memory and the like: report, go on
-                print(f"    TMA {(bm, bn, bk, stages, warps)} mode {mode}: {type(e).__name__}", flush=True)
-                continue
-            err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
-            print(f"    TMA {(bm, bn, bk, stages, warps)} mode {mode} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
+            _row(f"TMA {(bm, bn, bk, stages, warps)} mode {mode}", run, c, ref, flop)
 
 
 def main():
@@ -119,14 +125,7 @@ def main():
                 for round_b in (False, True):
                     run = lambda: _kernel[grid](a, b, c, m, N, K, b.stride(0), b.stride(1), round_b,  # noqa: E731
                                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                    try:
-                        run()
-                        us = 1e3 * triton.testing.do_bench(run, rep=50)
-                    except Exception as e:  # out of shared memory and the like: report, go on
-                        print(f"    {tile} round_b={round_b}: {type(e).__name__}", flush=True)
-                        continue
-                    err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
-                    print(f"    {tile} round_b={round_b!s:<5} {flop / us / 1e6:7.1f}  {err:.2e}", flush=True)
+                    _row(f"{tile} round_b={round_b!s:<5}", run, c, ref, flop)
             if b.is_contiguous():
                 tma_rows(a, b, ref, flop)
             us = 1e3 * triton.testing.do_bench(lambda: a @ b, rep=50)
