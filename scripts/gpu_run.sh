@@ -8,7 +8,7 @@
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
 #   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
 #   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed;
-#   tf32layout: TF32 with a row-major b, two ways)
+#   tf32layout: TF32 with a row-major b: a small kernel two ways, a TMA kernel three ways)
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
