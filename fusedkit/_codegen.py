@@ -72,9 +72,10 @@ def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torc
 def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stages: int, *, a_mmajor: bool = False,
                        b_kmajor: bool = True,
                        has_bias: bool = True, activation: str | None = "relu", store_pre: bool = False,
-                       target: GPUTarget = HOPPER):
+                       precision: str | None = None, target: GPUTarget = HOPPER):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
-    carry only dtype and block shape in the signature)."""
+    carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
+    precision (default "tf32" for float32, else "ieee")."""
     from . import activations as act
     from ._matmul_tma import _matmul_tma_kernel
 
@@ -89,7 +90,7 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
         "bias_ptr": "*" + ty, "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_bias": "i32",
     }
     constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=act.ACTIVATIONS[activation], STORE_PRE=store_pre,
-                      A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, INPUT_PRECISION="tf32" if dtype == torch.float32 else "ieee",
+                      A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),
                       UPCAST_OPERANDS=False, NUM_SMS=132, **tile)
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(_matmul_tma_kernel, signature, constexprs=constexprs, attrs={})

@@ -188,12 +188,18 @@ def tf32_round(x):
 
 
 @triton.jit
+def tf32_big(x):
+    """fp32 ``x`` as a TF32 value: rounded to nearest (as Triton's "tf32x3" rounds it),
+    except where rounding would overflow to inf, where it is truncated, so inputs near the
+    fp32 maximum stay finite (Triton's turn into inf); inf and NaN are kept."""
+    return tl.where(tl.abs(x) <= FP32_MAX, tf32_round(x), x)
+
+
+@triton.jit
 def tf32_split(x):
-    """fp32 ``x`` as ``big + small`` exactly, ``big`` a TF32 value: ``x`` rounded to nearest
-    (as Triton's "tf32x3" rounds it), except where rounding would overflow to inf, where
-    ``big`` is ``x`` truncated, so inputs near the fp32 maximum stay finite (Triton's turn
-    into inf). inf and NaN are their own ``big``; their ``small`` is NaN."""
-    big = tl.where(tl.abs(x) <= FP32_MAX, tf32_round(x), x)
+    """fp32 ``x`` as ``big + small`` exactly, ``big`` its ``tf32_big``; the ``small`` of inf
+    and NaN is NaN."""
+    big = tf32_big(x)
     return big, x - big
 
 

@@ -248,7 +248,9 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     args, meta = launch_config(a, b, bias, activation, out, pre)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
-    tma_ok = matmul_kernel_choice(a.shape[0]) == "tma" and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
+    transposed = _matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
+    tma_ok = (matmul_kernel_choice(a.shape[0], transposed) == "tma"
+              and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
     return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix)
 

@@ -12,7 +12,19 @@ A second data-movement algorithm for the same ``act(a @ b + bias)`` as
   weight (N, K) row-major through ``b = weight.t()`` (``B_KMAJOR``), transposed
   in shared memory for the tensor cores, never copied; likewise ``a`` (M, K)
   row-major, or column-major (``A_MMAJOR``: ``x.t()`` of a row-major ``x``, as in
-  the weight gradient ``x.t() @ grad`` of a backward pass).
+  the weight gradient ``x.t() @ grad`` of a backward pass);
+- float32 on TF32 tensor cores (TF32 or tf32x3) with row-major ``a`` and ``b``
+  computes the transposed product ``(b^T a^T)^T``, ``b^T`` rounded to TF32 in
+  registers: TRANSPOSED_PRODUCT below.
+
+TRANSPOSED_PRODUCT: TF32 ``wgmma`` reads its shared-memory operands K-major only, and a
+row-major ``b`` is N-major, so Triton transposes it on a shared-memory store each K step.
+As the register operand of ``b^T a^T`` it may have any layout. H200, torch 2.11, triton
+3.6, TF32, K = N = 4096, 128 x 128 x 32 tiles, 3 stages, 8 warps
+(``benchmarks/probe_tf32_layout.py``, 4e097d7): 257.0 TFLOP/s against 71.0 for ``a @ b``
+at M = 4096 (torch 370.7), 164.4 against 66.2 at M = 512 (torch 298.7); rounding ``b``
+to nearest also halved the error (4.85e-4 against 8.14e-4 max error / max |ref| at
+M = 4096, torch 2.95e-4).
 
 TMA needs 16-byte-aligned bases and row strides and unit inner strides;
 :func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
@@ -33,7 +45,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _jit, _launch, activations as act
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
 
-__all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "TMA_DTYPES"]
+__all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "transposed_product",
+           "TMA_DTYPES"]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,11 +80,20 @@ def _matmul_tma_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
+    # TF32 tensor cores read a shared-memory operand only K-major; a row-major b (N-major)
+    # gets there through a transposing shared store. The transposed product b^T a^T instead
+    # takes b^T from registers (any layout), as cuBLAS does: see TRANSPOSED_PRODUCT.
+    # (``transposed_product`` asks the same on the host.)
+    TRANSPOSE: tl.constexpr = (a_desc.dtype == tl.float32 and INPUT_PRECISION != "ieee"
+                               and not A_MMAJOR and not B_KMAJOR)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _jit.grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TRANSPOSE:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             if A_MMAJOR:
@@ -85,7 +107,15 @@ def _matmul_tma_kernel(
             if UPCAST_OPERANDS:  # the interpreter's bf16 dot (see _matmul.launch_config)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = _jit.dot(a, b, acc, INPUT_PRECISION, tl.float32)
+            if TRANSPOSE:
+                bt = b.T
+                if INPUT_PRECISION == "tf32":  # rounded in registers, so wgmma reads it there
+                    bt = _jit.tf32_big(bt)
+                acc = _jit.dot(bt, a.T, acc, INPUT_PRECISION, tl.float32)
+            else:
+                acc = _jit.dot(a, b, acc, INPUT_PRECISION, tl.float32)
+        if TRANSPOSE:
+            acc = acc.T
         # Epilogue on the accumulator, as in the pointer kernel.
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
@@ -123,6 +153,12 @@ def a_mmajor(a: torch.Tensor) -> bool:
 def b_kmajor(b: torch.Tensor) -> bool:
     """Whether ``b`` (K, N) is an ``nn.Linear`` weight's transpose: (N, K) row-major in memory."""
     return b.stride(0) == 1 and b.stride(1) != 1
+
+
+def transposed_product(a: torch.Tensor, b: torch.Tensor, precision: str) -> bool:
+    """Whether the kernel computes ``(b^T a^T)^T`` (its ``TRANSPOSE``, the same test):
+    float32 on TF32 tensor cores with row-major ``a`` and ``b``."""
+    return a.dtype == torch.float32 and precision != "ieee" and not a_mmajor(a) and not b_kmajor(b)
 
 
 def tail_args(a, b, bias, out, m_bucket: int) -> tuple:
@@ -199,8 +235,12 @@ def _set_block_shapes(nargs):
     nargs["pre_desc"].block_shape = [bm, store_n]
 
 
+# INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (the
+# H200, 4e097d7: a TF32 tuning result reused with TF32 then off raised OutOfResources).
+# The dtype is in the key through bias_ptr, the only tensor argument.
 _matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
-                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR"])(_matmul_tma_kernel)
+                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"])(
+    _matmul_tma_kernel)
 
 
 def grid_for(M: int, N: int, tile: dict, sms: int) -> int:

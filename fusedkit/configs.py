@@ -300,6 +300,12 @@ MATMUL_KERNELS = ("auto", "pointer", "tma")
 #: at M = 4096 (700 vs 611 TFLOP/s) and 1.11x at 8192^3, but 0.97x at M = 512 and
 #: 0.24-0.80x at M <= 64, where its 128-row tiles idle most SMs.
 MATMUL_TMA_MIN_M = 1024
+#: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
+#: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
+#: pointer kernel cannot: TF32, K = N = 4096, b row-major, autotuned, on the H200
+#: (``benchmarks/probe_tma_tiles.py``, 4e097d7 + the transposed product): TMA 60.1 / 119.1 /
+#: 150.1 TFLOP/s at M = 128 / 256 / 512 against the pointer kernel's 40.6 / 77.8 / 84.9.
+MATMUL_TMA_MIN_M_TRANSPOSED = 128
 
 
 def matmul_kernel_setting() -> str:
@@ -350,11 +356,12 @@ def fp32_matmul_setting() -> str:
     return mode
 
 
-def matmul_kernel_choice(m: int) -> str:
-    """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible operands)."""
+def matmul_kernel_choice(m: int, transposed: bool = False) -> str:
+    """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible
+    operands); ``transposed``: the TMA kernel would run the transposed product."""
     choice = matmul_kernel_setting()
     if choice == "auto":
-        return "tma" if m >= MATMUL_TMA_MIN_M else "pointer"
+        return "tma" if m >= (MATMUL_TMA_MIN_M_TRANSPOSED if transposed else MATMUL_TMA_MIN_M) else "pointer"
     return choice
 
 

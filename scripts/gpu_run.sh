@@ -8,7 +8,9 @@
 #   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
 #   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
 #   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed;
-#   tf32layout: TF32 with a row-major b: a small kernel two ways, a TMA kernel three ways)
+#   tf32layout: TF32 with a row-major b: a small kernel two ways, a TMA kernel three ways;
+#   mmncu: fusedkit's and cuBLASLt's matmul kernels under ncu, MMNCU_ARGS; tmatiles: TMA kernel
+#   tiles at M = 64 / 512 and fp32's kernel choice by M, TMATILES_ARGS "tiles" or "fp32")
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
@@ -90,6 +92,8 @@ for s in $stages; do case $s in
   linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
   mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
   tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ${TF32PROBE_ARGS:-} ;;  # the fp32 splits side by side, e.g. "512 4096 4096"
+  mmncu) PYTHONPATH=. step mmncu 240 python3 benchmarks/probe_matmul_ncu.py ${MMNCU_ARGS:-} ;;  # cuBLASLt's kernels beside ours under ncu, e.g. "bf16 512 4096 4096"
+  tmatiles) PYTHONPATH=. step tmatiles 300 python3 benchmarks/probe_tma_tiles.py ${TMATILES_ARGS:-} ;;  # TMA tiles at M = 64 / 512; fp32's kernel by M
   tf32layout) PYTHONPATH=. step tf32layout 90 python3 benchmarks/probe_tf32_layout.py ;;  # TF32 with a row-major b
   smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
   fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ${FP32PROBE_ARGS:-} ;;  # fp32 modes: time and error, e.g. "--quick 1 8 64 512"
@@ -124,6 +128,8 @@ cat "$W/linprobe.txt" 2>/dev/null
 cat "$W/mmprobe.txt" 2>/dev/null
 cat "$W/tf32probe.txt" 2>/dev/null
 cat "$W/tf32layout.txt" 2>/dev/null
+cat "$W/mmncu.txt" 2>/dev/null
+cat "$W/tmatiles.txt" 2>/dev/null
 cat "$W/smallm.txt" 2>/dev/null
 cat "$W/fp32probe.txt" 2>/dev/null
 tail -30 "$W/bench.txt" 2>/dev/null

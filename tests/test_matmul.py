@@ -281,6 +281,26 @@ def test_autotuned_ieee_fp32_path(m, monkeypatch):
     assert {r.plan.meta["INPUT_PRECISION"] for r in mm._RECIPES.values() if r.m == m and r.n == n} == {"ieee"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
+def test_autotuned_tma_tunes_each_fp32_precision(matmul_kernel):
+    """The TMA kernel tunes TF32 and tf32x3 apart at one shape (a TF32 tile can need more
+    shared memory than tf32x3 has left), and the results stand within their bounds."""
+    from fusedkit import _matmul_tma
+
+    if matmul_kernel != "tma" or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernel's tuning (FUSEDKIT_MATMUL_KERNEL=tma on Hopper)")
+    m, n, k = 136, 208, 272  # sizes no other test tunes; 16-byte rows
+    a, b = mk(m, k), mk(k, n)
+    before = len(_matmul_tma._matmul_tma_tuned.cache)
+    for tf32 in (True, False):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            assert_rel_err(fusedkit.matmul(a, b), ref64(a, b), matmul_rel_err(torch.float32))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+    assert len(_matmul_tma._matmul_tma_tuned.cache) == before + 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_large_shapes_on_gpu(dtype):
@@ -311,11 +331,20 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
 
 
 def test_auto_kernel_choice_by_rows(monkeypatch):
-    from fusedkit.configs import MATMUL_TMA_MIN_M, matmul_kernel_choice
+    from fusedkit.configs import MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED, matmul_kernel_choice
 
     monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M - 1) == "pointer"
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M) == "tma"
+    assert MATMUL_TMA_MIN_M_TRANSPOSED < MATMUL_TMA_MIN_M
+    assert matmul_kernel_choice(MATMUL_TMA_MIN_M_TRANSPOSED - 1, transposed=True) == "pointer"
+    assert matmul_kernel_choice(MATMUL_TMA_MIN_M_TRANSPOSED, transposed=True) == "tma"
+    # fp32 on TF32 tensor cores with a row-major b is the transposed product; nn.Linear's b is not
+    a, w = torch.empty(8, 16, device="meta"), torch.empty(32, 16, device="meta")
+    assert mm._matmul_tma.transposed_product(a, w.t().contiguous(), "tf32x3")
+    assert not mm._matmul_tma.transposed_product(a, w.t(), "tf32")
+    assert not mm._matmul_tma.transposed_product(a, w.t().contiguous(), "ieee")
+    assert not mm._matmul_tma.transposed_product(a.half(), w.t().contiguous().half(), "ieee")
     monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer")
     assert matmul_kernel_choice(1 << 20) == "pointer"
     monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "fast")
@@ -461,6 +490,37 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
         launch_matmul(a, w.t(), bias, "relu", out)
     assert out.isnan().all(), "a refused call wrote its output"
+
+
+@pytest.fixture
+def tf32_allowed():
+    """PyTorch's TF32 switch for fp32 matmuls on for one test (set through the old flag,
+    which newer PyTorch maps onto ``fp32_precision``), then off again."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.mark.parametrize("layout", ["row-major", "linear"])
+def test_fp32_with_tf32_allowed(tf32_allowed, matmul_kernel, layout):
+    """float32 where PyTorch allows TF32: within TF32's bound with ``b`` row-major (the TMA
+    kernel's transposed product, ``b^T`` rounded in registers) or an nn.Linear weight's
+    transpose; inf and NaN inputs pass as in torch."""
+    assert mm.fp32_precision() == "tf32"
+    m, n, k = 37, 68, 132  # ragged; 16-byte rows either way, so the TMA kernel takes it
+    a, w, bias = mk(m, k), mk(n, k).abs() + 0.1, mk(n)
+    b = w.t().contiguous() if layout == "row-major" else w.t()
+    a[3, 5] = float("inf")  # inf * positive weights: +inf after the ReLU
+    a[9, 0] = float("nan")
+    ref = ref64(a, b, bias, "relu")
+    finite = torch.ones(m, dtype=torch.bool)
+    finite[[3, 9]] = False
+    for _ in range(2):  # the second call takes the kept plan
+        got = fusedkit.matmul_relu(a, b, bias)
+        assert got[3].isposinf().all() and got[9].isnan().all()
+        assert_rel_err(got[finite.to(got.device)], ref[finite], matmul_rel_err(torch.float32))
 
 
 @triton.jit
