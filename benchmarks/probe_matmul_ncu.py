@@ -1,6 +1,7 @@
 """What cuBLASLt runs where fusedkit's matmul trails it, under Nsight Compute (GPU).
 
-    python benchmarks/probe_matmul_ncu.py [dtype M N K] ...   (default: bf16 512 and 64, N = K = 4096)
+    python benchmarks/probe_matmul_ncu.py [dtype M N K] ...   (default: bf16 512 and 64, N = K = 4096;
+                                                               dtype: bf16, fp16, fp32, tf32)
 
 For each shape, one launch each of fusedkit's default kernel (autotuned), the TMA kernel
 forced, ``torch._addmm_activation`` (cuBLASLt's fused epilogue) and a bare ``torch.mm``,
@@ -31,7 +32,8 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "lts__t_bytes.sum",
 OPTIONAL_METRICS = ("launch__cluster_dim_x", "launch__cluster_dim_y",
                     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active")
 DEFAULT_CASES = (("bf16", 512, 4096, 4096), ("bf16", 64, 4096, 4096))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: "tf32": float32 with TF32 allowed (both sides); "fp32": with TF32 off (fusedkit's tf32x3).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
 _RANGE = re.compile(r'<default domain>:([^:"]+)')
 
 
@@ -49,6 +51,7 @@ def target(argv) -> None:
 
     for dt, m, n, k in _cases(argv):
         dtype = DTYPES[dt]
+        torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype)

@@ -134,14 +134,17 @@ def test_cpu_without_interpreter_runs_the_pytorch_reference():
 
 
 TMA_CODEGEN = """
-import json, torch
+import json, re, torch
 from fusedkit._codegen import compile_matmul_tma
 from fusedkit.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_configs, matmul_tma_fixed_tile
 
 def facts(dtype, tile, warps, stages, **kw):
     c = compile_matmul_tma(dtype, tile, warps, stages, **kw)
     ptx = c.asm["ptx"]
-    return {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx, "smem": c.metadata.shared}
+    # a TF32 wgmma whose A operand is a register list (not a shared-memory descriptor)
+    reg_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32\s+\{[^}]*\},\s*\{", ptx)
+    return {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx, "smem": c.metadata.shared,
+            "reg_a": len(reg_a), "round": "cvt.rna.satfinite.tf32.f32" in ptx}
 
 r = {"fixed": {}, "configs": []}
 w, s = MATMUL_TMA_FIXED_OPTIONS["num_warps"], MATMUL_TMA_FIXED_OPTIONS["num_stages"]
@@ -152,6 +155,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         tile = matmul_tma_fixed_tile(dtype.itemsize)
         r["fixed"][f"{dtype}:a_mmajor={mmajor}:b_kmajor={kmajor}"] = facts(
             dtype, tile, w, s, a_mmajor=mmajor, b_kmajor=kmajor, activation="gelu", store_pre=True)
+# fp32 on TF32 tensor cores: the transposed product for a row-major b, not for nn.Linear's
+r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fixed_tile(4), w, s, b_kmajor=kmajor,
+                                                      precision=p)
+                   for p in ("tf32", "tf32x3") for kmajor in (False, True)}
 from fusedkit._codegen import compile_matmul
 from fusedkit.configs import matmul_configs, prune_matmul_configs
 r["fp64_fits"] = {}
@@ -182,6 +189,17 @@ def test_tma_matmul_compiles_to_bulk_copies_and_wgmma(tma_codegen):
     for case, f in tma_codegen["fixed"].items():
         assert f["wgmma"] and f["tma"], case
         assert f["smem"] <= HOPPER_SMEM_BYTES, case
+
+
+def test_fp32_row_major_b_is_the_register_operand_of_tf32_wgmma(tma_codegen):
+    # The transposed product (_matmul_tma's TRANSPOSED_PRODUCT): with a row-major b, every
+    # TF32 wgmma takes b^T, rounded in registers, as its A operand; nn.Linear's K-major b
+    # stays in shared memory (tf32x3 splits both operands in registers either way).
+    t = tma_codegen["transposed"]
+    for p in ("tf32", "tf32x3"):
+        f = t[f"{p}:b_kmajor=False"]
+        assert f["tma"] and f["reg_a"] > 0 and f["round"] and f["smem"] <= HOPPER_SMEM_BYTES, (p, f)
+    assert t["tf32:b_kmajor=True"]["reg_a"] == 0 and not t["tf32:b_kmajor=True"]["round"], t
 
 
 def test_every_matmul_config_set_fits_fp64(tma_codegen):
