@@ -82,7 +82,7 @@ def _matmul_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     # TF32 tensor cores read a shared-memory operand only K-major; a row-major b (N-major)
     # gets there through a transposing shared store. The transposed product b^T a^T instead
-    # takes b^T from registers (any layout), as cuBLAS does: see TRANSPOSED_PRODUCT.
+    # takes b^T from registers (any layout): see TRANSPOSED_PRODUCT.
     # (``transposed_product`` asks the same on the host.)
     TRANSPOSE: tl.constexpr = (a_desc.dtype == tl.float32 and INPUT_PRECISION != "ieee"
                                and not A_MMAJOR and not B_KMAJOR)
@@ -235,8 +235,9 @@ def _set_block_shapes(nargs):
     nargs["pre_desc"].block_shape = [bm, store_n]
 
 
-# INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (the
-# H200, 4e097d7: a TF32 tuning result reused with TF32 then off raised OutOfResources).
+# INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (on the
+# H200 a TF32 tuning result reused with TF32 then off raised OutOfResources:
+# benchmarks/results/2026-12-03-h200-4e097d7/call2-tmatiles.txt).
 # The dtype is in the key through bias_ptr, the only tensor argument.
 _matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
                                     key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"])(

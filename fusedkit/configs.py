@@ -302,9 +302,10 @@ MATMUL_KERNELS = ("auto", "pointer", "tma")
 MATMUL_TMA_MIN_M = 1024
 #: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
 #: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
-#: pointer kernel cannot: TF32, K = N = 4096, b row-major, autotuned, on the H200
-#: (``benchmarks/probe_tma_tiles.py``, 4e097d7 + the transposed product): TMA 60.1 / 119.1 /
-#: 150.1 TFLOP/s at M = 128 / 256 / 512 against the pointer kernel's 40.6 / 77.8 / 84.9.
+#: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200
+#: (``benchmarks/probe_tma_tiles.py``, 6e944eb): TMA 59.9 / 118.6 / 150.6 TFLOP/s at M = 128 /
+#: 256 / 512 against the pointer kernel's 40.1 / 77.7 / 84.7 with TF32; 23.1 / 47.4 / 63.4
+#: against 20.4 / 32.6 / 40.1 with tf32x3.
 MATMUL_TMA_MIN_M_TRANSPOSED = 128
 
 
