@@ -282,7 +282,7 @@ def test_autotuned_ieee_fp32_path(m, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
-def test_autotuned_tma_tunes_each_fp32_precision(matmul_kernel):
+def test_autotuned_tma_tunes_each_fp32_precision(tf32_allowed, matmul_kernel):
     """The TMA kernel tunes TF32 and tf32x3 apart at one shape (a TF32 tile can need more
     shared memory than tf32x3 has left), and the results stand within their bounds."""
     from fusedkit import _matmul_tma
@@ -292,12 +292,9 @@ def test_autotuned_tma_tunes_each_fp32_precision(matmul_kernel):
     m, n, k = 136, 208, 272  # sizes no other test tunes; 16-byte rows
     a, b = mk(m, k), mk(k, n)
     before = len(_matmul_tma._matmul_tma_tuned.cache)
-    for tf32 in (True, False):
+    for tf32 in (True, False):  # the fixture turns TF32 off again afterwards
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        try:
-            assert_rel_err(fusedkit.matmul(a, b), ref64(a, b), matmul_rel_err(torch.float32))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = False
+        assert_rel_err(fusedkit.matmul(a, b), ref64(a, b), matmul_rel_err(torch.float32))
     assert len(_matmul_tma._matmul_tma_tuned.cache) == before + 2
 
 
