@@ -1,6 +1,6 @@
 """The TMA kernel at fixed tiles, and fp32's kernel choice by M (GPU).
 
-    python benchmarks/probe_tma_tiles.py [tiles] [fp32]   (default: both parts)
+    python benchmarks/probe_tma_tiles.py [tiles] [fp32] [halves]   (default: all three parts)
 
 ``tiles``: bf16 / fp16 at M = 64 and 512, N = K = 4096, ``b`` row-major, each tile of
 ``TILES`` launched directly (no tuning, timed as a CUDA graph's replay) beside cuBLASLt's
@@ -13,6 +13,9 @@ of two: the question is how much of that deeper pipeline this kernel can use.
 ``fp32``: float32, ``b`` row-major, K = N = 4096, TF32 allowed and not (tf32x3), for M from
 128 to 1024: the default choice, each kernel forced (autotuned), and torch: where the TMA
 kernel's transposed product should take over from the pointer kernel.
+
+``halves``: the same by M (16 to 1,024) for bf16 and fp16: where the TMA kernel, with the
+deeper tiles the ``tiles`` part found in its autotune set, should take over.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ TILES = {
           (64, 128, 64, 6, 4, False), (128, 64, 64, 6, 4, False)),
 }
 FP32_M = (128, 256, 512, 1024)
+HALF_M = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def tiles_part(us):
@@ -76,34 +80,47 @@ def tiles_part(us):
                       f"{'' if ok else '  WRONG'}", flush=True)
 
 
+def by_m(us, dtype, ms, label):
+    """TFLOP/s per M (K = N = 4096, ``b`` row-major): the default choice, each kernel
+    forced (autotuned), and cuBLASLt's fused epilogue."""
+    print(f"{label}, b row-major, K = N = {K}: TFLOP/s (default, pointer, TMA, torch)", flush=True)
+    for m in ms:
+        a, b = torch.randn(m, K, device="cuda", dtype=dtype), torch.randn(K, N, device="cuda", dtype=dtype)
+        bias = torch.randn(N, device="cuda", dtype=dtype)
+        flop = 2 * m * N * K
+        row = []
+        for kernel in ("auto", "pointer", "tma"):
+            with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
+                row.append(flop / us(lambda: fusedkit.matmul_relu(a, b, bias)) / 1e6)
+        row.append(flop / us(lambda: torch._addmm_activation(bias, a, b)) / 1e6)
+        print(f"  M={m:5d} " + " ".join(f"{v:7.1f}" for v in row), flush=True)
+
+
 def fp32_part(us):
     for tf32 in (True, False):
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        print(f"fp32 {'TF32' if tf32 else 'tf32x3 (TF32 off)'}, b row-major, K = N = {K}: TFLOP/s "
-              "(default, pointer, TMA, torch)", flush=True)
-        for m in FP32_M:
-            a, b, bias = torch.randn(m, K, device="cuda"), torch.randn(K, N, device="cuda"), torch.randn(N, device="cuda")
-            flop = 2 * m * N * K
-            row = []
-            for kernel in ("auto", "pointer", "tma"):
-                with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
-                    row.append(flop / us(lambda: fusedkit.matmul_relu(a, b, bias)) / 1e6)
-            row.append(flop / us(lambda: torch._addmm_activation(bias, a, b)) / 1e6)
-            print(f"  M={m:5d} " + " ".join(f"{v:7.1f}" for v in row), flush=True)
+        by_m(us, torch.float32, FP32_M, f"fp32 {'TF32' if tf32 else 'tf32x3 (TF32 off)'}")
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def halves_part(us):
+    for dtype in (torch.bfloat16, torch.float16):
+        by_m(us, dtype, HALF_M, str(dtype))
 
 
 def main():
     if not torch.cuda.is_available():
         print("needs a GPU")
         return
-    parts = sys.argv[1:] or ["tiles", "fp32"]
+    parts = sys.argv[1:] or ["tiles", "fp32", "halves"]
     us = _timer(torch.device("cuda"))
     torch.manual_seed(0)
     if "tiles" in parts:
         tiles_part(us)
     if "fp32" in parts:
         fp32_part(us)
+    if "halves" in parts:
+        halves_part(us)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _jit, _launch, activations as act
-from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs
+from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs, prune_tma_configs
 
 __all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "transposed_product",
            "TMA_DTYPES"]
@@ -240,7 +240,8 @@ def _set_block_shapes(nargs):
 # benchmarks/results/2026-12-03-h200-4e097d7/call2-tmatiles.txt).
 # The dtype is in the key through bias_ptr, the only tensor argument.
 _matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
-                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"])(
+                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
+                                    prune_configs_by={"early_config_prune": prune_tma_configs})(
     _matmul_tma_kernel)
 
 

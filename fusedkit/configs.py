@@ -366,9 +366,18 @@ def matmul_kernel_choice(m: int, transposed: bool = False) -> str:
     return choice
 
 
+#: TMA tiles tuned for fp32 operands only, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SUBTILE).
+#: 64 x 64 gives 128 tiles at M = 128, N = 4096, where the smallest tile otherwise offered to
+#: fp32 (64 x 128) leaves 68 of the H200's 132 SMs idle: at 6e944eb (K = 4096, b row-major)
+#: tf32x3 ran 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
+#: must keep 64 rows on ``wgmma``'s M side in either product (``a @ b`` and the transposed
+#: one), which 64 x 64 does (checked on sm_90 by tests/test_codegen.py).
+TMA_FP32_TILES = ((64, 64, 32, 5, 4, False),)
+
+
 def matmul_tma_configs(pre_hook=None):
-    """Autotune candidates of the TMA kernel on Hopper: 128-row tiles, 64-wide K
-    steps (128 bytes of bf16: one TMA swizzle span), 3-4 stages; SUBTILE halves the
+    """Autotune candidates of the TMA kernel on Hopper: mostly 128-row tiles with 64-wide K
+    steps (128 bytes of bf16: one TMA swizzle span), 3-6 stages; SUBTILE halves the
     epilogue's shared memory so a deeper pipeline fits."""
     from triton import Config
 
@@ -385,10 +394,45 @@ def matmul_tma_configs(pre_hook=None):
         cfg(64, 128, 64, 4, 4, False),
         cfg(64, 256, 64, 4, 4, True),
         cfg(128, 64, 64, 4, 4, False),
+        # Deeper pipelines, each the fastest of its shape in benchmarks/probe_tma_tiles.py
+        # (H200, 6e944eb, bf16, N = K = 4096, b row-major, CUDA-graph replays): at M = 512
+        # 128 x 128 x 64 at 6 stages 31.0 us and 64 x 256 x 64 at 5 stages 31.0 against
+        # 33.8 for the 4-stage 128 x 128 x 64 that tuning picked (cuBLASLt's epilogue 28.1);
+        # at M = 64 64 x 32 x 128 at 8 stages 19.8 us (all 64-row tiles tried: 22.4-29.8).
+        cfg(128, 128, 64, 5, 8, True),
+        cfg(128, 128, 64, 6, 8, True),
+        cfg(64, 256, 64, 5, 4, True),
+        cfg(64, 32, 128, 8, 4, False),
         # 32-wide K steps: 128 bytes of fp32, so fp32 (TF32) operands fit too
         cfg(128, 128, 32, 3, 8, True),
         cfg(64, 128, 32, 4, 4, False),
+        *(cfg(*tile) for tile in TMA_FP32_TILES),
     ]
+
+
+#: Shared memory of one block on Hopper (sm_90: 227 KiB).
+HOPPER_SMEM_BYTES = 232448
+
+
+def tma_stage_bytes(config, element_size: int) -> int:
+    """Shared memory of a TMA config's operand pipeline: ``num_stages`` tiles of ``a`` and ``b``."""
+    k = config.kwargs
+    return config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * element_size
+
+
+def _tma_tile_of(config) -> tuple:
+    k = config.kwargs
+    return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_stages, config.num_warps, k["SUBTILE"]
+
+
+def prune_tma_configs(configs, named_args, **kwargs):
+    """Autotune pre-filter: drop the TMA configs whose operand pipeline alone overflows
+    Hopper's shared memory at this operand size (the deep bf16 tiles with fp32 operands),
+    which would otherwise each be compiled only to fail, and fp32's own tiles
+    (``TMA_FP32_TILES``) for narrower operands."""
+    size = named_args["a_desc"].base.element_size()
+    return [c for c in configs if tma_stage_bytes(c, size) <= HOPPER_SMEM_BYTES
+            and (size >= 4 or _tma_tile_of(c) not in TMA_FP32_TILES)] or configs
 
 
 #: K step of the fixed TMA config, in bytes: one 128-byte swizzle span per row.

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from fusedkit.configs import HOPPER_SMEM_BYTES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -133,7 +135,7 @@ def test_cpu_without_interpreter_runs_the_pytorch_reference():
     assert r == {"backend": "torch", "add_relu": True, "add": True, "error": True}
 
 
-TMA_CODEGEN = """
+TMA_CODEGEN = r"""
 import json, re, torch
 from fusedkit._codegen import compile_matmul_tma
 from fusedkit.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_configs, matmul_tma_fixed_tile
@@ -170,14 +172,18 @@ for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fits.append(c.metadata.shared <= 232448)
     r["fp64_fits"][bucket] = any(fits)
-for cfg in matmul_tma_configs():
-    r["configs"].append(facts(torch.bfloat16, cfg.kwargs, cfg.num_warps, cfg.num_stages))
-    if cfg.kwargs["BLOCK_K"] * 4 <= 128:
-        r["configs"].append(facts(torch.float32, cfg.kwargs, cfg.num_warps, cfg.num_stages))
+from types import SimpleNamespace
+from fusedkit.configs import prune_tma_configs
+for dtype in (torch.bfloat16, torch.float32):  # each config tuning may try for this operand size
+    desc = SimpleNamespace(base=torch.empty(1, 1, device="meta", dtype=dtype))
+    for cfg in prune_tma_configs(matmul_tma_configs(), {"a_desc": desc}):
+        if cfg.kwargs["BLOCK_K"] * dtype.itemsize <= 128 or dtype != torch.float32:
+            # fp32 in both products: nn.Linear's K-major b and the transposed one of a row-major b
+            for kmajor in ((True, False) if dtype == torch.float32 else (True,)):
+                r["configs"].append(facts(dtype, cfg.kwargs, cfg.num_warps, cfg.num_stages, b_kmajor=kmajor)
+                                    | {"config": str(cfg), "dtype": str(dtype), "b_kmajor": kmajor})
 print(json.dumps(r))
 """
-#: Hopper's shared memory per block (sm_90: 227 KiB).
-HOPPER_SMEM_BYTES = 232448
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,28 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert tall(64, a32, "tf32x3") == 0
 
 
+def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
+    from types import SimpleNamespace
+
+    from fusedkit.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, matmul_tma_configs, prune_tma_configs,
+                                  tma_stage_bytes)
+    configs = matmul_tma_configs()
+
+    def kept(dtype):
+        desc = SimpleNamespace(base=torch.empty(1, 1, device="meta", dtype=dtype))
+        return prune_tma_configs(configs, {"a_desc": desc})
+
+    def tiles(cs):
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.num_warps,
+                 c.kwargs["SUBTILE"]) for c in cs}
+
+    half = kept(torch.bfloat16)  # every tile but fp32's own fits half-precision operands
+    assert len(half) == len(configs) - len(TMA_FP32_TILES) and not tiles(half) & set(TMA_FP32_TILES)
+    fp32 = kept(torch.float32)
+    assert tiles(fp32) >= set(TMA_FP32_TILES) and len(fp32) < len(configs)
+    assert all(tma_stage_bytes(c, 4) <= HOPPER_SMEM_BYTES for c in fp32)
+
+
 def test_every_output_element_is_written():
     a, b, bias = mk(50, 40), mk(40, 70), mk(70)
     out = poisoned((50, 70), torch.float32, DEVICE)
