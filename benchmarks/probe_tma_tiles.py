@@ -1,6 +1,6 @@
 """The TMA kernel at fixed tiles, and fp32's kernel choice by M (GPU).
 
-    python benchmarks/probe_tma_tiles.py [tiles] [fp32] [halves]   (default: all three parts)
+    python benchmarks/probe_tma_tiles.py [tiles] [fp32] [tf32] [halves]   (default: all four)
 
 ``tiles``: bf16 / fp16 at M = 64 and 512, N = K = 4096, ``b`` row-major, each tile of
 ``TILES`` launched directly (no tuning, timed as a CUDA graph's replay) beside cuBLASLt's
@@ -10,9 +10,12 @@ tiles with 64-wide K steps 16 stages deep (12.8 us against our 26.7) and M = 512
 tiles 6 stages deep (25.8 us against 27.4 for our TMA kernel's 4 stages), both in clusters
 of two: the question is how much of that deeper pipeline this kernel can use.
 
-``fp32``: float32, ``b`` row-major, K = N = 4096, TF32 allowed and not (tf32x3), for M from
-128 to 1024: the default choice, each kernel forced (autotuned), and torch: where the TMA
+``fp32``: float32 with TF32 off (tf32x3), ``b`` row-major, K = N = 4096, for M from 128
+to 1024: the default choice, each kernel forced (autotuned), and torch: where the TMA
 kernel's transposed product should take over from the pointer kernel.
+
+``tf32``: TF32 allowed, ``b`` row-major: the transposed product against a K-major copy of
+``b`` and ``a @ b`` on it (``MATMUL_TF32_COPY_MIN_M``).
 
 ``halves``: the same by M (16 to 1,024) for bf16 and fp16: where the TMA kernel, with the
 deeper tiles the ``tiles`` part found in its autotune set, should take over.
@@ -40,6 +43,7 @@ TILES = {
           (64, 128, 64, 6, 4, False), (128, 64, 64, 6, 4, False)),
 }
 FP32_M = (128, 256, 512, 1024)
+TF32_M = (256, 512, 1024, 4096)
 HALF_M = (16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -97,9 +101,29 @@ def by_m(us, dtype, ms, label):
 
 
 def fp32_part(us):
-    for tf32 in (True, False):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        by_m(us, torch.float32, FP32_M, f"fp32 {'TF32' if tf32 else 'tf32x3 (TF32 off)'}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    by_m(us, torch.float32, FP32_M, "fp32 tf32x3 (TF32 off)")
+
+
+def tf32_part(us):
+    """TF32 with a row-major ``b``: the transposed product against ``a @ b`` on a K-major
+    copy of ``b`` (the copy timed with it), that product alone, and torch."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"fp32 TF32, b row-major, K = N = {K}: TFLOP/s (default, TMA transposed, K-major copy + product, "
+          "product alone (pointer, TMA), torch)", flush=True)
+    for m in TF32_M:
+        a, b, bias = torch.randn(m, K, device="cuda"), torch.randn(K, N, device="cuda"), torch.randn(N, device="cuda")
+        bk = b.t().contiguous().t()
+        flop = 2 * m * N * K
+        row = [us(lambda: fusedkit.matmul_relu(a, b, bias))]
+        with settings(FUSEDKIT_MATMUL_KERNEL="tma"):
+            row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
+        row.append(us(lambda: fusedkit.matmul_relu(a, b.t().contiguous().t(), bias)))
+        for kernel in ("pointer", "tma"):
+            with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
+                row.append(us(lambda: fusedkit.matmul_relu(a, bk, bias)))
+        row.append(us(lambda: torch._addmm_activation(bias, a, b)))
+        print(f"  M={m:5d} " + " ".join(f"{flop / t / 1e6:7.1f}" for t in row), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
@@ -112,13 +136,15 @@ def main():
     if not torch.cuda.is_available():
         print("needs a GPU")
         return
-    parts = sys.argv[1:] or ["tiles", "fp32", "halves"]
+    parts = sys.argv[1:] or ["tiles", "fp32", "tf32", "halves"]
     us = _timer(torch.device("cuda"))
     torch.manual_seed(0)
     if "tiles" in parts:
         tiles_part(us)
     if "fp32" in parts:
         fp32_part(us)
+    if "tf32" in parts:
+        tf32_part(us)
     if "halves" in parts:
         halves_part(us)
 

@@ -27,7 +27,7 @@ from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, autotune_enabled, fp32_matmul_setting, matmul_configs,
     matmul_kernel_choice, matmul_kernel_setting, matmul_m_bucket, matmul_split_k_max, matmul_tma_fixed_tile,
-    prune_matmul_configs,
+    prune_matmul_configs, tf32_copies_b,
 )
 from .errors import DeviceError, DTypeError, ShapeError
 
@@ -212,6 +212,9 @@ class _Plan:
     split_k: int  # the widest split-K the pointer kernel may launch with (1: none, no workspace)
     ws_dtype: torch.dtype
     prefix: tuple  # the launch-cache key, less pointer alignment and the kernel choice
+    #: fp32 on TF32 with row-major a and b, from ``MATMUL_TF32_COPY_MIN_M`` rows: the launch
+    #: runs on a K-major copy of b (``kmajor_copy``), and the plan is that copy's.
+    copy_b: bool
     #: Kept launches by (kernel choice, pointer alignment): found once in the shared
     #: cache, so a repeated call skips hashing the ~35-item key.
     launches: dict = field(default_factory=dict, compare=False)
@@ -243,16 +246,26 @@ def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: tor
     return ws, arrivals
 
 
+def kmajor_copy(b: torch.Tensor) -> torch.Tensor:
+    """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy."""
+    return b.t().contiguous().t()
+
+
 def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     tuned = autotune_enabled()
+    m = a.shape[0]
+    copy_b = (a.dtype == torch.float32 and fp32_precision() == "tf32"
+              and _matmul_tma.transposed_product(a, b, "tf32") and tf32_copies_b(m))
+    if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
+        b = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
     args, meta = launch_config(a, b, bias, activation, out, pre)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = _matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
-    tma_ok = (matmul_kernel_choice(a.shape[0], transposed) == "tma"
+    tma_ok = (matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
               and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
-    return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix)
+    return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b)
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
@@ -267,6 +280,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan)
     plan = plan or plan_matmul(a, b, bias, activation, out, pre)
+    if plan.copy_b:
+        b = kmajor_copy(b)
     M, K = a.shape
     N = b.shape[1]
     o = out.data_ptr()

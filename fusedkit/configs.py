@@ -295,11 +295,17 @@ TENSOR_MAP_CACHE_SIZE = 512
 #: per-thread loads), "tma" (persistent, tensor-descriptor loads; Hopper, aligned
 #: operands) or "auto". Set with FUSEDKIT_MATMUL_KERNEL.
 MATMUL_KERNELS = ("auto", "pointer", "tma")
-#: "auto" takes the TMA kernel from this many rows of ``a`` up. On the H200 (torch
-#: 2.11, triton 3.6, bf16, N = K = 4096, autotuned) TMA ran 1.15x the pointer kernel
-#: at M = 4096 (700 vs 611 TFLOP/s) and 1.11x at 8192^3, but 0.97x at M = 512 and
-#: 0.24-0.80x at M <= 64, where its 128-row tiles idle most SMs.
-MATMUL_TMA_MIN_M = 1024
+#: "auto" takes the TMA kernel from this many rows of ``a`` up. On the H200 (torch 2.11,
+#: triton 3.6, N = K = 4096, b row-major, autotuned, ``benchmarks/probe_tma_tiles.py
+#: halves`` at 8a6b6ca, TFLOP/s TMA against the pointer kernel): bf16 M = 512 556.3 / 544.5,
+#: 1024 707.3 / 644.5; fp16 571.1 / 540.7 and 675.3 / 618.2; at M = 128 and 256 the pointer
+#: kernel led (bf16 191.7 / 137.9 and 302.0 / 298.3; fp16 197.7 / 167.6 and 317.7 / 291.5).
+MATMUL_TMA_MIN_M = 512
+#: ... and, for 2-byte operands, in this M bucket (33-64 rows: one 64-row tile, where the TMA
+#: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): same run, M = 64, bf16
+#: 114.7 against 107.5, fp16 111.7 against 104.2; at M = 16 and 32 the pointer kernel's
+#: split-K tiles lead or tie (bf16 30.0 / 16.5 and 52.9 / 44.9; fp16 30.1 / 15.1, 47.1 / 52.9).
+MATMUL_TMA_HALF_M_BUCKET = 64
 #: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
 #: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
 #: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200
@@ -357,13 +363,32 @@ def fp32_matmul_setting() -> str:
     return mode
 
 
-def matmul_kernel_choice(m: int, transposed: bool = False) -> str:
+def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -> str:
     """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible
-    operands); ``transposed``: the TMA kernel would run the transposed product."""
+    operands); ``transposed``: the TMA kernel would run the transposed product; ``half``:
+    2-byte operands."""
     choice = matmul_kernel_setting()
     if choice == "auto":
-        return "tma" if m >= (MATMUL_TMA_MIN_M_TRANSPOSED if transposed else MATMUL_TMA_MIN_M) else "pointer"
+        if transposed:
+            return "tma" if m >= MATMUL_TMA_MIN_M_TRANSPOSED else "pointer"
+        small = half and matmul_m_bucket(m) == MATMUL_TMA_HALF_M_BUCKET
+        return "tma" if m >= MATMUL_TMA_MIN_M or small else "pointer"
     return choice
+
+
+#: float32 on TF32 tensor cores with row-major ``a`` and ``b``: from this many rows of ``a``
+#: "auto" copies ``b`` into a K-major buffer (K x N x 4 bytes read and as many written,
+#: each call) and runs ``a @ b`` on that, instead of the transposed product, whose
+#: ``b^T`` goes through registers. Under Nsight Compute (8a6b6ca, M = 512, K = N = 4096)
+#: the transposed product ran 187.8 us against cuBLAS's 54.0; the copy of a 4096^2 fp32
+#: ``b`` moves 134 MB (about 40 us at the H200's 4.2 TB/s copy roof).
+MATMUL_TF32_COPY_MIN_M = 512
+
+
+def tf32_copies_b(m: int) -> bool:
+    """Whether a TF32 matmul with row-major ``a`` and ``b`` and ``m`` rows copies ``b``
+    K-major first (``MATMUL_TF32_COPY_MIN_M``; only when the kernel is chosen by "auto")."""
+    return matmul_kernel_setting() == "auto" and m >= MATMUL_TF32_COPY_MIN_M
 
 
 #: TMA tiles tuned for fp32 operands only, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SUBTILE).

@@ -10,7 +10,7 @@
 #   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed;
 #   tf32layout: TF32 with a row-major b: a small kernel two ways, a TMA kernel three ways;
 #   mmncu: fusedkit's and cuBLASLt's matmul kernels under ncu, MMNCU_ARGS; tmatiles: TMA kernel
-#   tiles at M = 64 / 512 and fp32's kernel choice by M, TMATILES_ARGS "tiles", "fp32" and/or "halves")
+#   tiles at M = 64 / 512 and fp32's kernel choice by M, TMATILES_ARGS "tiles", "fp32", "tf32", "halves")
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),

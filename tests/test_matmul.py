@@ -350,7 +350,8 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
 
 
 def test_auto_kernel_choice_by_rows(monkeypatch):
-    from fusedkit.configs import MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED, matmul_kernel_choice
+    from fusedkit.configs import (MATMUL_TMA_HALF_M_BUCKET, MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED,
+                                  matmul_kernel_choice)
 
     monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M - 1) == "pointer"
@@ -358,6 +359,12 @@ def test_auto_kernel_choice_by_rows(monkeypatch):
     assert MATMUL_TMA_MIN_M_TRANSPOSED < MATMUL_TMA_MIN_M
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M_TRANSPOSED - 1, transposed=True) == "pointer"
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M_TRANSPOSED, transposed=True) == "tma"
+    # 2-byte operands also in one small-M bucket (33..64 rows), others not
+    lo = MATMUL_TMA_HALF_M_BUCKET // 2
+    assert [matmul_kernel_choice(m, half=True) for m in (lo, lo + 1, MATMUL_TMA_HALF_M_BUCKET,
+                                                           MATMUL_TMA_HALF_M_BUCKET + 1)] == \
+        ["pointer", "tma", "tma", "pointer"]
+    assert matmul_kernel_choice(MATMUL_TMA_HALF_M_BUCKET) == "pointer"
     # fp32 on TF32 tensor cores with a row-major b is the transposed product; nn.Linear's b is not
     a, w = torch.empty(8, 16, device="meta"), torch.empty(32, 16, device="meta")
     assert mm._matmul_tma.transposed_product(a, w.t().contiguous(), "tf32x3")
@@ -540,6 +547,33 @@ def test_fp32_with_tf32_allowed(tf32_allowed, matmul_kernel, layout):
         got = fusedkit.matmul_relu(a, b, bias)
         assert got[3].isposinf().all() and got[9].isnan().all()
         assert_rel_err(got[finite.to(got.device)], ref[finite], matmul_rel_err(torch.float32))
+
+
+def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_kernel, monkeypatch):
+    """"auto" with TF32 and row-major ``a`` and ``b``: from ``MATMUL_TF32_COPY_MIN_M`` rows
+    the launch runs ``a @ b`` on a K-major copy of ``b`` (left as it was), below it not;
+    a forced kernel never copies."""
+    from fusedkit.configs import MATMUL_TF32_COPY_MIN_M
+    if matmul_kernel == "tma":
+        pytest.skip("the choice of 'auto': once is enough")
+    n, k = 40, 48
+    b, bias = mk(k, n), mk(n)
+    b_before = b.clone()
+    for m, kernel, copies in ((MATMUL_TF32_COPY_MIN_M, "auto", True), (MATMUL_TF32_COPY_MIN_M - 1, "auto", False),
+                              (MATMUL_TF32_COPY_MIN_M, "pointer", False)):
+        monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
+        a = mk(m, k)
+        out = poisoned((m, n), torch.float32, DEVICE)
+        plan = mm.plan_matmul(a, b, bias, "relu", out)
+        assert plan.copy_b == copies, (m, kernel)
+        mm.launch_matmul(a, b, bias, "relu", out, plan=plan)
+        assert_rel_err(out, ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
+        assert b.stride() == (n, 1) and torch.equal(b, b_before)
+    # the plan follows TF32: with it off (tf32x3) nothing is copied
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
+    assert not mm.plan_matmul(mk(MATMUL_TF32_COPY_MIN_M, k), b, bias, "relu",
+                              torch.empty(MATMUL_TF32_COPY_MIN_M, n, device=DEVICE)).copy_b
 
 
 @triton.jit
