@@ -377,11 +377,13 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 
 
 #: float32 on TF32 tensor cores with row-major ``a`` and ``b``: from this many rows of ``a``
-#: "auto" copies ``b`` into a K-major buffer (K x N x 4 bytes read and as many written,
-#: each call) and runs ``a @ b`` on that, instead of the transposed product, whose
-#: ``b^T`` goes through registers. Under Nsight Compute (8a6b6ca, M = 512, K = N = 4096)
-#: the transposed product ran 187.8 us against cuBLAS's 54.0; the copy of a 4096^2 fp32
-#: ``b`` moves 134 MB (about 40 us at the H200's 4.2 TB/s copy roof).
+#: "auto" copies ``b`` into a K-major buffer (``_matmul.kmajor_copy``: K x N x 4 bytes read
+#: and as many written, each call) and runs ``a @ b`` on that, instead of the transposed
+#: product, whose ``b^T`` goes through registers. On the H200 (7e41c73, K = N = 4096,
+#: ``probe_tma_tiles.py tf32``, TFLOP/s) the transposed product ran 119.6 / 151.1 / 156.4 /
+#: 160.8 at M = 256 / 512 / 1024 / 4096, ``a @ b`` on a K-major ``b`` alone 220.4 / 269.6 /
+#: 289.0 / 289.7 (torch 159.7 / 301.4 / 370.4 / 300.7); the copy decides where the switch
+#: pays.
 MATMUL_TF32_COPY_MIN_M = 512
 
 

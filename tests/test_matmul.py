@@ -549,6 +549,20 @@ def test_fp32_with_tf32_allowed(tf32_allowed, matmul_kernel, layout):
         assert_rel_err(got[finite.to(got.device)], ref[finite], matmul_rel_err(torch.float32))
 
 
+def test_kmajor_copy_is_exact(matmul_kernel):
+    """``kmajor_copy``: the same bits (signed zeros, inf, NaN) in a K-major layout, from a
+    row-major or strided ``b``, which is left as it was."""
+    if matmul_kernel == "tma":
+        pytest.skip("no matmul kernel involved: once is enough")
+    for b in (mk(37, 70), mk(40, 150)[:, ::2]):
+        b[1, 2], b[3, 3], b[4, 4], b[5, 5] = float("nan"), -0.0, float("-inf"), float("inf")
+        before = b.clone()
+        c = mm.kmajor_copy(b)
+        assert c.shape == b.shape and c.stride() == (1, b.shape[0])
+        assert torch.equal(c.view(torch.int32), b.contiguous().view(torch.int32))
+        assert torch.equal(b.contiguous().view(torch.int32), before.contiguous().view(torch.int32))
+
+
 def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_kernel, monkeypatch):
     """"auto" with TF32 and row-major ``a`` and ``b``: from ``MATMUL_TF32_COPY_MIN_M`` rows
     the launch runs ``a @ b`` on a K-major copy of ``b`` (left as it was), below it not;
