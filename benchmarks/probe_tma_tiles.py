@@ -29,6 +29,7 @@ import torch
 
 import fusedkit
 from fusedkit import _matmul_tma as tma, activations as act
+from fusedkit._matmul import kmajor_copy
 from fusedkit.bench import _timer
 from fusedkit.configs import MATMUL_GROUP_M, matmul_m_bucket, settings
 
@@ -109,7 +110,7 @@ def tf32_part(us):
     """TF32 with a row-major ``b``: the transposed product against ``a @ b`` on a K-major
     copy of ``b`` (the copy timed with it), that product alone, and torch."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"fp32 TF32, b row-major, K = N = {K}: TFLOP/s (default, TMA transposed, K-major copy + product, "
+    print(f"fp32 TF32, b row-major, K = N = {K}: TFLOP/s (default, TMA transposed, kmajor_copy + product, "
           "product alone (pointer, TMA), torch)", flush=True)
     for m in TF32_M:
         a, b, bias = torch.randn(m, K, device="cuda"), torch.randn(K, N, device="cuda"), torch.randn(N, device="cuda")
@@ -118,12 +119,15 @@ def tf32_part(us):
         row = [us(lambda: fusedkit.matmul_relu(a, b, bias))]
         with settings(FUSEDKIT_MATMUL_KERNEL="tma"):
             row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
-        row.append(us(lambda: fusedkit.matmul_relu(a, b.t().contiguous().t(), bias)))
+        row.append(us(lambda: fusedkit.matmul_relu(a, kmajor_copy(b), bias)))
         for kernel in ("pointer", "tma"):
             with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
                 row.append(us(lambda: fusedkit.matmul_relu(a, bk, bias)))
         row.append(us(lambda: torch._addmm_activation(bias, a, b)))
         print(f"  M={m:5d} " + " ".join(f"{flop / t / 1e6:7.1f}" for t in row), flush=True)
+    copy_us, torch_us = us(lambda: kmajor_copy(b)), us(lambda: b.t().contiguous())
+    print(f"  the copy of b ({K} x {N}): kmajor_copy {copy_us:.1f} us ({2 * b.nbytes / copy_us / 1e3:.0f} GB/s), "
+          f"b.t().contiguous() {torch_us:.1f} us", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
