@@ -379,12 +379,12 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 #: float32 on TF32 tensor cores with row-major ``a`` and ``b``: from this many rows of ``a``
 #: "auto" copies ``b`` into a K-major buffer (``_matmul.kmajor_copy``: K x N x 4 bytes read
 #: and as many written, each call) and runs ``a @ b`` on that, instead of the transposed
-#: product, whose ``b^T`` goes through registers. On the H200 (7e41c73, K = N = 4096,
-#: ``probe_tma_tiles.py tf32``, TFLOP/s) the transposed product ran 119.6 / 151.1 / 156.4 /
-#: 160.8 at M = 256 / 512 / 1024 / 4096, ``a @ b`` on a K-major ``b`` alone 220.4 / 269.6 /
-#: 289.0 / 289.7 (torch 159.7 / 301.4 / 370.4 / 300.7); the copy decides where the switch
-#: pays.
-MATMUL_TF32_COPY_MIN_M = 512
+#: product, whose ``b^T`` goes through registers. On the H200 (c33a988, K = N = 4096,
+#: ``probe_tma_tiles.py tf32``, TFLOP/s; the copy 73.3 us): the transposed product 120.3 /
+#: 150.3 / 156.2 / 160.8 at M = 256 / 512 / 1024 / 4096, the copy and ``a @ b`` 66.5 / 116.9
+#: / 222.4 / 275.2, ``a @ b`` alone (TMA kernel) 166.0 / 271.4 / 289.8 / 284.7; torch 159.7 /
+#: 300.9 / 367.6 / 296.5.
+MATMUL_TF32_COPY_MIN_M = 1024
 
 
 def tf32_copies_b(m: int) -> bool:
