@@ -470,9 +470,14 @@ def test_split_k_through_the_public_path(monkeypatch, matmul_kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-def test_autotuned_split_k_path(dtype, monkeypatch):
+def test_autotuned_split_k_path(dtype, monkeypatch, matmul_kernel):
     """Tuning over split-K tiles alone (decode-sized M), then the kept direct launch."""
     from fusedkit import configs
+    if matmul_kernel == "tma":
+        # Split-K is the pointer kernel's. With the TMA kernel forced this test read a
+        # tuning result left by another test on its worker, or failed where none was
+        # (the H200, ecf415d, the matmul tests alone).
+        pytest.skip("split-K is the pointer kernel's")
 
     monkeypatch.setattr(configs, "MATMUL_DECODE_TILES", ())
     monkeypatch.setattr(configs, "MATMUL_EXACT_DECODE_TILES", ())
