@@ -300,6 +300,8 @@ MATMUL_KERNELS = ("auto", "pointer", "tma")
 #: halves`` at 8a6b6ca, TFLOP/s TMA against the pointer kernel): bf16 M = 512 556.3 / 544.5,
 #: 1024 707.3 / 644.5; fp16 571.1 / 540.7 and 675.3 / 618.2; at M = 128 and 256 the pointer
 #: kernel led (bf16 191.7 / 137.9 and 302.0 / 298.3; fp16 197.7 / 167.6 and 317.7 / 291.5).
+#: fp32 in nn.Linear's layout, tf32x3, M = 512: TMA 257.7 us against 294.1 (e7e3de7); fp32
+#: with ``FUSEDKIT_FP32_MATMUL=ieee`` at M = 512-1023 was not timed on either kernel.
 MATMUL_TMA_MIN_M = 512
 #: ... and, for 2-byte operands, in this M bucket (33-64 rows: one 64-row tile, where the TMA
 #: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): same run, M = 64, bf16
