@@ -305,8 +305,9 @@ MATMUL_KERNELS = ("auto", "pointer", "tma")
 MATMUL_TMA_MIN_M = 512
 #: ... and, for 2-byte operands, in this M bucket (33-64 rows: one 64-row tile, where the TMA
 #: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): same run, M = 64, bf16
-#: 114.7 against 107.5, fp16 111.7 against 104.2; at M = 16 and 32 the pointer kernel's
-#: split-K tiles lead or tie (bf16 30.0 / 16.5 and 52.9 / 44.9; fp16 30.1 / 15.1, 47.1 / 52.9).
+#: 114.7 against 107.5, fp16 111.7 against 104.2; at M = 16 the pointer kernel's split-K
+#: tiles lead (bf16 30.0 / 16.5, fp16 30.1 / 15.1), at M = 32 they split (bf16 52.9 / 44.9,
+#: fp16 47.1 / 52.9), so that bucket stays with the pointer kernel.
 MATMUL_TMA_HALF_M_BUCKET = 64
 #: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
 #: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
