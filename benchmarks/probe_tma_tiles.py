@@ -29,7 +29,7 @@ import torch
 
 import fusedkit
 from fusedkit import _matmul_tma as tma, activations as act
-from fusedkit._matmul import kmajor_copy
+from fusedkit._matmul import kmajor_copy, kmajor_copy_launch
 from fusedkit.bench import _timer
 from fusedkit.configs import MATMUL_GROUP_M, matmul_m_bucket, settings
 
@@ -125,9 +125,15 @@ def tf32_part(us):
                 row.append(us(lambda: fusedkit.matmul_relu(a, bk, bias)))
         row.append(us(lambda: torch._addmm_activation(bias, a, b)))
         print(f"  M={m:5d} " + " ".join(f"{flop / t / 1e6:7.1f}" for t in row), flush=True)
-    copy_us, torch_us = us(lambda: kmajor_copy(b)), us(lambda: b.t().contiguous())
-    print(f"  the copy of b ({K} x {N}): kmajor_copy {copy_us:.1f} us ({2 * b.nbytes / copy_us / 1e3:.0f} GB/s), "
-          f"b.t().contiguous() {torch_us:.1f} us", flush=True)
+    launch = kmajor_copy_launch(b)
+    kmajor_copy(b, launch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kmajor_copy(b, launch)
+    times = {"Triton's launch": us(lambda: kmajor_copy(b)), "kept launch": us(lambda: kmajor_copy(b, launch)),
+             "graph replay": us(graph.replay), "b.t().contiguous()": us(lambda: b.t().contiguous())}
+    print(f"  the copy of b ({K} x {N} fp32), us (GB/s read + written): "
+          + ", ".join(f"{name} {t:.1f} ({2 * b.nbytes / t / 1e3:.0f})" for name, t in times.items()), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 
 

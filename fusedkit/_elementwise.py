@@ -598,26 +598,45 @@ class _Recipe:
                 _native.register(self, entry)
 
 
-def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
-    """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.out is not None or backend_for(call.device) == "torch" or not _launch.enabled():
-        return
+def _make_recipe(kernel: ElementwiseKernel, operands: tuple, param, result: torch.Tensor) -> _Recipe | None:
+    """The kept launch of validated ``operands`` into results laid out as ``result``; None for
+    a host 0-d tensor operand (read with ``.item()`` per call, so not kept)."""
     slots = []
-    for k, v in enumerate(call.operands):
+    for k, v in enumerate(operands):
         if isinstance(v, torch.Tensor):
-            if v.device != call.device:  # a host 0-d tensor: read with .item() per call
-                return
+            if v.device != result.device:
+                return None
             slots.append(k)
         else:
             slots.append(~k)
     slots += [None] * (3 - len(slots))
     grid, static_args, constexprs, meta = None, (), (), {}
     if result.numel() > 0:
-        grid_1d, args, meta = launch_config(call.kernel, call.operands, call.param, result)
+        grid_1d, args, meta = launch_config(kernel, operands, param, result)
         grid = (grid_1d[0], 1, 1)
         static_args = args[_PER_CALL_ARGS:]
         constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
+    return _Recipe(kernel, result, operands, tuple(slots), static_args, constexprs, meta, grid)
+
+
+def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
+    """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
+    if call.out is not None or backend_for(call.device) == "torch" or not _launch.enabled():
+        return
+    recipe = _make_recipe(call.kernel, call.operands, call.param, result)
+    if recipe is None:
+        return
     if len(_RECIPES) >= CALL_CACHE_SIZE:
         _RECIPES.clear()
         _native.clear()
-    _RECIPES[key] = _Recipe(call.kernel, result, call.operands, tuple(slots), static_args, constexprs, meta, grid)
+    _RECIPES[key] = recipe
+
+
+def kept_launch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor) -> _Recipe | None:
+    """A kept launch of ``kernel`` for operands with these dtypes, shapes and strides (tensors
+    on ``out``'s device, or numbers; validated by the caller), whose results are laid out as
+    ``out`` is: ``recipe.run(operands, param)`` allocates one and launches, or returns None
+    for the caller to take :func:`launch_elementwise`. None where launches are not kept."""
+    if backend_for(out.device) == "torch" or not _launch.enabled():
+        return None
+    return _make_recipe(kernel, operands, param, out)

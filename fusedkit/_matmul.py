@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
-from ._elementwise import backend_for, elementwise, launch_elementwise
+from ._elementwise import backend_for, elementwise, kept_launch, launch_elementwise
 from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import tracing
 from .configs import (
@@ -216,6 +216,7 @@ class _Plan:
     #: fp32 on TF32 with row-major a and b, from ``MATMUL_TF32_COPY_MIN_M`` rows: the launch
     #: runs on a K-major copy of b (``kmajor_copy``), and the plan is that copy's.
     copy_b: bool
+    copy_launch: object = None  # its kept launch (``kmajor_copy_launch``), where kept
     #: Kept launches by (kernel choice, pointer alignment): found once in the shared
     #: cache, so a repeated call skips hashing the ~35-item key.
     launches: dict = field(default_factory=dict, compare=False)
@@ -253,13 +254,41 @@ def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: tor
 _COPY_ADDEND = -0.0
 
 
-def kmajor_copy(b: torch.Tensor) -> torch.Tensor:
+def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
-    square tiles. On the H200 (c33a988, ``probe_tma_tiles.py tf32``) a 4096^2 fp32 ``b``
-    took 73.3 us (1831 GB/s read + written) against 126.3 for ``b.t().contiguous()``."""
+    square tiles. ``launch``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
+    Triton's own launch path. On the H200 (c33a988, ``probe_tma_tiles.py tf32``, without
+    ``launch``) a 4096^2 fp32 ``b`` took 73.3 us per call (1831 GB/s read + written) against
+    126.3 for ``b.t().contiguous()``; the same transposing add ran 201 MB in 54.0 us through
+    the elementwise fast path (87e937c), so part of the 73.3 may be host time."""
+    if launch is not None:
+        out = launch.run((b, _COPY_ADDEND), 1)
+        if out is not None:
+            return out
     out = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
     return launch_elementwise(get("add"), (b.detach(), _COPY_ADDEND), 1, out)
+
+
+_COPY_LAUNCHES: dict = {}
+
+
+def kmajor_copy_launch(b: torch.Tensor):
+    """The kept launch of :func:`kmajor_copy` for tensors with ``b``'s dtype, shape, strides and
+    device (None where launches are not kept), made once per such signature. Its host-number
+    operand keeps it out of the C++ launch table (``_native.register`` takes all-tensor
+    launches only), which would otherwise serve a plain ``fusedkit.add`` of such tensors with
+    this K-major layout."""
+    key = (b.dtype, b.shape, b.stride(), b.device)
+    launch = _COPY_LAUNCHES.get(key)
+    if launch is None:
+        out = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
+        launch = kept_launch(get("add"), (b, _COPY_ADDEND), 1, out)
+        if launch is not None:
+            if len(_COPY_LAUNCHES) >= CALL_CACHE_SIZE:
+                _COPY_LAUNCHES.clear()
+            _COPY_LAUNCHES[key] = launch
+    return launch
 
 
 def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
@@ -267,8 +296,10 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     m = a.shape[0]
     copy_b = (a.dtype == torch.float32 and fp32_precision() == "tf32"
               and _matmul_tma.transposed_product(a, b, "tf32") and tf32_copies_b(m))
+    copy_launch = None
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
-        b = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
+        copy_launch = kmajor_copy_launch(b)
+        b = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device="meta")
     args, meta = launch_config(a, b, bias, activation, out, pre)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
@@ -276,7 +307,7 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     tma_ok = (matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
               and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
-    return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b)
+    return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
@@ -292,7 +323,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
             return launch_matmul(a, b, bias, activation, out, pre, plan)
     plan = plan or plan_matmul(a, b, bias, activation, out, pre)
     if plan.copy_b:
-        b = kmajor_copy(b)
+        b = kmajor_copy(b, plan.copy_launch)
     M, K = a.shape
     N = b.shape[1]
     o = out.data_ptr()

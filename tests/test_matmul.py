@@ -563,11 +563,13 @@ def test_kmajor_copy_is_exact(matmul_kernel):
     for b in (mk(37, 70), mk(40, 150)[:, ::2]):
         b[1, 2], b[3, 3], b[4, 4], b[5, 5] = float("nan"), -0.0, float("-inf"), float("inf")
         before = b.clone()
-        c = mm.kmajor_copy(b)
-        assert c.shape == b.shape and c.stride() == (1, b.shape[0])
-        nan = b.isnan()
-        assert torch.equal(c.isnan(), nan) and nan.sum() == 1
-        assert torch.equal(c.view(torch.int32)[~nan], b.contiguous().view(torch.int32)[~nan])
+        launch = mm.kmajor_copy_launch(b)
+        assert launch is not None and mm.kmajor_copy_launch(b) is launch  # kept, once per signature
+        for c in (mm.kmajor_copy(b), mm.kmajor_copy(b, launch), mm.kmajor_copy(b, launch)):
+            assert c.shape == b.shape and c.stride() == (1, b.shape[0])
+            nan = b.isnan()
+            assert torch.equal(c.isnan(), nan) and nan.sum() == 1
+            assert torch.equal(c.view(torch.int32)[~nan], b.contiguous().view(torch.int32)[~nan])
         assert torch.equal(b.contiguous().view(torch.int32), before.contiguous().view(torch.int32))
 
 
@@ -587,7 +589,7 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_
         a = mk(m, k)
         out = poisoned((m, n), torch.float32, DEVICE)
         plan = mm.plan_matmul(a, b, bias, "relu", out)
-        assert plan.copy_b == copies, (m, kernel)
+        assert plan.copy_b == copies and (plan.copy_launch is not None) == copies, (m, kernel)
         mm.launch_matmul(a, b, bias, "relu", out, plan=plan)
         assert_rel_err(out, ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
         assert b.stride() == (n, 1) and torch.equal(b, b_before)
