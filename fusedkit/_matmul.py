@@ -254,6 +254,11 @@ def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: tor
 _COPY_ADDEND = -0.0
 
 
+def _kmajor_empty(b: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialised tensor of ``b``'s shape and dtype on ``device``, K-major (strides (1, K))."""
+    return torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=device)
+
+
 def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
@@ -266,8 +271,7 @@ def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
         out = launch.run((b, _COPY_ADDEND), 1)
         if out is not None:
             return out
-    out = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
-    return launch_elementwise(get("add"), (b.detach(), _COPY_ADDEND), 1, out)
+    return launch_elementwise(get("add"), (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
 
 
 _COPY_LAUNCHES: dict = {}
@@ -282,8 +286,7 @@ def kmajor_copy_launch(b: torch.Tensor):
     key = (b.dtype, b.shape, b.stride(), b.device)
     launch = _COPY_LAUNCHES.get(key)
     if launch is None:
-        out = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=b.device)
-        launch = kept_launch(get("add"), (b, _COPY_ADDEND), 1, out)
+        launch = kept_launch(get("add"), (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
         if launch is not None:
             if len(_COPY_LAUNCHES) >= CALL_CACHE_SIZE:
                 _COPY_LAUNCHES.clear()
@@ -299,7 +302,7 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     copy_launch = None
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
         copy_launch = kmajor_copy_launch(b)
-        b = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device="meta")
+        b = _kmajor_empty(b, "meta")
     args, meta = launch_config(a, b, bias, activation, out, pre)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
