@@ -28,7 +28,7 @@ import sys
 import torch
 
 import fusedkit
-from fusedkit import _matmul_tma as tma, activations as act
+from fusedkit import _matmul, _matmul_tma as tma, activations as act, configs
 from fusedkit._matmul import kmajor_copy, kmajor_copy_launch
 from fusedkit.bench import _timer
 from fusedkit.configs import MATMUL_GROUP_M, matmul_m_bucket, settings
@@ -110,16 +110,25 @@ def tf32_part(us):
     """TF32 with a row-major ``b``: the transposed product against ``a @ b`` on a K-major
     copy of ``b`` (the copy timed with it), that product alone, and torch."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"fp32 TF32, b row-major, K = N = {K}: TFLOP/s (default, TMA transposed, kmajor_copy + product, "
-          "product alone (pointer, TMA), torch)", flush=True)
+    print(f"fp32 TF32, b row-major, K = N = {K}: TFLOP/s (default, TMA transposed, default copying at every M, "
+          "kept copy + TMA product, product alone (pointer, TMA), torch)", flush=True)
     for m in TF32_M:
         a, b, bias = torch.randn(m, K, device="cuda"), torch.randn(K, N, device="cuda"), torch.randn(N, device="cuda")
         bk = b.t().contiguous().t()
+        launch = kmajor_copy_launch(b)
         flop = 2 * m * N * K
         row = [us(lambda: fusedkit.matmul_relu(a, b, bias))]
         with settings(FUSEDKIT_MATMUL_KERNEL="tma"):
             row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
-        row.append(us(lambda: fusedkit.matmul_relu(a, kmajor_copy(b), bias)))
+            # The copy as the library makes it (plan and kept launch) at any M; the kept
+            # plans are dropped around it (they were made under the other threshold).
+            threshold, configs.MATMUL_TF32_COPY_MIN_M = configs.MATMUL_TF32_COPY_MIN_M, 1
+            _matmul._RECIPES.clear()
+            with settings(FUSEDKIT_MATMUL_KERNEL="auto"):
+                row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
+            configs.MATMUL_TF32_COPY_MIN_M = threshold
+            _matmul._RECIPES.clear()
+            row.append(us(lambda: fusedkit.matmul_relu(a, kmajor_copy(b, launch), bias)))
         for kernel in ("pointer", "tma"):
             with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
                 row.append(us(lambda: fusedkit.matmul_relu(a, bk, bias)))
