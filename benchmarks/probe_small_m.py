@@ -7,7 +7,14 @@ For each M this prints three times per call: do_bench's median, the host's time 
 one call (no sync inside the loop), and a CUDA graph of the call replayed (GPU time alone,
 no Python). Then the fp32 cases the b758956 probe ran before it, then bf16 again.
 
+``forced``: the matmul report's three fusedkit columns in its order (``auto``, then each
+kernel forced) at M = 64 and 512, bf16 and fp16, with the same three times. The report's
+forced-TMA column ran about half of ``auto``'s speed in some rows though the two share one
+kept launch (99b4b22: bf16 M = 512 361.5 against 568.1 TFLOP/s, fp16 M = 64 64.1 against
+115.7; 7e41c73: bf16 M = 64 36.0 against 19.3 us).
+
     python benchmarks/probe_small_m.py [M ...]     (default: 1 16 64 512)
+    python benchmarks/probe_small_m.py forced
 """
 
 from __future__ import annotations
@@ -50,6 +57,23 @@ def rows(ms, timer, label):
             print(f"  M={m:<5} {name:<26} {timer(fn):8.1f} {host_us(fn, HOST_CALLS)[0]:8.1f} {_graph_us(fn, timer):8.1f}")
 
 
+def forced_rows(timer, ms=(64, 512)):
+    from fusedkit.configs import settings
+
+    print(f"matmul_relu with bias, K = N = {K}, the report's columns: do_bench us / host us per call / graph replay us")
+    for dtype in (torch.bfloat16, torch.float16):
+        for m in ms:
+            a, b, bias = (torch.randn(*s, device="cuda", dtype=dtype) for s in ((m, K), (K, N), (N,)))
+
+            def fn():
+                return fusedkit.matmul_relu(a, b, bias)
+            for kernel in ("auto", "pointer", "tma", "auto"):
+                with settings(FUSEDKIT_MATMUL_KERNEL=kernel):
+                    t = timer(fn)
+                    print(f"  {str(dtype):<15} M={m:<4} {kernel:<8} {t:8.1f} {host_us(fn, HOST_CALLS)[0]:8.1f} "
+                          f"{_graph_us(fn, timer):8.1f}  do_bench again {timer(fn):8.1f}", flush=True)
+
+
 def profile(m, calls: int = HOST_CALLS, top: int = 14):
     """Where a repeated call's host time goes (cProfile, inclusive of its own overhead):
     M = 64 took 30.5 us of host time a call against 20.2 at M = 1 (0ede8f0)."""
@@ -69,8 +93,11 @@ def main():
     if not torch.cuda.is_available():
         print("needs a GPU (host and graph times)")
         return
-    ms = [int(v) for v in sys.argv[1:]] or [1, 16, 64, 512]
     timer = _timer(torch.device("cuda"))
+    if sys.argv[1:] == ["forced"]:
+        forced_rows(timer)
+        return
+    ms = [int(v) for v in sys.argv[1:]] or [1, 16, 64, 512]
     rows(ms, timer, "fresh process")
     for m in (16, 64):
         profile(m)

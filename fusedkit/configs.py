@@ -381,13 +381,14 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 
 #: float32 on TF32 tensor cores with row-major ``a`` and ``b``: from this many rows of ``a``
 #: "auto" copies ``b`` into a K-major buffer (``_matmul.kmajor_copy``: K x N x 4 bytes read
-#: and as many written, each call) and runs ``a @ b`` on that, instead of the transposed
-#: product, whose ``b^T`` goes through registers. On the H200 (c33a988, K = N = 4096,
-#: ``probe_tma_tiles.py tf32``, TFLOP/s; the copy 73.3 us): the transposed product 120.3 /
-#: 150.3 / 156.2 / 160.8 at M = 256 / 512 / 1024 / 4096, the copy and ``a @ b`` 66.5 / 116.9
-#: / 222.4 / 275.2, ``a @ b`` alone (TMA kernel) 166.0 / 271.4 / 289.8 / 284.7; torch 159.7 /
-#: 300.9 / 367.6 / 296.5.
-MATMUL_TF32_COPY_MIN_M = 1024
+#: and as many written, each call, through a kept launch) and runs ``a @ b`` on that, instead
+#: of the transposed product, whose ``b^T`` goes through registers. On the H200 (99b4b22,
+#: K = N = 4096, ``probe_tma_tiles.py tf32``, TFLOP/s; the copy 38.6 us): the transposed
+#: product 118.7 / 151.2 / 156.0 / 160.8 at M = 256 / 512 / 1024 / 4096, the copy and
+#: ``a @ b`` 98.1 / 173.0 / 220.3 / 269.7, ``a @ b`` alone (TMA kernel) 217.7 / 271.4 / 288.3
+#: / 277.8; torch 159.4 / 301.1 / 356.4 / 285.9. (At c33a988 the copy took 73.3 us through
+#: Triton's launch path and lost at M = 512, 116.9 TFLOP/s.)
+MATMUL_TF32_COPY_MIN_M = 512
 
 
 def tf32_copies_b(m: int) -> bool:

@@ -14,7 +14,7 @@
 #   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
 #   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
 #   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
-#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096), MMPROBE_ARGS, TF32PROBE_ARGS, FP32PROBE_ARGS pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
+#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096), MMPROBE_ARGS, TF32PROBE_ARGS, FP32PROBE_ARGS, SMALLM_ARGS pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
 #   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
 #   the tests that log does not report as passed)
 set -uo pipefail
@@ -95,7 +95,7 @@ for s in $stages; do case $s in
   mmncu) PYTHONPATH=. step mmncu 240 python3 benchmarks/probe_matmul_ncu.py ${MMNCU_ARGS:-} ;;  # cuBLASLt's kernels beside ours under ncu, e.g. "bf16 512 4096 4096"
   tmatiles) PYTHONPATH=. step tmatiles 300 python3 benchmarks/probe_tma_tiles.py ${TMATILES_ARGS:-} ;;  # TMA tiles at M = 64 / 512; fp32's kernel by M
   tf32layout) PYTHONPATH=. step tf32layout 90 python3 benchmarks/probe_tf32_layout.py ;;  # TF32 with a row-major b
-  smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ;;  # small-M bf16: GPU or host time
+  smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ${SMALLM_ARGS:-} ;;  # small-M bf16: GPU or host time; SMALLM_ARGS="forced"
   fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ${FP32PROBE_ARGS:-} ;;  # fp32 modes: time and error, e.g. "--quick 1 8 64 512"
   latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
            PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
