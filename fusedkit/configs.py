@@ -403,7 +403,14 @@ def tf32_copies_b(m: int) -> bool:
 #: tf32x3 ran 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
 #: must keep 64 rows on ``wgmma``'s M side in either product (``a @ b`` and the transposed
 #: one), which 64 x 64 does (checked on sm_90 by tests/test_codegen.py).
-TMA_FP32_TILES = ((64, 64, 32, 5, 4, False),)
+#: The deeper 32-wide K steps after it are for TF32 on a K-major ``b``, where tuning had 128 x
+#: 128 x 32 at 3 stages at most while cuBLAS runs that tile deeper (8a6b6ca, M = 512:
+#: ``sm90_xmma_..._tilesize128x128x32``); at 99b4b22, K = N = 4096, our ``a @ b`` ran 271.4 /
+#: 288.3 / 277.8 TFLOP/s at M = 512 / 1024 / 4096 against torch's 301.1 / 356.4 / 285.9.
+#: Triton 3.6 gives them 192-224 KiB of shared memory in both products and both fp32 modes
+#: (6 stages of 128 x 128 x 32 would take 240 KiB in the transposed TF32 product).
+TMA_FP32_TILES = ((64, 64, 32, 5, 4, False), (128, 128, 32, 5, 8, True), (128, 256, 32, 3, 8, True),
+                  (64, 256, 32, 4, 4, True))
 
 
 def matmul_tma_configs(pre_hook=None):
