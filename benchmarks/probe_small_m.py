@@ -15,6 +15,7 @@ kept launch (99b4b22: bf16 M = 512 361.5 against 568.1 TFLOP/s, fp16 M = 64 64.1
 
     python benchmarks/probe_small_m.py [M ...]     (default: 1 16 64 512)
     python benchmarks/probe_small_m.py forced
+    python benchmarks/probe_small_m.py profile M ...
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ def main():
     timer = _timer(torch.device("cuda"))
     if sys.argv[1:] == ["forced"]:
         forced_rows(timer)
+        return
+    if sys.argv[1:2] == ["profile"]:  # profile M ...: where a repeated call's host time goes
+        for m in [int(v) for v in sys.argv[2:]]:
+            profile(m, top=24)
         return
     ms = [int(v) for v in sys.argv[1:]] or [1, 16, 64, 512]
     rows(ms, timer, "fresh process")
