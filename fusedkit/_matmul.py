@@ -330,15 +330,14 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     M, K = a.shape
     N = b.shape[1]
     o = out.data_ptr()
-    operands = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
-                o if pre is None else pre.data_ptr())
-    # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
-    use_tma = plan.tma_ok and all(operands[i] % _launch.ALIGNMENT == 0 for i in (0, 1, 2, 4))
     ws = arrivals = out  # no split-K: the kernel never reads these
-    if plan.split_k > 1 and not use_tma:  # the TMA kernel has no split-K
+    if plan.split_k > 1:
         ws, arrivals = split_k_buffers(a.device, plan.split_k, M, N, plan.ws_dtype)
-    addresses = operands + (ws.data_ptr(), arrivals.data_ptr())
+    addresses = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
+                 o if pre is None else pre.data_ptr(), ws.data_ptr(), arrivals.data_ptr())
     aligned = tuple([p % _launch.ALIGNMENT == 0 for p in addresses])
+    # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
+    use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
     local = (use_tma, aligned)
     entry = plan.launches.get(local)  # pointer-kernel launches only (never under the interpreter)
     if entry is not None:
