@@ -31,7 +31,7 @@ MARKER = "<!-- fusedkit:op-table -->"
 TABLE_PAGES = ("elementwise.md",)
 #: The committed GPU runs whose plots the docs show: ``benchmarks/results/<run>/<name>``.
 PLOTS = {"elementwise_gbps.png": "2026-12-02-h200-87e937c", "elementwise_bytes.png": "2026-12-02-h200-87e937c",
-         "matmul_tflops.png": "2026-12-03-h200-7e41c73"}
+         "matmul_tflops.png": "2026-12-03-h200-99b4b22"}
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "int32", torch.int64: "int64"}
