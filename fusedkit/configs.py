@@ -407,8 +407,9 @@ def tf32_copies_b(m: int) -> bool:
 #: 128 x 32 at 3 stages at most while cuBLAS runs that tile deeper (8a6b6ca, M = 512:
 #: ``sm90_xmma_..._tilesize128x128x32``); at 99b4b22, K = N = 4096, our ``a @ b`` ran 271.4 /
 #: 288.3 / 277.8 TFLOP/s at M = 512 / 1024 / 4096 against torch's 301.1 / 356.4 / 285.9.
-#: Triton 3.6 gives them 192-224 KiB of shared memory in both products and both fp32 modes
-#: (6 stages of 128 x 128 x 32 would take 240 KiB in the transposed TF32 product).
+#: Compiled for sm_90 by Triton 3.6 (``_codegen.compile_matmul_tma``, on the CPU) they take
+#: 161-224 KiB of shared memory in both products and both fp32 modes (6 stages of 128 x 128 x
+#: 32 would take 240 KiB in the transposed TF32 product, over the 227 available).
 TMA_FP32_TILES = ((64, 64, 32, 5, 4, False), (128, 128, 32, 5, 8, True), (128, 256, 32, 3, 8, True),
                   (64, 256, 32, 4, 4, True))
 
