@@ -99,7 +99,7 @@ def main():
         forced_rows(timer)
         return
     if sys.argv[1:2] == ["profile"]:  # profile M ...: where a repeated call's host time goes
-        for m in [int(v) for v in sys.argv[2:]]:
+        for m in [int(v) for v in sys.argv[2:]] or [16, 64]:
             profile(m, top=24)
         return
     ms = [int(v) for v in sys.argv[1:]] or [1, 16, 64, 512]

@@ -24,6 +24,7 @@ deeper tiles the ``tiles`` part found in its autotune set, should take over.
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 import torch
 
@@ -120,14 +121,13 @@ def tf32_part(us):
         row = [us(lambda: fusedkit.matmul_relu(a, b, bias))]
         with settings(FUSEDKIT_MATMUL_KERNEL="tma"):
             row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
-            # The copy as the library makes it (plan and kept launch) at any M; the kept
-            # plans are dropped around it (they were made under the other threshold).
-            threshold, configs.MATMUL_TF32_COPY_MIN_M = configs.MATMUL_TF32_COPY_MIN_M, 1
-            _matmul._RECIPES.clear()
-            with settings(FUSEDKIT_MATMUL_KERNEL="auto"):
-                row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
-            configs.MATMUL_TF32_COPY_MIN_M = threshold
-            _matmul._RECIPES.clear()
+        # The copy as the library makes it (plan and kept launch) at any M; the kept plans
+        # are dropped (the call key does not hold the threshold), then restored as they were.
+        _matmul._RECIPES.clear()
+        with settings(FUSEDKIT_MATMUL_KERNEL="auto"), mock.patch.object(configs, "MATMUL_TF32_COPY_MIN_M", 1):
+            row.append(us(lambda: fusedkit.matmul_relu(a, b, bias)))
+        _matmul._RECIPES.clear()
+        with settings(FUSEDKIT_MATMUL_KERNEL="tma"):
             row.append(us(lambda: fusedkit.matmul_relu(a, kmajor_copy(b, launch), bias)))
         for kernel in ("pointer", "tma"):
             with settings(FUSEDKIT_MATMUL_KERNEL=kernel):

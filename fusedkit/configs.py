@@ -382,12 +382,15 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 #: float32 on TF32 tensor cores with row-major ``a`` and ``b``: from this many rows of ``a``
 #: "auto" copies ``b`` into a K-major buffer (``_matmul.kmajor_copy``: K x N x 4 bytes read
 #: and as many written, each call, through a kept launch) and runs ``a @ b`` on that, instead
-#: of the transposed product, whose ``b^T`` goes through registers. On the H200 (99b4b22,
-#: K = N = 4096, ``probe_tma_tiles.py tf32``, TFLOP/s; the copy 38.6 us): the transposed
-#: product 118.7 / 151.2 / 156.0 / 160.8 at M = 256 / 512 / 1024 / 4096, the copy and
-#: ``a @ b`` 98.1 / 173.0 / 220.3 / 269.7, ``a @ b`` alone (TMA kernel) 217.7 / 271.4 / 288.3
-#: / 277.8; torch 159.4 / 301.1 / 356.4 / 285.9. (At c33a988 the copy took 73.3 us through
-#: Triton's launch path and lost at M = 512, 116.9 TFLOP/s.)
+#: of the transposed product, whose ``b^T`` goes through registers. The copy pays only with
+#: the TMA kernel after it, so this is at least ``MATMUL_TMA_MIN_M`` (a test holds it there).
+#: On the H200 (K = N = 4096, ``probe_tma_tiles.py tf32``, TFLOP/s, the copy about 38 us):
+#: at 99b4b22 the transposed product 151.2 / 156.0 / 160.8 at M = 512 / 1024 / 4096 against
+#: 173.0 / 220.3 / 269.7 for the copy and ``a @ b``; at M = 256, where ``a @ b`` runs on the
+#: pointer kernel, 118.7 against 98.1 (the TMA kernel forced after the copy: 116.4). At
+#: f439dc9 (with ``TMA_FP32_TILES``' deeper tiles) M = 512 164.3 against 193.7; torch 302.5.
+#: (c33a988 timed the copy at 73.3 us, and the copy lost at M = 512; why it was slow then is
+#: not known: the same launch path took 38.4 us at 99b4b22.)
 MATMUL_TF32_COPY_MIN_M = 512
 
 
@@ -403,13 +406,17 @@ def tf32_copies_b(m: int) -> bool:
 #: tf32x3 ran 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
 #: must keep 64 rows on ``wgmma``'s M side in either product (``a @ b`` and the transposed
 #: one), which 64 x 64 does (checked on sm_90 by tests/test_codegen.py).
-#: The deeper 32-wide K steps after it are for TF32 on a K-major ``b``, where tuning had 128 x
-#: 128 x 32 at 3 stages at most while cuBLAS runs that tile deeper (8a6b6ca, M = 512:
-#: ``sm90_xmma_..._tilesize128x128x32``); at 99b4b22, K = N = 4096, our ``a @ b`` ran 271.4 /
-#: 288.3 / 277.8 TFLOP/s at M = 512 / 1024 / 4096 against torch's 301.1 / 356.4 / 285.9.
-#: Compiled for sm_90 by Triton 3.6 (``_codegen.compile_matmul_tma``, on the CPU) they take
-#: 161-224 KiB of shared memory in both products and both fp32 modes (6 stages of 128 x 128 x
-#: 32 would take 240 KiB in the transposed TF32 product, over the 227 available).
+#: The deeper 32-wide K steps after it are for TF32 on a K-major ``b`` (the copy above),
+#: where tuning had no fp32 tile deeper than 3 stages of 128 x 128 x 32 while cuBLAS runs
+#: 128 x 128 x 32 (8a6b6ca, M = 512: ``sm90_xmma_..._tilesize128x128x32``): that tile at 5
+#: stages, a 128 x 256 one for large M and a 64 x 256 one (128 tiles at M = 512, N = 4096),
+#: each as deep as shared memory allows. Compiled for sm_90 by Triton 3.6
+#: (``_codegen.compile_matmul_tma``, on the CPU) they take 161-224 KiB in both products and
+#: both fp32 modes (the most: 128 x 256 x 32, tf32x3, K-major ``b``; 6 stages of 128 x 128 x 32
+#: would take 240 KiB in the transposed TF32 product, over the 227 available). ``a @ b`` with
+#: TF32 on a K-major ``b``, M = 512 / 1024 / 4096, went from 271.4 / 288.3 / 277.8 TFLOP/s
+#: (99b4b22) to 316.9 / 364.6 / 348.1 (f439dc9; torch 302.5 / 360.9 / 297.7); which tile
+#: tuning picked was not recorded.
 TMA_FP32_TILES = ((64, 64, 32, 5, 4, False), (128, 128, 32, 5, 8, True), (128, 256, 32, 3, 8, True),
                   (64, 256, 32, 4, 4, True))
 
