@@ -173,7 +173,7 @@ for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
         fits.append(c.metadata.shared <= 232448)
     r["fp64_fits"][bucket] = any(fits)
 from types import SimpleNamespace
-from fusedkit.configs import TMA_FP32_TILES, prune_tma_configs
+from fusedkit.configs import TMA_FP32_TILES, _tma_tile_of, prune_tma_configs
 for dtype in (torch.bfloat16, torch.float32):  # each config tuning may try for this operand size
     desc = SimpleNamespace(base=torch.empty(1, 1, device="meta", dtype=dtype))
     for cfg in prune_tma_configs(matmul_tma_configs(), {"a_desc": desc}):
@@ -181,9 +181,7 @@ for dtype in (torch.bfloat16, torch.float32):  # each config tuning may try for 
             # fp32 in both products: nn.Linear's K-major b and the transposed one of a row-major b;
             # fp32's own deep tiles also in tf32x3, whose splits take more shared memory
             # (128 x 256 x 32, K-major b: 224 KiB against 209 in TF32, triton 3.6)
-            tile = (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"], cfg.num_stages,
-                    cfg.num_warps, cfg.kwargs["SUBTILE"])
-            precisions = ("tf32", "tf32x3") if tile in TMA_FP32_TILES else (None,)
+            precisions = ("tf32", "tf32x3") if _tma_tile_of(cfg) in TMA_FP32_TILES else (None,)
             for kmajor in ((True, False) if dtype == torch.float32 else (True,)):
                 for precision in precisions:
                     r["configs"].append(facts(dtype, cfg.kwargs, cfg.num_warps, cfg.num_stages, b_kmajor=kmajor,
