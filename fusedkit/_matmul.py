@@ -263,10 +263,10 @@ def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
     square tiles. ``launch``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
-    Triton's own launch path. On the H200 (c33a988, ``probe_tma_tiles.py tf32``, without
-    ``launch``) a 4096^2 fp32 ``b`` took 73.3 us per call (1831 GB/s read + written) against
-    126.3 for ``b.t().contiguous()``; the same transposing add ran 201 MB in 54.0 us through
-    the elementwise fast path (87e937c), so part of the 73.3 may be host time."""
+    Triton's own launch path. On the H200 (99b4b22, ``probe_tma_tiles.py tf32``) a 4096^2
+    fp32 ``b`` took 38.6 us per call with ``launch`` and 38.4 without (about 3.5 TB/s read +
+    written) against 128.3 for ``b.t().contiguous()`` (c33a988 had measured 73.3 without
+    ``launch``, for reasons not known)."""
     if launch is not None:
         out = launch.run((b, _COPY_ADDEND), 1)
         if out is not None:

@@ -162,7 +162,7 @@ r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fix
                                                       precision=p)
                    for p in ("tf32", "tf32x3") for kmajor in (False, True)}
 from fusedkit._codegen import compile_matmul
-from fusedkit.configs import matmul_configs, prune_matmul_configs
+from fusedkit.configs import HOPPER_SMEM_BYTES, matmul_configs, prune_matmul_configs
 r["fp64_fits"] = {}
 for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
     fits = []
@@ -170,7 +170,7 @@ for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
     for cfg in prune_matmul_configs(matmul_configs(), {"M_BUCKET": bucket, "a_ptr": a}):
         c = compile_matmul(a, b, None, "relu", torch.empty(64, 64, device="meta", dtype=torch.float64), cfg.kwargs,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        fits.append(c.metadata.shared <= 232448)
+        fits.append(c.metadata.shared <= HOPPER_SMEM_BYTES)
     r["fp64_fits"][bucket] = any(fits)
 from types import SimpleNamespace
 from fusedkit.configs import TMA_FP32_TILES, _tma_tile_of, prune_tma_configs

@@ -107,8 +107,8 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
 def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
     from types import SimpleNamespace
 
-    from fusedkit.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, matmul_tma_configs, prune_tma_configs,
-                                  tma_stage_bytes)
+    from fusedkit.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, _tma_tile_of, matmul_tma_configs,
+                                  prune_tma_configs, tma_stage_bytes)
     configs = matmul_tma_configs()
 
     def kept(dtype):
@@ -116,8 +116,7 @@ def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
         return prune_tma_configs(configs, {"a_desc": desc})
 
     def tiles(cs):
-        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.num_warps,
-                 c.kwargs["SUBTILE"]) for c in cs}
+        return {_tma_tile_of(c) for c in cs}
 
     half = kept(torch.bfloat16)  # every tile but fp32's own fits half-precision operands
     assert len(half) == len(configs) - len(TMA_FP32_TILES) and not tiles(half) & set(TMA_FP32_TILES)
