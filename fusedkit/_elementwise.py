@@ -13,6 +13,7 @@ Layers, by name:
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import struct
 from dataclasses import dataclass
@@ -24,10 +25,14 @@ import triton.language as tl
 from . import _jit, _launch, _library, _native
 from ._compat import is_interpreted
 from ._layout import (
-    broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise, span_bytes,
+    TooManyDims, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, output_strides,
+    plan_elementwise, span_bytes,
 )
 from .configs import CALL_CACHE_SIZE
-from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from .errors import (
+    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ShapeError,
+    SignatureError,
+)
 from .registry import ElementwiseKernel, get, result_dtype
 
 __all__ = ["elementwise", "dispatch", "launch_elementwise", "launch_config", "backend_for", "BACKENDS"]
@@ -36,6 +41,15 @@ __all__ = ["elementwise", "dispatch", "launch_elementwise", "launch_config", "ba
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
 BACKENDS = ("triton", "interpreter", "torch")
 
+#: Triton's dtype per supported torch dtype.
+_TL_DTYPE = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+    torch.int32: tl.int32,
+    torch.int64: tl.int64,
+}
 #: Arithmetic dtype per result dtype: half types compute in fp32 ("opmath").
 _COMPUTE_DTYPE = {
     torch.float16: tl.float32,
@@ -46,6 +60,16 @@ _COMPUTE_DTYPE = {
     torch.int64: tl.int64,
 }
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: Python ints torch takes as a Scalar: int64, or uint64 above it.
+_SCALAR_INT_END = 2**64
+#: The largest finite value of each float result's compute dtype: torch's CUDA kernels
+#: convert ``alpha`` to it with an overflow check (inf and NaN pass).
+_COMPUTE_MAX = {
+    torch.float16: torch.finfo(torch.float32).max,
+    torch.bfloat16: torch.finfo(torch.float32).max,
+    torch.float32: torch.finfo(torch.float32).max,
+    torch.float64: torch.finfo(torch.float64).max,
+}
 
 
 @triton.jit
@@ -54,7 +78,8 @@ def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s
              INT64: tl.constexpr, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
              COMPUTE_IS_FLOAT: tl.constexpr):
     if IS_SCALAR:
-        value = _jit.scalar_value(bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+        # A wrapped Python number: converted to the result dtype first, as torch does.
+        value = _jit.widen(_jit.scalar_value(bits, RESULT_DTYPE, COMPUTE_IS_FLOAT), COMPUTE_DTYPE)
     else:
         offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
                                        UNIT_R, UNIT_C, INT64)
@@ -71,22 +96,23 @@ def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
           c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
           FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
           SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
-          COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr, INT64: tl.constexpr):
+          RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
+          INT64: tl.constexpr):
     """Load one tile of every operand, apply ``FN``, store. ``mask`` is None for a full tile."""
     # Operand k (0 = output, 1..3 = inputs) owns bit k of the masks.
     a = _operand(a_ptr, a_bits, i0, i1, i2, i3, rows, cols, mask, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
                  (SCALAR_MASK >> 1) & 1, (UNIT_R_MASK >> 1) & 1, (UNIT_C_MASK >> 1) & 1,
-                 INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-    if HAS_PARAM:
+                 INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+    if HAS_PARAM:  # torch converts the parameter straight to the compute dtype
         p = _jit.scalar_value(param_bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     if NUM_INPUTS >= 2:
         b = _operand(b_ptr, b_bits, i0, i1, i2, i3, rows, cols, mask, b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
                      (SCALAR_MASK >> 2) & 1, (UNIT_R_MASK >> 2) & 1, (UNIT_C_MASK >> 2) & 1,
-                     INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+                     INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     if NUM_INPUTS == 3:
         c = _operand(c_ptr, c_bits, i0, i1, i2, i3, rows, cols, mask, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
                      (SCALAR_MASK >> 3) & 1, (UNIT_R_MASK >> 3) & 1, (UNIT_C_MASK >> 3) & 1,
-                     INT64, out_ptr.dtype.element_ty, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
+                     INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
 
     if NUM_INPUTS == 1:
         if HAS_PARAM:
@@ -106,7 +132,7 @@ def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
 
     out_offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
                                        UNIT_R_MASK & 1, UNIT_C_MASK & 1, INT64)
-    _jit.store_result(out_ptr, out_offsets, result, mask)
+    _jit.store_result(out_ptr, out_offsets, result, mask, RESULT_DTYPE)
 
 
 #: Arguments Triton must not specialise on: scalar bit patterns (a new ``alpha``
@@ -129,7 +155,7 @@ def _elementwise_kernel(
     c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
     FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
     SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
+    RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
 ):
     batch, tile_r, tile_c = _jit.tile_coords(tl.program_id(0), tiles_c, tiles_per_batch)
@@ -145,14 +171,14 @@ def _elementwise_kernel(
               o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
               b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
               FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
-              COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
+              RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
     else:
         mask = _jit.tile_mask(rows, cols, size_r, size_c)
         _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits, i0, i1, i2, i3, rows, cols, mask,
               o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
               b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
               FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
-              COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
+              RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
 
 
 #: Whether this process interprets the kernels (decided when Triton decorated them).
@@ -197,6 +223,8 @@ class _Call:
     device: torch.device
     out: torch.Tensor | None
     needs_grad: bool = False
+    #: False when ``out`` is written through a temporary (see ``_check_out``).
+    direct: bool = True
 
 
 def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
@@ -216,7 +244,7 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
 
 def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
     if len(operands) != kernel.arity:
-        raise TypeError(f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), "
+        raise SignatureError(f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), "
                         f"got {len(operands)}")
 
 
@@ -251,46 +279,66 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         _check_param(kernel, param, dtype)
 
     grad_inputs = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
+    direct = True
     if out is not None:
-        _check_out(kernel, out, shape, dtype, device, tensors)
+        direct = _check_out(kernel, out, shape, dtype, device, tensors)
         if grad_inputs or (torch.is_grad_enabled() and out.requires_grad):
             raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, "
                                 "but an argument requires grad")
     elif grad_inputs and kernel.backward is None:
-        raise NotImplementedError(
+        raise NotDifferentiableError(
             f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
             f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
-    return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs)
+    return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
 
 
 def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
+    """The parameter as torch checks ``alpha``: an int torch can take, an integer for an
+    integral result (within its range), a float within the compute dtype's range."""
     if isinstance(param, bool) or not isinstance(param, numbers.Real):
         raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
+    if isinstance(param, numbers.Integral) and not _INT64_MIN <= param < _SCALAR_INT_END:
+        raise ArgumentError(f"{kernel.name}(): {kernel.param}={param} is too big for a torch Scalar "
+                            "(an int64 or a uint64)")
     if not dtype.is_floating_point:
         if not isinstance(param, numbers.Integral):
             raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
                              f"got {param!r}")
         if not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
-            raise DTypeError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
+            raise ArgumentError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
+    elif math.isfinite(value := float(param)) and abs(value) > _COMPUTE_MAX[dtype]:
+        raise ArgumentError(f"{kernel.name}(): {kernel.param}={param!r} cannot be converted to the "
+                            f"{dtype} computation's {'float64' if dtype == torch.float64 else 'float32'} "
+                            "without overflow")
 
 
-def _check_out(kernel, out, shape, dtype, device, tensors) -> None:
+def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
+    """Check ``out`` as torch checks an ``out=`` argument; True when the kernel can write
+    it directly, False when the result must go through a temporary: ``out`` is a lazily
+    negated view, or may share elements with an input in a way torch does not check
+    (neither is dense), so element order would decide the result."""
     if not isinstance(out, torch.Tensor):
         raise DTypeError(f"{kernel.name}(): out must be a Tensor, got {type(out).__name__}")
     if out.device != device:
         raise DeviceError(f"{kernel.name}(): out is on {out.device}, but the inputs are on {device}")
-    if out.dtype != dtype:
-        raise DTypeError(f"{kernel.name}(): out has dtype {out.dtype}, but the result dtype is {dtype}")
+    if out.dtype not in _TL_DTYPE or not torch.can_cast(dtype, out.dtype):
+        raise DTypeError(f"{kernel.name}(): result type {dtype} can't be cast to the desired output type "
+                         f"{out.dtype}")
     if out.shape != shape:
         raise ShapeError(f"{kernel.name}(): out has shape {tuple(out.shape)}, but the result has "
                          f"shape {tuple(shape)}")
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise FusedkitError(f"{kernel.name}(): out is an inference tensor; writing it outside InferenceMode "
+                            "is not allowed (as for torch's in-place ops)")
     if out.numel() == 0:
-        return
+        return True
     if may_self_overlap(out.shape, out.stride()):
         raise OverlapError(f"{kernel.name}(): out has elements that share memory (an expanded view?); "
                            "writing it would be ambiguous")
+    direct = not out.is_neg()
     lo, hi = span_bytes(out)
     out_strides = out.stride()
+    out_dense = is_dense_permutation(out.shape, out.stride())
     for n, t in tensors:
         if t.numel() == 0 or t.device != out.device:
             continue
@@ -298,32 +346,53 @@ def _check_out(kernel, out, shape, dtype, device, tensors) -> None:
         if t_hi <= lo or hi <= t_lo:
             continue
         # Full aliasing (out=x, in place) is safe: each element is read, then written, by one thread.
-        same = t.data_ptr() == out.data_ptr() and t.element_size() == out.element_size() and all(
-            n_ == 1 or s_in == s_out
-            for n_, s_in, s_out in zip(shape, broadcast_strides(t.shape, t.stride(), shape), out_strides))
-        if not same:
+        if t.data_ptr() == out.data_ptr() and t.element_size() == out.element_size() and all(
+                n_ == 1 or s_in == s_out
+                for n_, s_in, s_out in zip(shape, broadcast_strides(t.shape, t.stride(), shape), out_strides)):
+            continue
+        if out_dense and is_dense_permutation(t.shape, t.stride()):
+            # torch refuses exactly this case (its "partial overlap"); with a strided view it checks nothing.
             raise OverlapError(f"{kernel.name}(): out partially overlaps argument '{n}'; "
                                "clone one of them first")
+        if not _provably_disjoint(t, out):
+            direct = False
+    return direct
+
+
+def _provably_disjoint(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """True when no element of ``t`` shares memory with one of ``out``: both of one element
+    size, and the distance between their first elements is not a multiple of the gcd of
+    their strides (``b[0::2]`` and ``b[1::2]``)."""
+    size = t.element_size()
+    if out.element_size() != size:
+        return False
+    delta = t.data_ptr() - out.data_ptr()
+    if delta % size:
+        return False
+    step = math.gcd(*(s for n, s in zip(t.shape, t.stride()) if n > 1),
+                    *(s for n, s in zip(out.shape, out.stride()) if n > 1))
+    return step > 1 and (delta // size) % step != 0
 
 
 def _allocate_out(call: _Call) -> torch.Tensor:
-    """The result tensor: the layout of the full-shape inputs when they agree, else contiguous."""
-    full = [t for t in call.operands if isinstance(t, torch.Tensor) and t.shape == call.shape]
-    if full:
-        strides = full[0].stride()
-        if all(t.stride() == strides for t in full) and is_dense_permutation(call.shape, strides):
-            return torch.empty_strided(call.shape, strides, dtype=call.dtype, device=call.device)
-    return torch.empty(call.shape, dtype=call.dtype, device=call.device)
+    """The result tensor, laid out as torch's TensorIterator lays out a new output."""
+    strides = output_strides(call.shape, [(tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor)
+                                          else None for t in call.operands])
+    return torch.empty_strided(call.shape, strides, dtype=call.dtype, device=call.device)
 
 
-def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor):
-    """``(grid, args, meta)`` of the launch that computes ``kernel`` into a non-empty ``out``.
+def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
+                  dtype: torch.dtype | None = None):
+    """``(grid, args, meta)`` of the launch that computes ``kernel`` into a non-empty ``out``;
+    ``dtype`` is the result dtype when ``out`` has another one (it is rounded to ``dtype``,
+    then converted to ``out.dtype``, as PyTorch does).
 
     Works on meta tensors too, so the code a call would compile can be inspected
     on a machine without a GPU (see ``fusedkit._codegen``).
     """
     shape = out.shape
-    is_float = out.dtype.is_floating_point
+    dtype = out.dtype if dtype is None else dtype
+    is_float = dtype.is_floating_point
     strides = (tuple(out.stride()),) + tuple(
         broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands)
     plan = plan_elementwise(tuple(shape), strides)
@@ -348,24 +417,37 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
             plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
     meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
                 SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
-                COMPUTE_DTYPE=_COMPUTE_DTYPE[out.dtype], COMPUTE_IS_FLOAT=is_float,
+                RESULT_DTYPE=_TL_DTYPE[dtype], COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype], COMPUTE_IS_FLOAT=is_float,
                 BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
                 num_warps=plan.tile.num_warps)
     return (plan.grid,), args, meta
 
 
-def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor) -> torch.Tensor:
+def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """Launch ``kernel`` on validated operands (tensors on ``out``'s device, or numbers) into ``out``,
-    under ``out``'s device and on its current stream."""
+    under ``out``'s device and on its current stream; ``dtype`` is the result dtype when
+    ``out`` has another one."""
     if out.numel() == 0:
         return out
-    grid, args, meta = launch_config(kernel, operands, param, out)
+    try:
+        grid, args, meta = launch_config(kernel, operands, param, out, dtype)
+    except TooManyDims:
+        # More non-mergeable dims than the kernel walks: one launch per index of the
+        # output's outermost dim, on views (broadcast operands expanded, never copied).
+        dim = max((d for d in range(out.dim()) if out.shape[d] > 1), key=lambda d: out.stride(d))
+        for i in range(out.shape[dim]):
+            part = tuple(t.expand(out.shape).select(dim, i) if isinstance(t, torch.Tensor) else t
+                         for t in operands)
+            launch_elementwise(kernel, part, param, out.select(dim, i), dtype)
+        return out
     device = out.device
-    if device.type == "cuda" and device.index != _launch.current_device():
-        with torch.cuda.device(device):
+    with _launch.serialised():
+        if device.type == "cuda" and device.index != _launch.current_device():
+            with torch.cuda.device(device):
+                _elementwise_kernel[grid](*args, **meta)
+        else:
             _elementwise_kernel[grid](*args, **meta)
-    else:
-        _elementwise_kernel[grid](*args, **meta)
     return out
 
 
@@ -374,7 +456,8 @@ def _run_reference(call: _Call) -> torch.Tensor:
     result = call.kernel.reference(*args)
     # Same layout and dtype as the kernel path (and the op's fake implementation).
     out = call.out if call.out is not None else _allocate_out(call)
-    out.copy_(result)
+    with torch.autograd.grad_mode.no_grad():
+        out.copy_(result.to(call.dtype))  # rounded to the result dtype first when ``out`` has another
     return out
 
 
@@ -386,16 +469,16 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
     kernel's one scalar keyword (e.g. ``alpha``), defaulting as registered.
     ``out`` receives the result when given (it may be one of the inputs).
     """
-    if isinstance(kernel, str):
-        kernel = get(kernel)
+    if not isinstance(kernel, ElementwiseKernel):
+        kernel = get(kernel)  # a name; anything else raises DTypeError
     if kernel.param is None:
         if param:
-            raise TypeError(f"{kernel.name}() takes no keyword {', '.join(param)}")
+            raise SignatureError(f"{kernel.name}() takes no keyword {', '.join(param)}")
         value = None
     else:
         value = param.pop(kernel.param, kernel.param_default)  # ``param`` is this call's own dict
         if param:
-            raise TypeError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(param))}")
+            raise SignatureError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(param))}")
     return dispatch(kernel, operands, value, out)
 
 
@@ -403,7 +486,8 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
     """:func:`elementwise` with its arguments parsed (``param`` None for a kernel without one):
     the public ops call this directly."""
     key = None
-    if out is None and not torch.compiler.is_compiling() and not _library.dispatch_mode_active():
+    if (out is None and not torch.compiler.is_compiling() and not _library.dispatch_mode_active()
+            and not _library.functorch_active()):
         native = _native.TABLE
         if native is not None and _launch.hooks_idle():
             # A kept launch in C++ (FUSEDKIT_NATIVE_LAUNCH=1): None when it does not apply.
@@ -422,6 +506,9 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
                 result = recipe.run(operands, param)
                 if result is not None:
                     return result
+    if out is None and _library.functorch_active() and not torch.compiler.is_compiling():
+        _validate(kernel, operands, param, None)  # errors before anything runs, on the wrapped tensors
+        return _library.call_functorch(kernel, operands, param)
     if _library.tracing(operands, out):
         # Traced code goes straight to the registered op: its fake implementation
         # validates and infers the result on fake tensors, outside Dynamo's tracing.
@@ -436,18 +523,36 @@ def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tenso
 
 
 def run_validated(call: _Call) -> torch.Tensor:
-    """The eager path of a validated call: no dispatcher, straight to the launcher."""
+    """The eager path of a validated call: no dispatcher, straight to the launcher.
+
+    ``out`` is written in place of the kernel's own output (its dtype may be any that
+    the result casts to), its version counter bumped as torch's in-place ops bump it,
+    so autograd refuses a backward through values it overwrote."""
+    out = call.out
+    if out is not None and not call.direct:
+        # A lazily negated ``out``, or one that may share elements with an input:
+        # compute into a new tensor and let ``copy_`` write it as torch would.
+        result = run_validated(_Call(call.kernel, call.operands, call.param, call.shape, call.dtype, call.device,
+                                     None))
+        with torch.autograd.grad_mode.no_grad():
+            out.copy_(result)
+        return out
     if backend_for(call.device) == "torch":
-        return _run_reference(call)
-    result = call.out if call.out is not None else _allocate_out(call)
-    # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
-    operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in call.operands)
-    if call.device.type != "cpu":
-        # Host 0-d tensors become host numbers (after promotion, which treats them as
-        # tensors): a kernel cannot read host memory.
-        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
-                         for t in operands)
-    return launch_elementwise(call.kernel, operands, call.param, result)
+        result = _run_reference(call)
+    else:
+        result = out if out is not None else _allocate_out(call)
+        # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
+        operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
+                         for t in call.operands)
+        if call.device.type != "cpu":
+            # Host 0-d tensors become host numbers (after promotion, which treats them as
+            # tensors): a kernel cannot read host memory.
+            operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
+                             for t in operands)
+        launch_elementwise(call.kernel, operands, call.param, result, call.dtype)
+    if out is not None and not out.is_inference():
+        torch.autograd.graph.increment_version(out)
+    return result
 
 
 # --- The eager fast path -------------------------------------------------------------
@@ -535,7 +640,7 @@ class _Recipe:
         if last[0] is param and not self.host_numbers:
             return last[1]
         kernel, is_float = self.kernel, self.dtype.is_floating_point
-        if kernel.param is not None and not is_float:
+        if kernel.param is not None:
             _check_param(kernel, param, self.dtype)
         bits = []
         for slot in self.slots:
@@ -591,7 +696,8 @@ class _Recipe:
         if entry is not None:
             _launch.CompiledCache.run(entry, per_call, index)
         else:
-            compiled = _elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
+            with _launch.serialised():
+                compiled = _elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
             self.compiled.put(spec, compiled, self.grid, self.launch_tail)
             entry = self.compiled.get(spec)
             if entry is not None and spec[0] == 0:  # compiled for aligned pointers: C++ may launch it
@@ -612,7 +718,10 @@ def _make_recipe(kernel: ElementwiseKernel, operands: tuple, param, result: torc
     slots += [None] * (3 - len(slots))
     grid, static_args, constexprs, meta = None, (), (), {}
     if result.numel() > 0:
-        grid_1d, args, meta = launch_config(kernel, operands, param, result)
+        try:
+            grid_1d, args, meta = launch_config(kernel, operands, param, result)
+        except TooManyDims:  # launched in parts by launch_elementwise
+            return None
         grid = (grid_1d[0], 1, 1)
         static_args = args[_PER_CALL_ARGS:]
         constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)

@@ -89,41 +89,82 @@ def strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
 
 
 @triton.jit
-def scalar_value(bits, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr):
-    """A host scalar passed as 64 bits, in the compute dtype.
+def scalar_value(bits, DTYPE: tl.constexpr, IS_FLOAT: tl.constexpr):
+    """A host scalar passed as 64 bits, as torch would use it in a computation of ``DTYPE``.
 
-    Floats travel as the bit pattern of a float64 and ints as int64, because a
-    Python float kernel argument is narrowed to float32 (by the interpreter at
-    least), which would round a float64 computation's scalar.
+    Floats travel as the bit pattern of a float64 and ints as int64, because a Python
+    float kernel argument is narrowed to float32 (by the interpreter at least), which
+    would round a float64 computation's scalar. The value is then converted with
+    :func:`convert`, the way torch converts a wrapped Python number.
     """
     bits64 = tl.cast(bits, tl.int64)
-    if COMPUTE_IS_FLOAT:
-        value = tl.cast(tl.cast(bits64, tl.float64, bitcast=True), COMPUTE_DTYPE)
+    if IS_FLOAT:
+        value = tl.cast(bits64, tl.float64, bitcast=True)
     else:
-        value = tl.cast(bits64, COMPUTE_DTYPE)
+        value = bits64
+    return convert(value, DTYPE)
+
+
+@triton.jit
+def bf16_bits_to_fp32(value):
+    """A bfloat16 tile widened to fp32 through its bits: exact, subnormals included."""
+    bits = value.to(tl.uint16, bitcast=True).to(tl.uint32)
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_to_bf16_bits(value):
+    """An fp32 tile rounded to bfloat16, to nearest with ties to even, through its bits:
+    what ``cvt.rn.bf16.f32`` does on the GPU (subnormals kept, NaN stays a quiet NaN)."""
+    bits = value.to(tl.uint32, bitcast=True)
+    rounded = (bits + (BF16_ROUND_BIAS + ((bits >> 16) & 1))) >> 16
+    quiet_nan = (bits >> 16) | BF16_QUIET_BIT
+    return tl.where(value == value, rounded, quiet_nan).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def convert(value, DTYPE: tl.constexpr):
+    """``value`` converted to ``DTYPE`` as PyTorch converts between its dtypes.
+
+    Anything bound for a 16-bit float goes through fp32 first, as c10's ``Half`` and
+    ``BFloat16`` are built from a float (int64 16777217 -> fp16 rounds twice in torch
+    too); everything else converts directly, so an int64 operand of a float64 result
+    is exact. fp32 -> bf16 rounds to nearest even: Triton's interpreter would
+    truncate it (and flush subnormals), so interpreted kernels do it in integer ops.
+    """
+    if value.dtype != DTYPE:
+        if DTYPE == tl.bfloat16 or DTYPE == tl.float16 or value.dtype == tl.bfloat16:
+            value = widen(value, tl.float32)  # (exact from bfloat16)
+        if value.dtype != DTYPE:
+            if DTYPE == tl.bfloat16 and INTERPRETED:
+                value = fp32_to_bf16_bits(value)
+            else:
+                value = value.to(DTYPE)
     return value
 
 
 @triton.jit
-def load_operand(ptr, offsets, mask, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
-    """Load a tile in its storage dtype and widen it to the compute dtype.
-
-    fp16 and bf16 compute in fp32: it costs no bandwidth and matches PyTorch's
-    "opmath" (and the interpreter's bf16 arithmetic is not faithful anyway).
-    An integer operand of a float result is first rounded to the result dtype,
-    as PyTorch casts every input to the common dtype (int32 2049 + fp16 x is
-    2048 + x), and through float32 as PyTorch's own int -> half conversion goes.
-    """
-    value = tl.load(ptr + offsets, mask=mask)
-    if value.dtype.is_int() and COMPUTE_DTYPE.is_floating():
-        value = value.to(tl.float32).to(RESULT_DTYPE)
-    return value.to(COMPUTE_DTYPE)
+def widen(value, DTYPE: tl.constexpr):
+    """``value.to(DTYPE)``, with bfloat16 inputs widened exactly in the interpreter too."""
+    if value.dtype == tl.bfloat16 and INTERPRETED:
+        value = bf16_bits_to_fp32(value)
+    return value.to(DTYPE)
 
 
 @triton.jit
-def store_result(ptr, offsets, value, mask):
-    """Round the result to the output's dtype on the store."""
-    tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
+def load_operand(ptr, offsets, mask, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """Load a tile in its storage dtype, convert it to the result dtype (as PyTorch casts
+    every input to the common dtype: int32 2049 + fp16 x is 2048 + x), then widen it to the
+    compute dtype (fp16 and bf16 compute in fp32, PyTorch's "opmath")."""
+    return widen(convert(tl.load(ptr + offsets, mask=mask), RESULT_DTYPE), COMPUTE_DTYPE)
+
+
+@triton.jit
+def store_result(ptr, offsets, value, mask, RESULT_DTYPE: tl.constexpr):
+    """Round the computed tile to the result dtype, then convert it to the output's dtype
+    when ``out=`` has another one (PyTorch rounds twice too), and store it."""
+    value = convert(convert(value, RESULT_DTYPE), ptr.dtype.element_ty)
+    tl.store(ptr + offsets, value, mask=mask)
 
 
 @triton.jit
@@ -155,6 +196,11 @@ TF32_KEEP_BITS = tl.constexpr(-(1 << 13))
 #: magnitude to nearest with ties away from zero, as ``cvt.rna.tf32.f32`` does.
 TF32_HALF_ULP_BITS = tl.constexpr(1 << 12)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+#: fp32 -> bf16 round to nearest even in integer ops: add 0x7FFF plus the kept part's lowest
+#: bit, then drop the low 16 bits.
+BF16_ROUND_BIAS = tl.constexpr(0x7FFF)
+#: The quiet bit of a bf16 NaN (the top mantissa bit).
+BF16_QUIET_BIT = tl.constexpr(0x40)
 
 
 #: ``x`` rounded to TF32, to nearest with ties away from zero, saturating to the largest
@@ -226,7 +272,8 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     return acc
 
 
-#: Whether ``tf32_round`` runs the PTX instruction (compiled kernels) or its integer
-#: emulation (Triton's interpreter, which runs no inline assembly); Triton decides
-#: interpretation when a function is decorated, so this module's own function answers.
-NATIVE_TF32_ROUND = tl.constexpr(not is_interpreted(tf32_split))
+#: Whether these kernels run in Triton's interpreter (decided when Triton decorated them,
+#: so this module's own function answers): there ``tf32_round`` runs its integer emulation
+#: (no inline assembly) and bfloat16 conversions go through their bits.
+INTERPRETED = tl.constexpr(is_interpreted(tf32_split))
+NATIVE_TF32_ROUND = tl.constexpr(not INTERPRETED.value)

@@ -17,8 +17,10 @@ ordinary path. ``FUSEDKIT_FAST_LAUNCH=0`` turns the direct path off.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,7 @@ try:  # Triton 3.5+ keeps launch hooks in a chain that is never None
 except ImportError:  # pragma: no cover - older Triton
     _HookChain = ()
 
+from ._compat import is_interpreted
 from .configs import COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
 
 try:  # Triton 3.6's CUDA launcher: the TMA element-type codes its descriptor encoder takes
@@ -57,6 +60,15 @@ __all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_nam
            "hooks_idle", "int_class", "stream_of", "tensor_map_args"]
 
 
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this process runs Triton's interpreter (decided when Triton decorated ``_probe``).
+INTERPRETED = is_interpreted(_probe)
+
+
 def stream_of(index: int) -> int:
     """The current stream's handle on CUDA device ``index``."""
     return _current_stream(index)
@@ -69,6 +81,18 @@ ALIGNMENT = 16
 _RAW_LAUNCH_RELEASES = ((3, 6),)
 _RAW_LAUNCH = Version(triton.__version__).release[:2] in _RAW_LAUNCH_RELEASES
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+#: Triton's interpreter keeps the running kernel's state in module globals (the grid
+#: index, the patched ``tl`` functions), so two threads inside it corrupt each other's
+#: launches; interpreted launches hold this lock. Compiled launches need none.
+_INTERPRETER_LOCK = threading.RLock()
+_NOT_SERIALISED = contextlib.nullcontext()
+
+
+def serialised():
+    """The context an interpreted launch runs in (one at a time); a no-op for compiled kernels."""
+    return _INTERPRETER_LOCK if INTERPRETED else _NOT_SERIALISED
 
 
 def enabled() -> bool:

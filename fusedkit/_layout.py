@@ -69,6 +69,102 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class TooManyDims(ShapeError):
+    """A layout with more non-mergeable dims than the kernel walks: the launcher splits it."""
+
+
+def output_strides(shape: Sequence[int], operands: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> Strides:
+    """Strides of a new elementwise result, as PyTorch's TensorIterator chooses them.
+
+    ``operands`` holds each operand's (shape, strides), None for a host number. When
+    every operand has the result's shape and all are contiguous, all channels-last, or
+    all dense with one set of strides, the result takes that layout; otherwise dims are
+    ordered by the operands' strides (the first operand that orders two dims decides,
+    broadcast dims abstain, equal strides put the smaller dim inner) and the result is
+    dense in that order. So a channels-last operand beside a broadcast bias gives a
+    channels-last result.
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        return ()
+    tensors = [op for op in operands if op is not None]
+    if len(tensors) == len(operands) and all(tuple(s) == tuple(shape) for s, _ in tensors):
+        first = tuple(tensors[0][1])
+        if all(_is_contiguous(shape, st) for _, st in tensors):
+            return _contiguous(shape)
+        if ndim == 4 and all(_is_contiguous(*_nhwc(shape, st)) for _, st in tensors):
+            return _from_nhwc(_contiguous(_nhwc(shape, shape)[0]))
+        if all(tuple(st) == first for _, st in tensors) and is_dense_permutation(shape, first):
+            return first
+    # Each operand's strides over the result's dims; 0 where it is broadcast.
+    strides = []
+    for s, st in tensors:
+        pad = ndim - len(s)
+        strides.append([0] * pad + [0 if n == 1 and shape[pad + i] != 1 else st[i] for i, n in enumerate(s)])
+
+    def should_swap(d0: int, d1: int) -> int:
+        for st in strides:
+            s0, s1 = st[d0], st[d1]
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    perm = list(range(ndim - 1, -1, -1))  # innermost first
+    for i in range(1, ndim):  # TensorIterator's insertion sort, ambiguous pairs left in place
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    if perm == list(range(ndim - 1, -1, -1)):
+        return _contiguous(shape)
+    result = [0] * ndim
+    step = 1
+    for d in perm:  # as TensorIterator's compatible strides: no floor at 1 for empty dims
+        result[d] = step
+        step *= shape[d]
+    return tuple(result)
+
+
+def _contiguous(shape: Sequence[int]) -> Strides:
+    result, step = [], 1
+    for n in reversed(shape):
+        result.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(result))
+
+
+def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """torch's ``is_contiguous()``: size-1 dims may have any stride."""
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1:
+            if s != expected:
+                return False
+            expected *= n
+    return True
+
+
+def _nhwc(shape, strides):
+    """An NCHW shape and strides reordered as NHWC (channels last is contiguity in that order)."""
+    order = (0, 2, 3, 1)
+    return tuple(shape[d] for d in order), tuple(strides[d] for d in order)
+
+
+def _from_nhwc(strides):
+    n, h, w, c = strides
+    return (n, c, h, w)
+
+
 def broadcast_strides(shape: Sequence[int], strides: Sequence[int], out_shape: Sequence[int]) -> Strides:
     """Strides of ``shape`` expanded to ``out_shape``: broadcast dims get stride 0."""
     pad = len(out_shape) - len(shape)
@@ -178,9 +274,8 @@ def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides 
 
     n_batch = len(sizes) - 2
     if n_batch > MAX_BATCH_DIMS:
-        raise ShapeError(
-            f"fusedkit walks at most {MAX_BATCH_DIMS + 2} non-mergeable dims; this call needs "
-            f"{len(sizes)} (shape {tuple(out_shape)} with these strides). Make an operand contiguous.")
+        raise TooManyDims(f"one launch walks at most {MAX_BATCH_DIMS + 2} non-mergeable dims; this one needs "
+                          f"{len(sizes)} (shape {tuple(out_shape)} with these strides)")
     pad = MAX_BATCH_DIMS - n_batch
     batch_sizes = (1,) * pad + tuple(sizes[:n_batch])
     size_r, size_c = sizes[-2], sizes[-1]

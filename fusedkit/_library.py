@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _elementwise
+from .errors import ArgumentError, UnknownKernelError
 from .registry import get
 
 #: torch.library's own spelling of a "Scalar" argument (int, float or bool), so the schema
@@ -120,6 +121,28 @@ def _backward(ctx, grad):
 elementwise_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _batch_first(tensors, in_dims) -> tuple[list, int]:
+    """vmap's batched operands with the batch dim moved to the front and size-1 dims
+    after it, so every operand broadcasts as its per-example self does; unbatched
+    operands as they are. Also the per-example rank of the result."""
+    rank = max(t.dim() - (d is not None) for t, d in zip(tensors, in_dims))
+    moved = []
+    for t, d in zip(tensors, in_dims):
+        if d is not None:
+            t = t.movedim(d, 0)
+            t = t.reshape(t.shape[0], *(1,) * (rank - t.dim() + 1), *t.shape[1:])  # a view
+        moved.append(t)
+    return moved, rank
+
+
+def _elementwise_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param):
+    moved, _ = _batch_first(tensors, in_dims[1])  # (the other arguments are not tensors)
+    return elementwise_op(name, moved, tensor_slots, scalars, param), 0
+
+
+torch.library.register_vmap(elementwise_op, _elementwise_vmap)
+
+
 @torch.library.custom_op("fusedkit::elementwise_out", mutates_args=("out",))
 def elementwise_out_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int], scalars: list[Scalar],
                        param: Scalar, out: torch.Tensor) -> None:
@@ -133,17 +156,36 @@ def _(name, tensors, tensor_slots, scalars, param, out):
     return None
 
 
+def _elementwise_out_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param, out):
+    tensor_dims, out_dim = in_dims[1], in_dims[5]
+    if out_dim is None:
+        # torch's rule for in-place ops under vmap: the written tensor must be batched.
+        raise ArgumentError("fusedkit: vmap over an out= call needs out to be batched when an input is")
+    moved, _ = _batch_first([*tensors, out], [*tensor_dims, out_dim])
+    elementwise_out_op(name, moved[:-1], tensor_slots, scalars, param, moved[-1])
+    return None, None
+
+
+torch.library.register_vmap(elementwise_out_op, _elementwise_out_vmap)
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: Python dispatch modes (``TorchDispatchMode``: make_fx, FlopCounterMode, selective
 #: activation checkpointing, op loggers) on the stack; a C call of ~50 ns.
 dispatch_mode_active = torch._C._len_torch_dispatch_stack
 
 
+#: Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active; a C call. Its
+#: wrapped tensors have no storage, so such calls go through the registered op too.
+functorch_active = torch._C._are_functorch_transforms_active
+
+
 def tracing(operands, out) -> bool:
-    """True while Dynamo traces, while a Python dispatch mode is active, or when an
-    operand is a tensor subclass (a FakeTensor or FunctionalTensor during AOT tracing,
-    for instance): such calls must go through the registered op, which they can see."""
-    if torch.compiler.is_compiling() or dispatch_mode_active():
+    """True while Dynamo traces, while a Python dispatch mode or a ``torch.func``
+    transform is active, or when an operand is a tensor subclass (a FakeTensor or
+    FunctionalTensor during AOT tracing, for instance): such calls must go through the
+    registered op, which they can see."""
+    if torch.compiler.is_compiling() or dispatch_mode_active() or functorch_active():
         return True
     for t in operands:
         if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
@@ -153,8 +195,8 @@ def tracing(operands, out) -> bool:
 
 def _check_registered(kernel) -> None:
     if get(kernel.name) is not kernel:
-        raise KeyError(f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
-                       "fusedkit.registry.register() it first")
+        raise UnknownKernelError(f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
+                                 "fusedkit.registry.register() it first")
 
 
 def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
@@ -174,8 +216,8 @@ class _EagerElementwise(torch.autograd.Function):
 
     ``forward`` takes ``ctx`` (no ``setup_context``): with a ``setup_context``, every
     ``apply`` binds its arguments through ``inspect.signature``, 40% of this path's
-    host time on a CPU host. (torch.func transforms would need a ``setup_context``;
-    the registered op does not support them either.)"""
+    host time on a CPU host. ``torch.func`` transforms need one: they get
+    :class:`_FuncElementwise`."""
 
     @staticmethod
     def forward(ctx, kernel, param, tensor_slots, scalars, *tensors):
@@ -186,6 +228,39 @@ class _EagerElementwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None, None, None, None, *_input_grads(ctx, grad))
+
+
+class _FuncElementwise(torch.autograd.Function):
+    """A call under a ``torch.func`` transform (vmap, grad, jacrev, ...): the same saved
+    tensors and backward, with the ``setup_context`` and the vmap rule those transforms
+    need (the registered op's generated autograd has no ``setup_context``). Its forward,
+    backward and vmap rule call :func:`fusedkit._elementwise.dispatch`, which comes back
+    here while a transform is still active and launches once none is."""
+
+    @staticmethod
+    def forward(kernel, param, tensor_slots, scalars, *tensors):
+        return _elementwise.dispatch(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), param, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        kernel, param, tensor_slots, scalars, *tensors = inputs
+        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, None, *_input_grads(ctx, grad))
+
+    @staticmethod
+    def vmap(info, in_dims, kernel, param, tensor_slots, scalars, *tensors):
+        moved, _ = _batch_first(tensors, in_dims[4:])
+        return _elementwise.dispatch(kernel, _assemble(kernel.arity, moved, tensor_slots, scalars), param, None), 0
+
+
+def call_functorch(kernel, operands: tuple, param) -> torch.Tensor:
+    """A call of ``kernel`` under a ``torch.func`` transform."""
+    _elementwise.check_arity(kernel, operands)
+    tensors, slots, scalars = _split(operands)
+    return _FuncElementwise.apply(kernel, param, slots, scalars, *tensors)
 
 
 def call_autograd(kernel, operands: tuple, param) -> torch.Tensor:

@@ -20,17 +20,18 @@ import triton.language as tl
 
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
-from ._elementwise import backend_for, elementwise, kept_launch, launch_elementwise
+from ._elementwise import backend_for, dispatch, elementwise, kept_launch, launch_elementwise
+from ._layout import broadcast_shape
 from ._library import dispatch_mode_active as _dispatch_mode_active
-from ._library import tracing
+from ._library import functorch_active, tracing
 from .configs import (
     CALL_CACHE_SIZE, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, autotune_enabled, fp32_matmul_setting, matmul_configs,
     matmul_kernel_choice, matmul_kernel_setting, matmul_m_bucket, matmul_split_k_max, matmul_tma_fixed_tile,
     prune_matmul_configs, tf32_copies_b,
 )
-from .errors import DeviceError, DTypeError, ShapeError
-from .registry import get
+from .errors import ArgumentError, DeviceError, DTypeError, NotDifferentiableError, ShapeError
+from .registry import ADD, ADD_RELU, RELU_GRAD
 
 __all__ = ["matmul", "matmul_relu", "linear_relu", "MATMUL_DTYPES", "ACTIVATION_NAMES"]
 
@@ -271,7 +272,7 @@ def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
         out = launch.run((b, _COPY_ADDEND), 1)
         if out is not None:
             return out
-    return launch_elementwise(get("add"), (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
+    return launch_elementwise(ADD, (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
 
 
 _COPY_LAUNCHES: dict = {}
@@ -286,7 +287,7 @@ def kmajor_copy_launch(b: torch.Tensor):
     key = (b.dtype, b.shape, b.stride(), b.device)
     launch = _COPY_LAUNCHES.get(key)
     if launch is None:
-        launch = kept_launch(get("add"), (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
+        launch = kept_launch(ADD, (b, _COPY_ADDEND), 1, _kmajor_empty(b, b.device))
         if launch is not None:
             if len(_COPY_LAUNCHES) >= CALL_CACHE_SIZE:
                 _COPY_LAUNCHES.clear()
@@ -350,11 +351,12 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
 
     if INTERPRETED:
-        if use_tma:
-            _launch_tma(a, b, bias, out, pre, meta, tuned=False)
-            return out
-        tile = MATMUL_INTERPRETER_TILE
-        _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
+        with _launch.serialised():
+            if use_tma:
+                _launch_tma(a, b, bias, out, pre, meta, tuned=False)
+                return out
+            tile = MATMUL_INTERPRETER_TILE
+            _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
         return out
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
@@ -431,7 +433,7 @@ def _activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | 
     if activation is None:
         return grad
     if activation == "relu":
-        return elementwise("relu_grad", grad, saved)  # torch's threshold_backward: NaN passes
+        return elementwise(RELU_GRAD, grad, saved)  # torch's threshold_backward: NaN passes
     wide = torch.promote_types(saved.dtype, torch.float32)  # fp32 math for half types, fp64 kept
     x = saved.to(wide)
     if activation == "gelu":
@@ -456,7 +458,7 @@ def _validate(a, b, bias, activation, name: str):
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise DTypeError(f"{name}(): bias must be a Tensor or None, got {type(bias).__name__}")
     if activation not in (None, *ACTIVATION_NAMES):
-        raise ValueError(f"{name}(): unknown activation {activation!r}; choose from None, "
+        raise ArgumentError(f"{name}(): unknown activation {activation!r}; choose from None, "
                          f"{', '.join(repr(x) for x in ACTIVATION_NAMES)}")
     for arg, value in (("a", a), ("b", b), ("bias", bias)):
         if value is not None and value.dtype not in MATMUL_DTYPES:
@@ -468,8 +470,8 @@ def _validate(a, b, bias, activation, name: str):
     for arg, value in (("b", b), ("bias", bias)):
         if value is not None and value.device != a.device:
             raise DeviceError(f"{name}(): argument '{arg}' is on {value.device}, but 'a' is on {a.device}")
-    if a.dim() < 2:
-        raise ShapeError(f"{name}(): a must have at least 2 dims (..., M, K), got shape {tuple(a.shape)}")
+    if a.dim() < 1:
+        raise ShapeError(f"{name}(): a must have at least 1 dim (..., K), got a 0-d tensor")
     if b.dim() != 2:
         raise ShapeError(f"{name}(): b must be 2-D (K, N), got shape {tuple(b.shape)}")
     if a.shape[-1] != b.shape[0]:
@@ -561,9 +563,46 @@ class _EagerMatmul(torch.autograd.Function):
         if torch.is_grad_enabled() and ctx.activation in _NEEDS_PRE:
             # The saved pre-activation carries no graph, so a second derivative would
             # silently miss its term.
-            raise NotImplementedError(f"matmul(): double backward through activation={ctx.activation!r} is not "
+            raise NotDifferentiableError(f"matmul(): double backward through activation={ctx.activation!r} is not "
                                       "supported (None and 'relu' are)")
         return (*_backward(ctx, grad_out, None), None)
+
+
+class _FuncMatmul(torch.autograd.Function):
+    """A 2-D matmul under a ``torch.func`` transform: the registered op's saved tensors and
+    backward, with the ``setup_context`` and vmap rule the transforms need. Returns
+    ``(out, pre)`` as the op does (``pre`` empty unless kept)."""
+
+    @staticmethod
+    def forward(a2, b, bias, activation, store_pre):
+        if functorch_active():  # a transform below this one (vmap inside grad): its rule runs next
+            return _FuncMatmul.apply(a2, b, bias, activation, store_pre)
+        out, pre = _forward(a2, b, bias, activation, store_pre)
+        return out, pre if pre is not None else out.new_empty(0)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_pre):
+        return _backward(ctx, grad_out, grad_pre)
+
+    @staticmethod
+    def vmap(info, in_dims, a2, b, bias, activation, store_pre):
+        a_dim, b_dim, bias_dim = in_dims[:3]
+        if b_dim is None and bias_dim is None:
+            # Only ``a`` is batched: the batch joins its rows, one launch.
+            a3 = a2.movedim(a_dim, 0)
+            batch, m = a3.shape[0], a3.shape[1]
+            out, pre = _FuncMatmul.apply(a3.reshape(batch * m, a3.shape[2]), b, bias, activation, store_pre)
+            out = out.view(batch, m, out.shape[1])
+            return (out, pre.view(batch, m, -1) if store_pre else pre), (0, 0 if store_pre else None)
+        parts = []
+        for i in range(info.batch_size):
+            pick = [t if d is None else t.select(d, i) for t, d in ((a2, a_dim), (b, b_dim), (bias, bias_dim))]
+            parts.append(_FuncMatmul.apply(*pick, activation, store_pre))
+        out = torch.stack([p[0] for p in parts])
+        pre = torch.stack([p[1] for p in parts]) if store_pre else parts[0][1]
+        return (out, pre), (0, 0 if store_pre else None)
 
 
 def _needs_grad(a, b, bias) -> bool:
@@ -580,6 +619,8 @@ def _apply(a2, b, bias, activation):
     if backend_for(a2.device) == "torch":
         return matmul_reference(a2, b, bias, activation)
     needs_grad = _needs_grad(a2, b, bias)
+    if functorch_active() and not torch.compiler.is_compiling():
+        return _FuncMatmul.apply(a2, b, bias, activation, activation in _NEEDS_PRE)[0]
     if tracing((a2, b, bias), None):
         return matmul_op(a2, b, bias, activation, needs_grad and activation in _NEEDS_PRE)[0]
     if needs_grad:
@@ -592,7 +633,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     """``act(a @ b + bias)`` in one kernel: bias and activation run on the accumulator.
 
     Args:
-        a: (..., M, K). Leading dims are flattened, without a copy when the strides allow.
+        a: (..., M, K), or (K,) for a (N,) result as ``torch.matmul`` gives. Leading dims are
+            flattened, without a copy when the strides allow.
         b: (K, N), any strides (an ``nn.Linear`` weight's ``.t()`` is read as is).
         bias: optional (N,).
         activation: None, "relu", "gelu", "gelu_tanh" or "silu".
@@ -608,10 +650,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         ShapeError: ``a`` with fewer than 2 dims, ``b`` not 2-D, mismatched K, or a bias not (N,).
         DTypeError: a non-tensor, an unsupported dtype, or operands of different dtypes.
         DeviceError: operands on different devices.
-        ValueError: an unknown activation.
+        ArgumentError: an unknown activation.
 
-    Each is raised before any launch.
+    Each is raised before any launch. Under ``torch.autocast`` the operands are cast to
+    the autocast dtype first, as ``F.linear`` casts them (float64 stays float64).
     """
+    if isinstance(a, torch.Tensor) and a.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
+        a, b, bias = _autocast(a.device.type, a, b, bias)
     key = _call_key(a, b, bias, activation)
     if key is not None:
         recipe = _RECIPES.get(key)
@@ -628,11 +673,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return _with_lead(out, lead)
 
 
+#: Device types whose autocast state ``matmul`` follows.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def _autocast(device_type: str, *tensors):
+    """The tensors as autocast's lower-precision policy (``F.linear``'s) casts them: floating
+    tensors other than float64 to the autocast dtype; anything else as it is."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
+
+
 def _with_lead(out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
     """The (M, N) result under ``a``'s leading dims. A 2-D ``a`` gets the result itself, not
     a view of it: an autograd Function's forward returning a view would make the caller's
     in-place ops on it fail."""
-    return out if len(lead) == 1 else out.view(*lead, out.shape[1])
+    return out if len(lead) == 1 else out.view(*lead, out.shape[1])  # lead () for a 1-D a: (N,)
 
 
 def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -649,7 +706,7 @@ _RECIPES: dict = {}
 
 
 def _call_key(a, b, bias, activation) -> tuple | None:
-    if (torch.compiler.is_compiling() or _dispatch_mode_active()
+    if (torch.compiler.is_compiling() or _dispatch_mode_active() or functorch_active()
             or not (activation is None or type(activation) is str)):
         return None
     key = [activation, autotune_enabled(), matmul_kernel_setting()]
@@ -723,11 +780,36 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.relu(F.linear(x, weight, bias))`` in one kernel: x (..., in), weight (out, in), bias (out,).
+    """``torch.relu(F.linear(x, weight, bias))``: x (..., in) or (in,), weight (out, in), bias
+    (out,) in one kernel, the weight read transposed through its strides, never copied.
 
-    The weight is read transposed through its strides, never copied."""
-    if not isinstance(weight, torch.Tensor):
-        raise DTypeError(f"linear_relu(): weight must be a Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
-    return matmul(x, weight.t(), bias, "relu")
+    Takes every input ``F.linear`` takes: a bias of shape () or (1,) is expanded (a view);
+    a 1-D weight, or a bias that broadcasts over the batch dims, runs the product and then
+    one fused ``add_relu``. Follows ``torch.autocast`` as ``F.linear`` does.
+    """
+    for name, value in (("x", x), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"linear_relu(): {name} must be a Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise DTypeError(f"linear_relu(): bias must be a Tensor or None, got {type(bias).__name__}")
+    if weight.dim() not in (1, 2):
+        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in) or 1-D (in,), got shape "
+                         f"{tuple(weight.shape)}")
+    if weight.dim() == 2 and (bias is None or (bias.dim() <= 1 and bias.numel() in (1, weight.shape[0]))):
+        if bias is not None and bias.shape != weight.shape[:1]:
+            bias = bias.expand(weight.shape[0])
+        return matmul(x, weight.t(), bias, "relu")
+    # F.linear's other shapes: its product through fusedkit.matmul, then bias and ReLU in one kernel.
+    if weight.dim() == 1:
+        if x.dim() != 1:
+            raise ShapeError(f"linear_relu(): a 1-D weight takes a 1-D x (as F.linear), got x {tuple(x.shape)}")
+        y = matmul(x, weight[:, None]).view(())
+    else:
+        y = matmul(x, weight.t())
+    if bias is None:
+        return dispatch(ADD_RELU, (y, 0), 1, None)
+    out_shape = broadcast_shape([y.shape, bias.shape])
+    if out_shape is None or (x.dim() == 2 and out_shape != tuple(y.shape)):
+        raise ShapeError(f"linear_relu(): bias of shape {tuple(bias.shape)} does not broadcast to the product's "
+                         f"shape {tuple(y.shape)}")
+    return dispatch(ADD_RELU, (y, bias), 1, None)

@@ -70,8 +70,14 @@ def apply_activation(v, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def add_scaled(x, y, alpha):
-    """``x + alpha * y``, the arithmetic of ``torch.add(x, y, alpha=alpha)``."""
-    return x + y * alpha
+    """``x + alpha * y``, the arithmetic of ``torch.add(x, y, alpha=alpha)``: one fused
+    multiply-add for floats, rounding once as torch's kernels do (an explicit ``tl.fma``,
+    so Triton's interpreter rounds once too, as compiled code does after contraction)."""
+    if x.dtype.is_floating():
+        result = tl.fma(y, alpha, x)
+    else:
+        result = x + y * alpha
+    return result
 
 
 @triton.jit

@@ -1,12 +1,17 @@
-"""Exceptions raised by fusedkit before any kernel is launched.
+"""Exceptions raised by fusedkit before any kernel is launched or any output written.
 
-Each class also derives from ``RuntimeError``, the class PyTorch raises for the
-same mistakes, so code written against ``torch.add`` keeps catching them.
+Every class derives from :class:`FusedkitError` (a ``RuntimeError``, the class PyTorch
+raises for the same mistakes) and also from the built-in class Python code expects for
+that mistake (``ValueError``, ``TypeError``, ``KeyError``, ``NotImplementedError``), so
+``except`` clauses written against ``torch.add`` or plain Python keep catching them.
 """
 
 from __future__ import annotations
 
-__all__ = ["FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError"]
+__all__ = [
+    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError",
+    "SignatureError", "UnknownKernelError", "NotDifferentiableError",
+]
 
 
 class FusedkitError(RuntimeError):
@@ -27,3 +32,22 @@ class DeviceError(FusedkitError, ValueError):
 
 class OverlapError(FusedkitError, ValueError):
     """``out`` shares memory with an input in a way that would corrupt the result."""
+
+
+class ArgumentError(FusedkitError, ValueError):
+    """An argument of the right type with a value the call cannot take: an unknown
+    activation, a scalar out of the result dtype's range, a bad setting or registry entry."""
+
+
+class SignatureError(FusedkitError, TypeError):
+    """A call with the wrong number of operands or an unknown keyword."""
+
+
+class UnknownKernelError(FusedkitError, KeyError):
+    """A kernel name the registry does not hold."""
+
+    __str__ = FusedkitError.__str__  # KeyError's would quote the whole message
+
+
+class NotDifferentiableError(FusedkitError, NotImplementedError):
+    """A gradient was asked of a kernel (or an order of derivative) that has none."""

@@ -35,22 +35,30 @@ class LinearReLU(nn.Linear):
 class AddReLU(nn.Module):
     """A residual join: ``relu(x + alpha * residual)`` in one kernel (``fusedkit.add_relu``).
 
-    ``inplace=True`` writes into ``x`` (as ``out=x``) when no gradient is needed and
-    the result has ``x``'s shape and dtype, saving an allocation; otherwise it
+    ``residual`` may be a tensor or a Python number, as for ``fusedkit.add_relu``; any dtype
+    it takes (integer tensors with the default ``alpha=1``). ``inplace=True`` writes into
+    ``x`` (as ``out=x``, bumping its version as torch's in-place ops do) when no gradient is
+    needed and the result has ``x``'s shape and dtype, saving an allocation; otherwise it
     returns a new tensor.
     """
 
-    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+    def __init__(self, alpha: float | int = 1, inplace: bool = False):
         super().__init__()
         self.alpha = alpha
         self.inplace = inplace
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.inplace and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad)) \
-                and torch.result_type(x, residual) == x.dtype \
-                and tuple(x.shape) == broadcast_shape([x.shape, residual.shape]):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | float | int) -> torch.Tensor:
+        if self.inplace and isinstance(x, torch.Tensor) and self._can_write(x, residual):
             return add_relu(x, residual, alpha=self.alpha, out=x)
         return add_relu(x, residual, alpha=self.alpha)
+
+    @staticmethod
+    def _can_write(x: torch.Tensor, residual) -> bool:
+        is_tensor = isinstance(residual, torch.Tensor)
+        grad = torch.is_grad_enabled() and (x.requires_grad or (is_tensor and residual.requires_grad))
+        shape = broadcast_shape([x.shape, residual.shape]) if is_tensor else tuple(x.shape)
+        return (not grad and shape == tuple(x.shape) and not (x.is_inference() and not torch.is_inference_mode_enabled())
+                and torch.result_type(x, residual) == x.dtype)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, inplace={self.inplace}"

@@ -36,6 +36,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from triton.runtime.jit import KernelInterface
 
 from . import activations
+from .errors import ArgumentError, DTypeError, UnknownKernelError
 
 __all__ = [
     "ElementwiseKernel", "Traffic", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES",
@@ -128,33 +129,33 @@ class ElementwiseKernel:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
-            raise ValueError(f"kernel name must be a Python identifier, got {self.name!r}")
+            raise ArgumentError(f"kernel name must be a Python identifier, got {self.name!r}")
         if not isinstance(self.math, KernelInterface):
-            raise TypeError(f"{self.name}: math must be a @triton.jit function, got {type(self.math).__name__}")
+            raise DTypeError(f"{self.name}: math must be a @triton.jit function, got {type(self.math).__name__}")
         if not callable(self.reference):
-            raise TypeError(f"{self.name}: reference must be callable")
+            raise DTypeError(f"{self.name}: reference must be callable")
         if not 1 <= len(self.arg_names) <= MAX_ARITY:
-            raise ValueError(f"{self.name}: arity must be 1..{MAX_ARITY}, got {len(self.arg_names)}")
+            raise ArgumentError(f"{self.name}: arity must be 1..{MAX_ARITY}, got {len(self.arg_names)}")
         if len(set(self.arg_names)) != len(self.arg_names) or not all(a.isidentifier() for a in self.arg_names):
-            raise ValueError(f"{self.name}: arg_names must be distinct identifiers, got {self.arg_names}")
+            raise ArgumentError(f"{self.name}: arg_names must be distinct identifiers, got {self.arg_names}")
         bad = [d for d in self.dtypes if d not in SUPPORTED_DTYPES]
         if not self.dtypes or bad:
-            raise ValueError(f"{self.name}: dtypes must be a non-empty subset of {SUPPORTED_DTYPES}, got {bad}")
+            raise ArgumentError(f"{self.name}: dtypes must be a non-empty subset of {SUPPORTED_DTYPES}, got {bad}")
         if self.param is not None and not self.param.isidentifier():
-            raise ValueError(f"{self.name}: param must be an identifier or None, got {self.param!r}")
+            raise ArgumentError(f"{self.name}: param must be an identifier or None, got {self.param!r}")
         if not isinstance(self.param_default, numbers.Real):
-            raise TypeError(f"{self.name}: param_default must be a real number")
+            raise DTypeError(f"{self.name}: param_default must be a real number")
         n_math = len(inspect.signature(self.math.fn).parameters)
         expected = self.arity + (self.param is not None)
         if n_math != expected:
-            raise ValueError(f"{self.name}: math takes {n_math} arguments, expected {expected} "
+            raise ArgumentError(f"{self.name}: math takes {n_math} arguments, expected {expected} "
                              f"(the operands{' and ' + self.param if self.param else ''})")
         if not self.unfused:
-            raise ValueError(f"{self.name}: unfused must name the eager ops of the reference")
+            raise ArgumentError(f"{self.name}: unfused must name the eager ops of the reference")
         if self.saves not in SAVES:
-            raise ValueError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
+            raise ArgumentError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
         if self.backward is not None and not callable(self.backward):
-            raise TypeError(f"{self.name}: backward must be callable or None")
+            raise DTypeError(f"{self.name}: backward must be callable or None")
 
     @property
     def arity(self) -> int:
@@ -195,14 +196,21 @@ def result_dtype(operands) -> torch.dtype:
 
 
 _REGISTRY: dict[str, ElementwiseKernel] = {}
+#: Names of the kernels fusedkit itself registers: they can be neither replaced nor removed,
+#: since fusedkit's own gradients hold those kernel objects.
+BUILTIN_NAMES: frozenset[str] = frozenset()
 
 
 def register(kernel: ElementwiseKernel, *, replace: bool = False) -> ElementwiseKernel:
-    """Add ``kernel`` to the registry; returns it. Refuses a taken name unless ``replace``."""
+    """Add ``kernel`` to the registry; returns it. Refuses a taken name unless ``replace``,
+    and a built-in name always."""
     if not isinstance(kernel, ElementwiseKernel):
-        raise TypeError(f"register() takes an ElementwiseKernel, got {type(kernel).__name__}")
+        raise DTypeError(f"register() takes an ElementwiseKernel, got {type(kernel).__name__}")
+    if kernel.name in BUILTIN_NAMES:
+        raise ArgumentError(f"{kernel.name!r} is a built-in kernel and cannot be replaced; register yours "
+                            "under another name")
     if kernel.name in _REGISTRY and not replace:
-        raise ValueError(f"an elementwise kernel named {kernel.name!r} is already registered")
+        raise ArgumentError(f"an elementwise kernel named {kernel.name!r} is already registered")
     _REGISTRY[kernel.name] = kernel
     return kernel
 
@@ -210,16 +218,19 @@ def register(kernel: ElementwiseKernel, *, replace: bool = False) -> Elementwise
 def unregister(name: str) -> None:
     """Remove a kernel you registered (the built-in ones are refused)."""
     if name in BUILTIN_NAMES:
-        raise ValueError(f"{name!r} is built in and cannot be unregistered")
+        raise ArgumentError(f"{name!r} is built in and cannot be unregistered")
+    get(name)  # an unknown name raises UnknownKernelError
     del _REGISTRY[name]
 
 
 def get(name: str) -> ElementwiseKernel:
     """The kernel registered under ``name``."""
+    if not isinstance(name, str):
+        raise DTypeError(f"a kernel is named by a str or given as an ElementwiseKernel, got {type(name).__name__}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"no elementwise kernel named {name!r}; registered: {sorted(_REGISTRY)}") from None
+        raise UnknownKernelError(f"no elementwise kernel named {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
 def kernels() -> Iterator[ElementwiseKernel]:
@@ -231,21 +242,21 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def _run(name, *operands, **param):
+def _run(kernel, *operands, **param):
     from ._elementwise import elementwise
 
-    return elementwise(name, *operands, **param)
+    return elementwise(kernel, *operands, **param)
 
 
 def _add_backward(grad, saved, alpha):
     # d/dx = grad itself (no copy); d/dy = alpha * grad, computed as 0 + alpha * grad.
-    return grad, grad if alpha == 1 else _run("add", 0, grad, alpha=alpha)
+    return grad, grad if alpha == 1 else _run(ADD, 0, grad, alpha=alpha)
 
 
 def _add_relu_backward(grad, out, alpha):
     # Only the output is saved: relu's mask is out > 0, so x and y need not be kept.
-    gx = _run("relu_grad", grad, out)
-    return gx, gx if alpha == 1 else _run("relu_grad", grad, out, alpha=alpha)
+    gx = _run(RELU_GRAD, grad, out)
+    return gx, gx if alpha == 1 else _run(RELU_GRAD, grad, out, alpha=alpha)
 
 
 def _relu_grad_reference(grad, out, alpha=1):
@@ -259,7 +270,7 @@ def _relu_grad_reference(grad, out, alpha=1):
 
 def _relu_grad_backward(grad, saved, alpha):
     # Linear in its gradient input with the same mask; no gradient flows to ``out``.
-    return _run("relu_grad", grad, saved[1], alpha=alpha), None
+    return _run(RELU_GRAD, grad, saved[1], alpha=alpha), None
 
 
 ADD = register(ElementwiseKernel(
@@ -293,4 +304,4 @@ RELU_GRAD = register(ElementwiseKernel(
     backward=_relu_grad_backward,
 ))
 
-BUILTIN_NAMES = frozenset(_REGISTRY)
+BUILTIN_NAMES = frozenset(_REGISTRY)  # from here on, these names are fixed

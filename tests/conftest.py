@@ -9,7 +9,8 @@ import re
 
 import torch
 
-if not torch.cuda.is_available():
+# FUSEDKIT_TEST_CPU_BACKEND=torch leaves the interpreter off, so CPU tensors take the PyTorch path.
+if not torch.cuda.is_available() and os.environ.get("FUSEDKIT_TEST_CPU_BACKEND") != "torch":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice; keeps its default
 # On a GPU every new matmul shape would be tuned over all configs (8 compiles each);

@@ -10,7 +10,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
-from fusedkit.errors import DeviceError, DTypeError, ShapeError
+from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from fusedkit import _jit
 from fusedkit import _matmul as mm
 from fusedkit._matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
@@ -175,18 +175,20 @@ def test_bad_input_is_refused_before_launch(monkeypatch):
     cases = [
         ((a, mk(6, 6)), {}, ShapeError, "K differs"),
         ((a, mk(5)), {}, ShapeError, "2-D"),
-        ((mk(5), b), {}, ShapeError, "at least 2 dims"),
+        ((a[0, 0], b), {}, ShapeError, "at least 1 dim"),
         ((a, b, mk(5)), {}, ShapeError, r"bias must have shape \(6,\)"),
         ((a, b.double()), {}, DTypeError, "share a dtype"),
         ((a.int(), b.int()), {}, DTypeError, "'a' has dtype torch.int32"),
         ((a, "b"), {}, DTypeError, "'b' must be a Tensor"),
         ((a, b.to("meta")), {}, DeviceError, "'b' is on meta"),
-        ((a, b), {"activation": "tanh"}, ValueError, "unknown activation"),
+        ((a, b), {"activation": "tanh"}, ArgumentError, "unknown activation"),
     ]
     for args, kw, error, words in cases:
         with pytest.raises(error, match=words):
             fusedkit.matmul(*args, **kw)
     with pytest.raises(ShapeError, match="weight must be 2-D"):
+        fusedkit.linear_relu(a, mk(5, 5, 5))
+    with pytest.raises(ShapeError, match="1-D weight takes a 1-D x"):
         fusedkit.linear_relu(a, mk(5))
 
 

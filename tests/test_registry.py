@@ -78,7 +78,7 @@ def test_spec_is_frozen_and_names_are_guarded():
     spec = get("add")
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="built-in kernel and cannot be replaced"):
         register(dataclasses.replace(spec))
     with pytest.raises(ValueError, match="built in"):
         unregister("add")
