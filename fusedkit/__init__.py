@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from . import nn, registry
 from ._elementwise import BACKENDS, backend_for, elementwise
-from .errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from .errors import (
+    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ShapeError,
+    SignatureError, UnknownKernelError,
+)
 from ._matmul import linear_relu, matmul, matmul_relu
 from .ops import add, add_relu
 
@@ -17,5 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
-    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError",
+    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
+    "UnknownKernelError", "NotDifferentiableError",
 ]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ArgumentError
+
 #: Elements per program on the contiguous 1-D path.
 BLOCK_1D = 1024
 #: Elements per program for a row-major 2-D tile (a broadcast bias, a strided slice).
@@ -322,7 +324,7 @@ def matmul_kernel_setting() -> str:
     """``FUSEDKIT_MATMUL_KERNEL`` as set ("auto" unless set), validated."""
     choice = os.environ.get("FUSEDKIT_MATMUL_KERNEL", "auto")
     if choice not in MATMUL_KERNELS:
-        raise ValueError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
+        raise ArgumentError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
     return choice
 
 
@@ -362,7 +364,7 @@ def fp32_matmul_setting() -> str:
     """``FUSEDKIT_FP32_MATMUL`` as set (``FP32_MATMUL_DEFAULT`` unless set), validated."""
     mode = os.environ.get("FUSEDKIT_FP32_MATMUL", FP32_MATMUL_DEFAULT)
     if mode not in FP32_MATMUL_MODES:
-        raise ValueError(f"FUSEDKIT_FP32_MATMUL={mode!r}; choose from {', '.join(FP32_MATMUL_MODES)}")
+        raise ArgumentError(f"FUSEDKIT_FP32_MATMUL={mode!r}; choose from {', '.join(FP32_MATMUL_MODES)}")
     return mode
 
 

@@ -24,23 +24,29 @@ def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | N
             that broadcasts with ``y``; strided, transposed, sliced and broadcast views
             are read through their strides, never copied.
         y: the same, for the second operand.
-        alpha: real number multiplying ``y``; an integer when the result is integral.
-        out: optional tensor of the result's shape, dtype and device; it may be ``x``
-            or ``y`` itself (in place) but must not partially overlap them.
+        alpha: real number multiplying ``y``, in the compute dtype (float32 for half
+            types); an integer when the result is integral.
+        out: optional tensor of the result's shape and device, of any dtype the result
+            casts to (``torch.can_cast``); it may be ``x`` or ``y`` itself (in place) but
+            must not partially overlap a dense input. Its version counter is bumped.
 
     Returns:
         A tensor of the broadcast shape and ``torch.result_type(x, y)``: float16,
-        bfloat16, float32, float64, int32 or int64. Half types compute in float32.
-        A new result takes the inputs' layout when they share a dense one.
+        bfloat16, float32, float64, int32 or int64. Half types compute in float32,
+        ``x + alpha * y`` as one fused multiply-add. A new result has the strides
+        torch's TensorIterator would give it.
 
     Raises:
         ShapeError: shapes that do not broadcast, or an ``out`` of the wrong shape.
         DTypeError: an unsupported or complex dtype, a non-tensor operand, a float
-            ``alpha`` for an integral result, or an ``out`` of the wrong dtype.
+            ``alpha`` for an integral result, or an ``out`` dtype the result does not cast to.
+        ArgumentError: an ``alpha`` torch refuses (out of the compute dtype's range).
         DeviceError: operands (or ``out``) on different devices.
-        OverlapError: an ``out`` that partially overlaps an input or itself.
+        OverlapError: an ``out`` that partially overlaps a dense input, or itself.
+        FusedkitError: an inference tensor as ``out`` outside inference mode.
 
-    All are ``RuntimeError`` subclasses, raised before anything is launched or written.
+    All are ``FusedkitError`` subclasses (a ``RuntimeError``), raised before anything is
+    launched or written.
     """
     return dispatch(ADD, (x, y), alpha, out)
 
