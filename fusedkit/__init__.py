@@ -16,7 +16,26 @@ from .errors import (
 from ._matmul import linear_relu, matmul, matmul_relu
 from .ops import add, add_relu
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The version in the package metadata; from a source checkout, its ``pyproject.toml``."""
+    import pathlib
+    import re
+    from importlib import metadata
+
+    pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+        if found:
+            return found.group(1)
+    try:
+        return metadata.version("fusedkit")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",

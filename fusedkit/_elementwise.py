@@ -13,6 +13,7 @@ Layers, by name:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 import struct
@@ -40,6 +41,9 @@ __all__ = ["elementwise", "dispatch", "launch_elementwise", "launch_config", "ba
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
 BACKENDS = ("triton", "interpreter", "torch")
+
+#: ``logging.getLogger("fusedkit")`` at DEBUG says which tile each new launch plan chose.
+_log = logging.getLogger("fusedkit")
 
 #: Triton's dtype per supported torch dtype.
 _TL_DTYPE = {
@@ -413,6 +417,10 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
                 scalar_mask |= 1 << (k + 1)
     param_bits = _scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0
 
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets", kernel.name,
+                   tuple(shape), dtype, out.dtype, plan.grid, plan.tile.block_r, plan.tile.block_c,
+                   plan.tile.num_warps, "64-bit" if plan.int64 else "32-bit")
     args = (out, *ptrs, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r, plan.size_c,
             plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
     meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
@@ -484,7 +492,19 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
 
 def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """:func:`elementwise` with its arguments parsed (``param`` None for a kernel without one):
-    the public ops call this directly."""
+    the public ops call this directly. Under ``torch.profiler`` each call is a
+    ``fusedkit::<kernel name>`` range."""
+    if not torch.compiler.is_compiling() and _profiling():
+        with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
+            return _dispatch(kernel, operands, param, out)
+    return _dispatch(kernel, operands, param, out)
+
+
+#: Whether a profiler is recording (a C call, about 70 ns): ranges cost host time only then.
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     key = None
     if (out is None and not torch.compiler.is_compiling() and not _library.dispatch_mode_active()
             and not _library.functorch_active()):

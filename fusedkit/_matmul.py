@@ -11,6 +11,7 @@ registers, and the output is written once. Layers, by name:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
-from ._elementwise import backend_for, dispatch, elementwise, kept_launch, launch_elementwise
+from ._elementwise import _profiling, backend_for, dispatch, elementwise, kept_launch, launch_elementwise
 from ._layout import broadcast_shape
 from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import functorch_active, tracing
@@ -35,6 +36,7 @@ from .registry import ADD, ADD_RELU, RELU_GRAD
 
 __all__ = ["matmul", "matmul_relu", "linear_relu", "MATMUL_DTYPES", "ACTIVATION_NAMES"]
 
+_log = logging.getLogger("fusedkit")
 MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu")
 _INT32_MAX = 2**31 - 1
@@ -311,6 +313,12 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> _Plan:
     tma_ok = (matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
               and _matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("matmul %s x %s %s, activation %s: %s kernel, %s, split-K up to %d%s", tuple(a.shape),
+                   tuple(b.shape), a.dtype, activation, "TMA" if tma_ok else "pointer",
+                   f"interpreter tile {MATMUL_INTERPRETER_TILE}" if INTERPRETED else
+                   "autotuned tile" if tuned else f"fixed tile {MATMUL_FIXED_TILE}", split,
+                   ", b copied K-major" if copy_b else "")
     return _Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
 
 
@@ -386,6 +394,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         recorder = _launch.GridRecorder(grid)
         compiled = _matmul_tuned[recorder](*args, **meta)
         tile = {name: recorder.meta[name] for name in MATMUL_FIXED_TILE}
+        _log.debug("matmul M=%d N=%d K=%d %s: the autotuner chose %s", M, N, K, a.dtype, tile)
     else:
         tile = MATMUL_FIXED_TILE
         compiled = _matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
@@ -653,8 +662,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         ArgumentError: an unknown activation.
 
     Each is raised before any launch. Under ``torch.autocast`` the operands are cast to
-    the autocast dtype first, as ``F.linear`` casts them (float64 stays float64).
+    the autocast dtype first, as ``F.linear`` casts them (float64 stays float64). Under
+    ``torch.profiler`` each call is a ``fusedkit::matmul`` range.
     """
+    if not torch.compiler.is_compiling() and _profiling():
+        with torch.profiler.record_function("fusedkit::matmul"):
+            return _matmul(a, b, bias, activation)
+    return _matmul(a, b, bias, activation)
+
+
+def _matmul(a, b, bias, activation):
     if isinstance(a, torch.Tensor) and a.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
         a, b, bias = _autocast(a.device.type, a, b, bias)
     key = _call_key(a, b, bias, activation)

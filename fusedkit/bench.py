@@ -13,7 +13,6 @@ nothing about a GPU, and the report says so.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import json
@@ -28,7 +27,7 @@ from typing import Callable
 import torch
 import triton
 
-from . import _elementwise, registry
+from . import __version__, _elementwise, _progress, registry
 from ._elementwise import backend_for, elementwise
 from .bench_peers import supports_tutorial, tutorial
 
@@ -96,11 +95,6 @@ def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, de
     return tuple(ops)
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    """One-line progress on stderr, redrawn in place; the last step ends the line."""
-    print(f"\r[{done}/{total}] {label}", end="\n" if done >= total else "", file=sys.stderr, flush=True)
-
-
 def case_name(kernel: str, layout: str, dtype, n: int) -> str:
     """A case's label, as NVTX ranges and reports spell it."""
     return f"{kernel}-{layout}-{str(dtype).removeprefix('torch.')}-{n}"
@@ -143,6 +137,7 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
     roofs = {dt: copy_roof_gbps(dt, device, max(sizes)) if device.type == "cuda" else None for dt in dtypes}
     rows = []
     total = sum(dt in k.dtypes for k in kernels for dt in dtypes) * len(sizes) * len(layouts)
+    bar = _progress.bar(total, "elementwise", progress)
     for spec in kernels:
         for dt in dtypes:
             if dt not in spec.dtypes:
@@ -166,8 +161,9 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                     if l2 is not None:
                         row.fits_l2 = row.bytes_fused <= l2
                     rows.append(row)
-                    if progress:
-                        _progress(len(rows), total, f"{spec.name} {layout} {row.dtype} n={n}")
+                    bar.set_postfix_str(f"{spec.name} {layout} {row.dtype} n={n}")
+                    bar.update()
+    bar.close()
     return rows
 
 
@@ -178,17 +174,6 @@ MATMUL_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096), (4
 
 #: The interpreter's stand-in: small, odd sizes.
 CPU_MATMUL_SHAPES = ((64, 48, 40), (7, 33, 65))
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """``"4096x4096x4096,1x4096x4096"`` -> [(M, N, K), ...]."""
-    shapes = []
-    for item in text.split(","):
-        dims = item.lower().split("x")
-        if len(dims) != 3 or not all(d.isdigit() for d in dims):
-            raise SystemExit(f"--shapes: {item!r} is not MxNxK")
-        shapes.append(tuple(int(d) for d in dims))
-    return shapes
 
 
 def _matmul_kernel(choice: str | None):
@@ -204,6 +189,7 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
 
     timer = _timer(device)
     rows = []
+    bar = _progress.bar(len(dtypes) * len(shapes), "matmul", progress)
     for dt in dtypes:
         for m, n, k in shapes:
             a = torch.randn(m, k, device=device, dtype=dt)
@@ -225,8 +211,9 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
                 row[f"{name}_us"] = us
                 row[f"{name}_tflops"] = flops / us / 1e6
             rows.append(row)
-            if progress:
-                _progress(len(rows), len(dtypes) * len(shapes), f"matmul {m}x{n}x{k} {row['dtype']}")
+            bar.set_postfix_str(f"{m}x{n}x{k} {row['dtype']}")
+            bar.update()
+    bar.close()
     return rows
 
 
@@ -250,7 +237,18 @@ def _fmt(v, spec="8.1f"):
     return "-".rjust(width) if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows: list[Row], gpu: bool = True) -> str:
+    """The report's table. On a CPU only what means something there: the modelled bytes and
+    the saving; the times, labelled, are the interpreter's and PyTorch's CPU kernels'."""
+    if not gpu:
+        head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>8} {'MB fused':>9} {'MB unfused':>10} "
+                f"{'saved':>6} {'interp us':>10} {'torch CPU us':>12}")
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            lines.append(f"{r.kernel:<9} {r.layout:<10} {r.dtype:<8} {r.n:>8} {r.bytes_fused / 1e6:>9.3f} "
+                         f"{r.bytes_unfused / 1e6:>10.3f} {1 - r.bytes_fused / r.bytes_unfused:>6.0%} "
+                         f"{r.fused_us:>10.0f} {r.unfused_us:>12.0f}")
+        return "\n".join(lines)
     head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
             f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'tutor us':>9} {'add us':>9} {'GB/s':>7} "
             f"{'roof':>5} {'x unfus':>7} {'x compl':>7} {'x tutor':>7}")
@@ -268,10 +266,28 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        return None
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
 def environment(device) -> dict:
     from . import _native
 
-    env = {"torch": torch.__version__, "triton": triton.__version__, "device": str(device),
+    env = {"fusedkit": __version__, "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": sys.version.split()[0], "device": str(device),
            "backend": backend_for(device), "native_launch": _native.enabled(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     from ._matmul import fp32_precision
@@ -355,16 +371,6 @@ def _short(dtype_name: str) -> str:
     return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[dtype_name]
 
 
-def parse_sizes(text: str) -> list[int]:
-    """``"20,24,2**28,4096"``: small numbers are powers of two, others are element counts."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip()
-        value = int(eval(part, {"__builtins__": {}})) if "**" in part else int(part)  # noqa: S307
-        sizes.append(1 << value if value < 64 else value)
-    return sizes
-
-
 def _report(env: dict, tables, json_path: str | None, payload: dict) -> None:
     """Print the environment line and the tables (a blank line between), and save
     ``payload`` with the environment as JSON when asked."""
@@ -375,48 +381,40 @@ def _report(env: dict, tables, json_path: str | None, payload: dict) -> None:
             json.dump({"environment": env, **payload}, f, indent=1)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fusedkit bench", description=__doc__.splitlines()[0])
-    p.add_argument("--kernels", default=",".join(registry.names()), help="comma-separated registry names")
-    p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {','.join(DTYPE_NAMES)}")
-    p.add_argument("--sizes", default=None, help="element counts or powers of two (20 = 2**20)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {','.join(LAYOUTS)}")
-    p.add_argument("--bias-cols", type=int, default=BIAS_COLS, help="columns of the bias layout")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    p.add_argument("--ncu", action="store_true",
-                   help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib) into DIR")
-    p.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead (GPU: real sizes)")
-    p.add_argument("--backward", action="store_true",
-                   help="the add_relu backward and memory report instead (against eager and compiled torch)")
-    p.add_argument("--latency", action="store_true",
-                   help="the small-tensor report instead: host time per call against torch")
-    p.add_argument("--shapes", default=None,
-                   help="matmul shapes MxNxK, comma-separated (default: the report's set)")
-    p.add_argument("--tf32", action="store_true",
-                   help="allow TF32 in fp32 matmuls (torch.backends.cuda.matmul.allow_tf32), both sides")
-    p.add_argument("--json", help="write rows and environment to this JSON file")
-    p.add_argument("--csv", help="write rows to this CSV file")
-    args = p.parse_args(argv)
+def _write_rows(args, env, rows, traffic) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": [r.as_dict() for r in rows], "ncu": traffic}, f, indent=1)
+    if args.csv and rows:
+        with open(args.csv, "w", newline="") as f:
+            dicts = [r.as_dict() for r in rows]
+            writer = csv.DictWriter(f, fieldnames=[k for k in dicts[0] if k != "extra"], extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(dicts)
+
+
+def run_command(args) -> int:
+    """``python -m fusedkit bench`` with its parsed (and validated) arguments."""
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
-
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    kernels = [registry.get(k) for k in args.kernels.split(",")]
-    dtypes = [DTYPE_NAMES[d] for d in args.dtypes.split(",")]
-    sizes = parse_sizes(args.sizes) if args.sizes else list(GPU_SIZES if device.type == "cuda" else CPU_SIZES)
-    layouts = args.layouts.split(",")
-    use_compile = device.type == "cuda" and not args.no_compile
+    gpu = device.type == "cuda"
+    kernels = [registry.get(k) for k in args.kernels]
+    dtypes = [DTYPE_NAMES[d] for d in args.dtypes]
+    sizes = args.sizes or list(GPU_SIZES if gpu else CPU_SIZES)
+    use_compile = gpu and not args.no_compile
+    progress = not args.no_progress
     env = environment(device)
+    if not gpu:
+        where = "Triton's interpreter" if _elementwise.INTERPRETED else "PyTorch"
+        print(f"No CUDA GPU: the kernels run in {where} on the CPU. These times check the harness; "
+              "they are NOT GPU times.\n")
 
     if args.backward:
         from . import bench_backward as bb
 
-        gpu = device.type == "cuda"
-        if not gpu:
-            print("No CUDA GPU: these times are the CPU path's, NOT GPU times.\n")
         default = bb.BACKWARD_SIZES if gpu else bb.CPU_BACKWARD_SIZES
-        brows = bb.run_backward(dtypes, device, sizes if args.sizes else default, use_compile=use_compile)
+        brows = bb.run_backward(dtypes, device, args.sizes or default, use_compile=use_compile)
         lrows = bb.run_linear_training(dtypes, device,
                                        bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES)
         _report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
@@ -425,50 +423,41 @@ def main(argv=None) -> int:
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
 
-        gpu = device.type == "cuda"
-        if not gpu:
-            print("No CUDA GPU: these per-call times are the CPU path's, NOT GPU times.\n")
-        result = run_latency(dtypes, device, sizes if args.sizes or not gpu else LATENCY_SIZES,
-                             LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile)
+        result = run_latency(dtypes, device, args.sizes if args.sizes or not gpu else LATENCY_SIZES,
+                             LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile, progress=progress)
         _report(env, (format_latency_table(result),), args.json, result)
         return 0
     if args.matmul:
-        if args.shapes:
-            shapes = parse_shapes(args.shapes)
-        else:
-            shapes = MATMUL_SHAPES if device.type == "cuda" else CPU_MATMUL_SHAPES
-        mrows = run_matmul(dtypes, device, shapes)
+        shapes = args.shapes or (MATMUL_SHAPES if gpu else CPU_MATMUL_SHAPES)
+        mrows = run_matmul(dtypes, device, shapes, progress=progress)
         _report(env, (format_matmul_table(mrows),), args.json, {"matmul": mrows})
         if args.plots:
             from .plots import plot_matmul
 
             print("wrote", plot_matmul(mrows, env, args.plots))
         return 0
-    if device.type != "cuda":
-        where = "Triton's interpreter" if _elementwise.INTERPRETED else "PyTorch"
-        print(f"No CUDA GPU: the kernels run in {where} "
-              "on the CPU. These times check the harness; they are NOT GPU times.\n")
-    rows = run(kernels, dtypes, sizes, layouts, device, use_compile, bias_cols=args.bias_cols)
+    rows = run(kernels, dtypes, sizes, args.layouts, device, use_compile, progress=progress,
+               bias_cols=args.bias_cols)
+    _write_rows(args, env, rows, None)  # the numbers are safe before anything else runs
     print(" ".join(f"{k}={v}" for k, v in env.items()))
-    print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
-          "bandwidth measured now. tutor: a tutorial-style Triton kernel, non-contiguous inputs copied "
-          "first. x unfus / x compl / x tutor: time of the peer / time of fusedkit.")
-    print(format_table(rows))
-    traffic = None
+    if gpu:
+        print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
+              "bandwidth measured now. tutor: a tutorial-style Triton kernel, non-contiguous inputs copied "
+              "first. x unfus / x compl / x tutor: time of the peer / time of fusedkit.")
+    else:
+        print("MB: modelled DRAM bytes (read + written); saved: what fusing saves. interp us: fusedkit in "
+              "Triton's interpreter; torch CPU us: the unfused ops on the CPU. Neither is a GPU time.")
+    print(format_table(rows, gpu))
     if args.ncu:
-        traffic = run_ncu(rows, kernels, dtypes, sizes, layouts, device, env)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "rows": [r.as_dict() for r in rows], "ncu": traffic}, f, indent=1)
+        traffic = run_ncu(rows, kernels, dtypes, sizes, args.layouts, device, env)
+        _write_rows(args, env, rows, traffic)
     if args.plots:
         from .plots import plot_elementwise
 
+        traffic = None
+        if args.json:
+            with open(args.json) as f:
+                traffic = json.load(f).get("ncu")
         for path in plot_elementwise([r.as_dict() for r in rows], env, args.plots, traffic):
             print("wrote", path)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            dicts = [r.as_dict() for r in rows]
-            writer = csv.DictWriter(f, fieldnames=[k for k in dicts[0] if k != "extra"], extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(dicts)
     return 0

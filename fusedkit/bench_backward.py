@@ -19,6 +19,8 @@ import torch
 
 import fusedkit
 
+from . import _progress
+
 __all__ = ["keep_saved_buffers", "run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
            "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
 
@@ -72,12 +74,6 @@ def _time_us(fn, device) -> float:
     return _timer(device)(fn)
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    from .bench import _progress as progress  # the report's progress line
-
-    progress(done, total, label)
-
-
 def keep_saved_buffers():
     """The timed loop re-runs one backward graph (``retain_graph=True``); AOT autograd refuses
     that for a compiled backward that was handed the forward's saved buffers to reuse
@@ -99,6 +95,7 @@ def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list
 
 def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
     rows = []
+    bar = _progress.bar(len(dtypes) * len(sizes), "add_relu backward")
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
@@ -119,7 +116,8 @@ def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
                 row[f"{name}_peak_bytes"] = _peak_bytes(fn, x, y, g, device)
                 del z, grads
             rows.append(row)
-            _progress(len(rows), len(dtypes) * len(sizes), f"add_relu backward {row['dtype']} n={n}")
+            bar.update()
+    bar.close()
     return rows
 
 
@@ -127,6 +125,7 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
     """Forward + backward of ``fusedkit.nn.LinearReLU`` against ``nn.Sequential(nn.Linear, nn.ReLU)``
     with the same parameters: gradients of the input, weight and bias."""
     rows = []
+    bar = _progress.bar(len(dtypes) * len(shapes), "LinearReLU training")
     for dt in dtypes:
         if not dt.is_floating_point or (device.type == "cuda" and dt == torch.float64):
             continue
@@ -141,7 +140,8 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
                 params = (x, *module.parameters())
                 row[f"{name}_us"] = _time_us(lambda: torch.autograd.grad(module(x), params, g), device)
             rows.append(row)
-            _progress(len(rows), len(dtypes) * len(shapes), f"LinearReLU fwd+bwd {row['dtype']} {m}x{k}x{n}")
+            bar.update()
+    bar.close()
     return rows
 
 

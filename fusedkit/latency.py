@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import fusedkit
 
-from . import _library
+from . import _library, _progress
 from .registry import ADD_RELU
 
 __all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES"]
@@ -72,8 +72,11 @@ def graph_call_us(fn, device) -> float | None:
     return per_call_us(graph.replay, device, calls=20) / GRAPH_CALLS
 
 
-def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True) -> dict:
+def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True,
+                progress=True) -> dict:
     rows, linear = [], []
+    floats = [dt for dt in dtypes if dt.is_floating_point and dt != torch.float64]
+    bar = _progress.bar(len(dtypes) * len(sizes) + len(floats) * len(linear_shapes), "latency", progress)
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
@@ -98,6 +101,7 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
             row["graph torch.add"] = graph_call_us(lambda: torch.add(x, y), device)
             row["graph fusedkit.add_relu"] = graph_call_us(lambda: fusedkit.add_relu(x, y), device)
             rows.append(row)
+            bar.update()
         if not dt.is_floating_point or dt == torch.float64:
             continue
         for m, k in linear_shapes:
@@ -109,6 +113,8 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
                 "fusedkit.linear_relu": per_call_us(lambda: fusedkit.linear_relu(a, w, b), device),
                 "relu(F.linear)": per_call_us(lambda: torch.relu(F.linear(a, w, b)), device),
             })
+            bar.update()
+    bar.close()
     return {"elementwise": rows, "linear": linear}
 
 

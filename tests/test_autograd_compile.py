@@ -19,6 +19,7 @@ def leaf(shape, dtype=torch.float64):
     return rand(shape, dtype, DEVICE).requires_grad_()
 
 
+@pytest.mark.slow  # float64 gradcheck in the interpreter
 @pytest.mark.parametrize("alpha", [1, -0.5, 2.0])
 @pytest.mark.parametrize("kernel", DIFFERENTIABLE, ids=lambda k: k.name)
 def test_gradcheck_float64(kernel, alpha):
@@ -65,6 +66,7 @@ def test_wrong_operand_count_with_grad_is_a_type_error():
         fusedkit.elementwise("add_relu", x, x, x)
 
 
+@pytest.mark.slow  # second derivatives in the interpreter
 def test_double_backward():
     x, y = leaf((3, 4)), leaf((4,))
     assert torch.autograd.gradgradcheck(lambda p, q: fusedkit.add_relu(p, q, alpha=0.5), (x, y))
@@ -136,6 +138,7 @@ def _model(x, bias, r):
     return fusedkit.add_relu(h * 2, 1.0)
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_compile_fullgraph_no_breaks(dynamic):
     torch._dynamo.reset()
@@ -166,6 +169,7 @@ def test_compile_with_out_and_backward():
     torch.testing.assert_close(buf, torch.relu(xr + yr).detach())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_and_replay():
     x, y = rand((1000, 64), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # each test runs a report in a new process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,13 +94,41 @@ def test_benchmark_suite_runs_on_the_cpu():
 
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "unknown command" in proc.stderr
+    assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
 
 
-def test_matmul_report_tf32_flag(tmp_path):
-    # --tf32 turns TF32 on for both sides, and the environment line says what fp32 ran as.
-    _, on = bench_cli(tmp_path, "--matmul", "--dtypes", "fp32", "--shapes", "16x32x16", "--tf32")
-    _, off = bench_cli(tmp_path, "--matmul", "--dtypes", "fp32", "--shapes", "16x32x16")
-    assert on["environment"]["fp32_matmul"] == "tf32"
-    assert off["environment"]["fp32_matmul"] == "tf32x3"
-    assert on["matmul"][0]["fusedkit_us"] > 0
+@pytest.mark.parametrize("args, words", [
+    (["--dtypes", "float8"], "unknown dtype 'float8'; choose from fp16, bf16, fp32, fp64"),
+    (["--kernels", "addrelu"], "unknown kernel 'addrelu'; choose from"),
+    (["--layouts", "diagonal"], "unknown layout 'diagonal'"),
+    (["--sizes", "many"], "is not a size"),
+    (["--matmul", "--shapes", "4096x4096"], "is not MxNxK"),
+])
+def test_bad_choices_are_usage_errors_before_anything_runs(args, words):
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_version_and_torch_dtype_names():
+    import fusedkit
+
+    proc = subprocess.run([sys.executable, "-m", "fusedkit", "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"fusedkit {fusedkit.__version__} ")
+    from fusedkit.__main__ import build_parser
+
+    args = build_parser().parse_args(["bench", "--dtypes", "float32,bf16", "--sizes", "10,4096"])
+    assert args.dtypes == ["fp32", "bf16"] and args.sizes == [1024, 4096]
+
+
+def test_plots_without_matplotlib_fail_before_the_run(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from fusedkit.__main__ import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--plots", str(tmp_path / "p"), "--json", str(tmp_path / "r.json")])
+    assert info.value.code == 2 and "--plots needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

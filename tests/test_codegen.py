@@ -18,6 +18,8 @@ import pytest
 
 from fusedkit.configs import HOPPER_SMEM_BYTES
 
+pytestmark = pytest.mark.slow  # compiles kernels for sm_90 in new processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

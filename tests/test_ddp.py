@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # two processes under torch.distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 #: fp32 SGD after 20 steps: DDP's all-reduced gradients differ from one process's by rounding.
 TOLERANCE = 1e-5

@@ -25,6 +25,8 @@ from conftest import ON_GPU  # conftest sets TRITON_INTERPRET before fusedkit is
 
 import fusedkit
 
+pytestmark = pytest.mark.slow  # runs every docs example and builds the site
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GPU_ONLY = "# gpu-only"

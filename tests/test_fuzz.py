@@ -18,6 +18,8 @@ import fusedkit
 from fusedkit.configs import settings as env_settings
 from fusedkit.testing import assert_matches_reference, poisoned, reference_result
 
+pytestmark = pytest.mark.slow  # hypothesis runs many examples
+
 EXAMPLES = int(os.environ.get("FUSEDKIT_FUZZ_EXAMPLES", "60"))
 #: Tests each op's examples are split over, each drawing its own (seeded by its shard), so
 #: pytest-xdist runs them in parallel. On a GPU most of the fuzz's time is compiling: at

@@ -217,6 +217,7 @@ def test_gradients_match_torch(dtype, activation):
         assert_rel_err(got, ref, bound)
 
 
+@pytest.mark.slow  # second derivatives of a matmul
 def test_training_outputs_take_in_place_ops_and_second_derivatives():
     # The first call of a shape (no kept recipe) returns the result itself, not a view of
     # it: an autograd Function's output that is a view refuses in-place ops.

@@ -41,6 +41,7 @@ def test_verdict_on_the_capture_agrees_with_the_model():
     assert "L2" in ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), tiny, tiny, fits_l2=True)
 
 
+@pytest.mark.slow  # runs the report in a new process
 @pytest.mark.skipif(ncu.ncu_available() and torch.cuda.is_available(), reason="ncu present: the GPU script runs it")
 def test_ncu_flag_without_ncu_says_so():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -394,6 +394,7 @@ def test_result_layout_matches_torch():
     assert fusedkit.add_relu(nchw, dense).is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.slow  # a second pytest session
 def test_the_pytorch_path_keeps_them_too():
     """The same module on the PyTorch path (CPU tensors without Triton's interpreter)."""
     if ON_GPU or PYTORCH_PATH:
