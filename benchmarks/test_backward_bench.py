@@ -37,6 +37,7 @@ def test_add_relu_backward(benchmark, which, dtype, n):
     if which == "compiled" and not ON_GPU:
         pytest.skip("torch.compile is a GPU peer")
     fn = {"fusedkit": fusedkit.add_relu, "eager": _eager, "compiled": torch.compile(_eager)}[which]
+    benchmark.group = f"add_relu backward {str(dtype).removeprefix('torch.')} n={n}"
     x, y = (torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
     g = torch.randn(n, device=DEVICE, dtype=dtype)
     z = fn(x, y)

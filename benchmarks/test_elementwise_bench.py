@@ -74,6 +74,8 @@ def test_elementwise(benchmark, spec, which, dtype, n, layout):
               "unfused": lambda: spec.reference(*args),
               "torch_add": lambda: torch.add(ops[0], ops[-1])}[which]
     _record(benchmark, spec, ops, which)
+    # One table per op, dtype, size and layout: the peers side by side.
+    benchmark.group = f"{spec.name} {str(dtype).removeprefix('torch.')} n={n} {layout}"
     if ON_GPU:
         us = 1e3 * triton.testing.do_bench(fn, return_mode="median")
         info = benchmark.extra_info

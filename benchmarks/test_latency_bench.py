@@ -50,6 +50,7 @@ def test_elementwise_latency(benchmark, which, dtype, n):
     x, y = (torch.randn(n, device=DEVICE).to(dtype) for _ in range(2))
     fn = {"torch.add": lambda: torch.add(x, y), "relu(x + y)": lambda: torch.relu(x + y),
           "fusedkit.add": lambda: fusedkit.add(x, y), "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y)}[which]
+    benchmark.group = f"per call: add_relu {str(dtype).removeprefix('torch.')} n={n}"
     _bench(benchmark, fn, case=which, n=n, dtype=str(dtype))
 
 
@@ -60,4 +61,5 @@ def test_linear_relu_latency(benchmark, which, m, k):
     a, w, b = (torch.randn(*s, device=DEVICE).to(dtype) for s in ((m, k), (k, k), (k,)))
     fn = {"fusedkit.linear_relu": lambda: fusedkit.linear_relu(a, w, b),
           "relu(F.linear)": lambda: torch.relu(F.linear(a, w, b))}[which]
+    benchmark.group = f"per call: linear_relu {str(dtype).removeprefix('torch.')} {m}x{k}x{k}"
     _bench(benchmark, fn, case=which, m=m, k=k, n=k, dtype=str(dtype))

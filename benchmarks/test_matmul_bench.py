@@ -24,6 +24,7 @@ WHICH = ["fusedkit_pointer", "fusedkit_tma", "cublaslt_epilogue", "addmm_relu", 
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda v: str(v))
 def test_matmul_relu(benchmark, m, n, k, dtype, which, monkeypatch):
     a, b, bias = (torch.randn(*s, device=DEVICE).to(dtype) for s in ((m, k), (k, n), (n,)))
+    benchmark.group = f"matmul_relu {str(dtype).removeprefix('torch.')} {m}x{n}x{k}"
     if which.startswith("fusedkit_"):
         monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", which.removeprefix("fusedkit_"))
         fn = lambda: fusedkit.matmul_relu(a, b, bias)  # noqa: E731

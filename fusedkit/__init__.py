@@ -10,8 +10,8 @@ from __future__ import annotations
 from . import nn, registry
 from ._elementwise import BACKENDS, backend_for, elementwise
 from .errors import (
-    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ShapeError,
-    SignatureError, UnknownKernelError,
+    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
+    ShapeError, SignatureError, UnknownKernelError,
 )
 from ._matmul import linear_relu, matmul, matmul_relu
 from .ops import add, add_relu
@@ -40,5 +40,5 @@ __version__ = _version()
 __all__ = [
     "add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
-    "UnknownKernelError", "NotDifferentiableError",
+    "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
 ]

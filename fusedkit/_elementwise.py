@@ -31,8 +31,8 @@ from ._layout import (
 )
 from .configs import CALL_CACHE_SIZE
 from .errors import (
-    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ShapeError,
-    SignatureError,
+    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
+    ShapeError, SignatureError,
 )
 from .registry import ElementwiseKernel, get, result_dtype
 
@@ -82,8 +82,9 @@ def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s
              INT64: tl.constexpr, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
              COMPUTE_IS_FLOAT: tl.constexpr):
     if IS_SCALAR:
-        # A wrapped Python number: converted to the result dtype first, as torch does.
-        value = _jit.widen(_jit.scalar_value(bits, RESULT_DTYPE, COMPUTE_IS_FLOAT), COMPUTE_DTYPE)
+        # A wrapped Python number goes straight to the compute dtype, as torch's CUDA
+        # kernels read it (fp16 x + 2049.0001 is x + 2049.0001f, not x + 2048).
+        value = _jit.scalar_value(bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
     else:
         offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
                                        UNIT_R, UNIT_C, INT64)
@@ -205,14 +206,37 @@ def backend_for(tensor: torch.Tensor | torch.device | str) -> str:
     return "torch"
 
 
-def _scalar_bits(value, compute_is_float: bool, what: str) -> int:
-    """Encode a host scalar for ``_jit.scalar_value``: float64 bits or an int64."""
-    if compute_is_float:
+def _scalar_bits(value, dtype: torch.dtype, what: str) -> int:
+    """Encode a host scalar of a ``dtype`` result for ``_jit.scalar_value``: the float64 bits
+    of its value, or an int64. An int beyond float64's exact range going into a float32
+    computation is rounded to float32 here, once, as torch converts an int64 (through
+    float64 it would round twice)."""
+    if dtype.is_floating_point:
+        if type(value) is int and abs(value) >= _F64_EXACT and dtype != torch.float64:
+            value = _int_to_float32(value)
         return struct.unpack("<q", struct.pack("<d", float(value)))[0]
     value = int(value)
     if not _INT64_MIN <= value <= _INT64_MAX:
         raise DTypeError(f"{what}={value} does not fit in int64")
     return value
+
+
+#: Ints of at least this magnitude are not all exact in float64.
+_F64_EXACT = 2**53
+_F32_MANTISSA_BITS = 24
+
+
+def _int_to_float32(value: int) -> float:
+    """``value`` rounded to the nearest float32 (ties to even), as a Python float."""
+    magnitude = abs(value)
+    shift = magnitude.bit_length() - _F32_MANTISSA_BITS
+    if shift <= 0:
+        return float(value)
+    kept, rest = divmod(magnitude, 1 << shift)
+    half = 1 << (shift - 1)
+    if rest > half or (rest == half and kept & 1):
+        kept += 1
+    return math.copysign(float(kept << shift), value)
 
 
 @dataclass
@@ -244,6 +268,9 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
                          f"got {type(value).__name__}")
     if not isinstance(value, numbers.Real):
         raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
+    if isinstance(value, numbers.Integral) and not _INT64_MIN <= value <= _INT64_MAX:
+        raise ScalarOverflowError(f"{kernel.name}(): argument '{name}'={value} does not fit in int64, as torch "
+                                  "requires of an int operand")
 
 
 def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
@@ -296,14 +323,18 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
     return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
 
 
+#: A tensor wrapped by ``torch.func.grad`` / ``vjp`` (its gradient is tracked by the transform).
+_grad_tracked = torch._C._functorch.is_gradtrackingtensor
+
+
 def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
     """The parameter as torch checks ``alpha``: an int torch can take, an integer for an
     integral result (within its range), a float within the compute dtype's range."""
     if isinstance(param, bool) or not isinstance(param, numbers.Real):
         raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
     if isinstance(param, numbers.Integral) and not _INT64_MIN <= param < _SCALAR_INT_END:
-        raise ArgumentError(f"{kernel.name}(): {kernel.param}={param} is too big for a torch Scalar "
-                            "(an int64 or a uint64)")
+        raise ScalarOverflowError(f"{kernel.name}(): {kernel.param}={param} is too big for a torch Scalar "
+                                  "(an int64 or a uint64)")
     if not dtype.is_floating_point:
         if not isinstance(param, numbers.Integral):
             raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
@@ -325,7 +356,7 @@ def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
         raise DTypeError(f"{kernel.name}(): out must be a Tensor, got {type(out).__name__}")
     if out.device != device:
         raise DeviceError(f"{kernel.name}(): out is on {out.device}, but the inputs are on {device}")
-    if out.dtype not in _TL_DTYPE or not torch.can_cast(dtype, out.dtype):
+    if not torch.can_cast(dtype, out.dtype):
         raise DTypeError(f"{kernel.name}(): result type {dtype} can't be cast to the desired output type "
                          f"{out.dtype}")
     if out.shape != shape:
@@ -339,7 +370,7 @@ def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
     if may_self_overlap(out.shape, out.stride()):
         raise OverlapError(f"{kernel.name}(): out has elements that share memory (an expanded view?); "
                            "writing it would be ambiguous")
-    direct = not out.is_neg()
+    direct = not out.is_neg() and out.dtype in _TL_DTYPE  # (e.g. int16 or complex: copy_ converts)
     lo, hi = span_bytes(out)
     out_strides = out.stride()
     out_dense = is_dense_permutation(out.shape, out.stride())
@@ -411,11 +442,11 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
             flat_strides.extend(plan.strides[k + 1])
         else:
             ptrs.append(out)  # never read: the slot is a scalar or unused
-            bits.append(0 if value is None else _scalar_bits(value, is_float, kernel.arg_names[k]))
+            bits.append(0 if value is None else _scalar_bits(value, dtype, kernel.arg_names[k]))
             flat_strides.extend((0,) * 6)
             if value is not None:
                 scalar_mask |= 1 << (k + 1)
-    param_bits = _scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0
+    param_bits = _scalar_bits(param, dtype, kernel.param) if kernel.param is not None else 0
 
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets", kernel.name,
@@ -460,7 +491,13 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
 
 
 def _run_reference(call: _Call) -> torch.Tensor:
-    args = call.operands + ((call.param,) if call.kernel.param is not None else ())
+    operands = call.operands
+    if call.dtype in (torch.float16, torch.bfloat16):
+        # Half types in float32, rounded once at the end: the arithmetic of torch's CUDA
+        # kernels and of fusedkit's own (torch's CPU kernels would round alpha to the half type).
+        operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t
+                         for t in operands)
+    args = operands + ((call.param,) if call.kernel.param is not None else ())
     result = call.kernel.reference(*args)
     # Same layout and dtype as the kernel path (and the op's fake implementation).
     out = call.out if call.out is not None else _allocate_out(call)
@@ -526,9 +563,15 @@ def _dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tens
                 result = recipe.run(operands, param)
                 if result is not None:
                     return result
-    if out is None and _library.functorch_active() and not torch.compiler.is_compiling():
-        _validate(kernel, operands, param, None)  # errors before anything runs, on the wrapped tensors
-        return _library.call_functorch(kernel, operands, param)
+    if _library.functorch_active() and not torch.compiler.is_compiling():
+        if out is None:
+            _validate(kernel, operands, param, None)  # errors before anything runs, on the wrapped tensors
+            return _library.call_functorch(kernel, operands, param)
+        if any(_grad_tracked(t) for t in (*operands, out) if isinstance(t, torch.Tensor)):
+            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, but a "
+                                "torch.func transform tracks the gradient of an argument")
+        # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
+        return _library.call_op(kernel, operands, param, out)
     if _library.tracing(operands, out):
         # Traced code goes straight to the registered op: its fake implementation
         # validates and infers the result on fake tensors, outside Dynamo's tracing.
@@ -659,8 +702,8 @@ class _Recipe:
         last = self._last_param
         if last[0] is param and not self.host_numbers:
             return last[1]
-        kernel, is_float = self.kernel, self.dtype.is_floating_point
-        if kernel.param is not None:
+        kernel = self.kernel
+        if kernel.param is not None and last[0] is not param:  # (a repeated parameter was checked)
             _check_param(kernel, param, self.dtype)
         bits = []
         for slot in self.slots:
@@ -671,12 +714,11 @@ class _Recipe:
             # Python ints outside int64 take the full path, which raises as torch does.
             if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
                 return None
-            bits.append(_scalar_bits(value, is_float, kernel.arg_names[~slot]))
-        bits.append(_scalar_bits(param, is_float, kernel.param) if kernel.param is not None else 0)
+            bits.append(_scalar_bits(value, self.dtype, kernel.arg_names[~slot]))
+        bits.append(_scalar_bits(param, self.dtype, kernel.param) if kernel.param is not None else 0)
         # Triton specialises on whether an unspecialised int fits in 32 bits.
         encoded = (tuple(bits), tuple(map(_launch.int_class, bits)))
-        if not self.host_numbers:
-            self._last_param = (param, encoded)
+        self._last_param = (param, encoded)  # with host numbers, only the check is reused
         return encoded
 
     def run(self, operands: tuple, param) -> torch.Tensor | None:

@@ -87,6 +87,8 @@ def output_strides(shape: Sequence[int], operands: Sequence[tuple[Sequence[int],
     ndim = len(shape)
     if ndim == 0:
         return ()
+    if 0 in shape:
+        return _contiguous(shape)  # an empty result: torch gives it contiguous strides
     tensors = [op for op in operands if op is not None]
     if len(tensors) == len(operands) and all(tuple(s) == tuple(shape) for s, _ in tensors):
         first = tuple(tensors[0][1])

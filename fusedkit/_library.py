@@ -23,7 +23,7 @@ import torch
 
 from . import _elementwise
 from .errors import ArgumentError, UnknownKernelError
-from .registry import get
+from .registry import get, result_dtype
 
 #: torch.library's own spelling of a "Scalar" argument (int, float or bool), so the schema
 #: inference of every torch version recognises it.
@@ -121,23 +121,31 @@ def _backward(ctx, grad):
 elementwise_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _batch_first(tensors, in_dims) -> tuple[list, int]:
+def _batch_first(kernel, tensors, tensor_slots, scalars, in_dims) -> list:
     """vmap's batched operands with the batch dim moved to the front and size-1 dims
     after it, so every operand broadcasts as its per-example self does; unbatched
-    operands as they are. Also the per-example rank of the result."""
-    rank = max(t.dim() - (d is not None) for t, d in zip(tensors, in_dims))
+    operands as they are. A batched operand that is 0-d per example is converted to the
+    per-example result dtype first: gaining dims, it would otherwise promote as a tensor
+    with dims (an fp32 0-d beside fp16 gives fp16 in torch, fp32 with dims)."""
+    per_example = [torch.empty((1,) * (t.dim() - (d is not None)), dtype=t.dtype, device="meta")
+                   for t, d in zip(tensors, in_dims)]
+    rank = max(t.dim() for t in per_example)
+    dtype = result_dtype(_assemble(kernel.arity, per_example, tensor_slots, scalars))
     moved = []
-    for t, d in zip(tensors, in_dims):
+    for t, d, example in zip(tensors, in_dims, per_example):
         if d is not None:
             t = t.movedim(d, 0)
-            t = t.reshape(t.shape[0], *(1,) * (rank - t.dim() + 1), *t.shape[1:])  # a view
+            if example.dim() == 0 and t.dtype != dtype:
+                t = t.to(dtype)
+            t = t.reshape(t.shape[0], *(1,) * (rank - example.dim()), *t.shape[1:])  # a view
         moved.append(t)
-    return moved, rank
+    return moved
 
 
 def _elementwise_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param):
-    moved, _ = _batch_first(tensors, in_dims[1])  # (the other arguments are not tensors)
-    return elementwise_op(name, moved, tensor_slots, scalars, param), 0
+    # (the other arguments are not tensors)
+    return elementwise_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, in_dims[1]), tensor_slots,
+                          scalars, param), 0
 
 
 torch.library.register_vmap(elementwise_op, _elementwise_vmap)
@@ -161,8 +169,11 @@ def _elementwise_out_vmap(info, in_dims, name, tensors, tensor_slots, scalars, p
     if out_dim is None:
         # torch's rule for in-place ops under vmap: the written tensor must be batched.
         raise ArgumentError("fusedkit: vmap over an out= call needs out to be batched when an input is")
-    moved, _ = _batch_first([*tensors, out], [*tensor_dims, out_dim])
-    elementwise_out_op(name, moved[:-1], tensor_slots, scalars, param, moved[-1])
+    rank = max(t.dim() - (d is not None) for t, d in zip(tensors, tensor_dims))
+    out = out.movedim(out_dim, 0)
+    out = out.reshape(out.shape[0], *(1,) * (rank - out.dim() + 1), *out.shape[1:])
+    elementwise_out_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), tensor_slots,
+                       scalars, param, out)
     return None, None
 
 
@@ -252,7 +263,7 @@ class _FuncElementwise(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, kernel, param, tensor_slots, scalars, *tensors):
-        moved, _ = _batch_first(tensors, in_dims[4:])
+        moved = _batch_first(kernel, tensors, tensor_slots, scalars, in_dims[4:])
         return _elementwise.dispatch(kernel, _assemble(kernel.arity, moved, tensor_slots, scalars), param, None), 0
 
 

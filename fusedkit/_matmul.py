@@ -50,12 +50,13 @@ def _epilogue(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, str
     """Bias, the pre-activation (when kept) and the activation on the accumulator; one store."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
-        acc = acc + bias[None, :].to(ACC_DTYPE)
+        acc = acc + _jit.widen(bias[None, :], ACC_DTYPE)
     c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    # ``_jit.convert``: bf16 rounded to nearest even in the interpreter too (compiled: a plain cast).
     if STORE_PRE:
-        tl.store(pre_ptr + c_offsets, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(pre_ptr + c_offsets, _jit.convert(acc, pre_ptr.dtype.element_ty), mask=mask)
     acc = act.apply_activation(acc, ACTIVATION)
-    tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptr + c_offsets, _jit.convert(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -103,9 +104,10 @@ def _matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok & (k_offs[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
-        if UPCAST_OPERANDS:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        if UPCAST_OPERANDS or (_jit.INTERPRETED and a.dtype == tl.bfloat16):
+            # (the interpreter's own bf16 -> fp32 conversion flushes subnormals; widen is exact)
+            a = _jit.widen(a, tl.float32)
+            b = _jit.widen(b, tl.float32)
         if DOT:
             acc = _jit.dot(a, b, acc, INPUT_PRECISION, ACC_DTYPE)
         else:
@@ -801,32 +803,31 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (out,) in one kernel, the weight read transposed through its strides, never copied.
 
     Takes every input ``F.linear`` takes: a bias of shape () or (1,) is expanded (a view);
-    a 1-D weight, or a bias that broadcasts over the batch dims, runs the product and then
-    one fused ``add_relu``. Follows ``torch.autocast`` as ``F.linear`` does.
+    other shapes ``F.linear`` accepts (a 1-D weight, a bias over the batch dims) run the
+    product and then one fused ``add_relu``, with ``F.linear``'s result shape (and its
+    error, as a ``ShapeError``, where it refuses them). Follows ``torch.autocast`` as
+    ``F.linear`` does, bias included.
     """
     for name, value in (("x", x), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
             raise DTypeError(f"linear_relu(): {name} must be a Tensor, got {type(value).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise DTypeError(f"linear_relu(): bias must be a Tensor or None, got {type(bias).__name__}")
-    if weight.dim() not in (1, 2):
-        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in) or 1-D (in,), got shape "
-                         f"{tuple(weight.shape)}")
+    if x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+        x, weight, bias = _autocast(x.device.type, x, weight, bias)
     if weight.dim() == 2 and (bias is None or (bias.dim() <= 1 and bias.numel() in (1, weight.shape[0]))):
         if bias is not None and bias.shape != weight.shape[:1]:
             bias = bias.expand(weight.shape[0])
         return matmul(x, weight.t(), bias, "relu")
-    # F.linear's other shapes: its product through fusedkit.matmul, then bias and ReLU in one kernel.
+    # F.linear's other shapes: its meta kernel gives the result's shape, or refuses as it would.
+    try:
+        shape = F.linear(*(None if t is None else torch.empty_like(t, device="meta") for t in (x, weight)),
+                         None if bias is None else torch.empty_like(bias, device="meta")).shape
+    except RuntimeError as err:
+        raise ShapeError(f"linear_relu(): F.linear refuses these shapes: {err}") from None
     if weight.dim() == 1:
-        if x.dim() != 1:
-            raise ShapeError(f"linear_relu(): a 1-D weight takes a 1-D x (as F.linear), got x {tuple(x.shape)}")
-        y = matmul(x, weight[:, None]).view(())
+        y = matmul(x, weight[:, None]).squeeze(-1)
     else:
         y = matmul(x, weight.t())
-    if bias is None:
-        return dispatch(ADD_RELU, (y, 0), 1, None)
-    out_shape = broadcast_shape([y.shape, bias.shape])
-    if out_shape is None or (x.dim() == 2 and out_shape != tuple(y.shape)):
-        raise ShapeError(f"linear_relu(): bias of shape {tuple(bias.shape)} does not broadcast to the product's "
-                         f"shape {tuple(y.shape)}")
-    return dispatch(ADD_RELU, (y, bias), 1, None)
+    out = dispatch(ADD_RELU, (y, 0 if bias is None else bias), 1, None)
+    return out if out.shape == shape else out.reshape(shape)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError",
-    "SignatureError", "UnknownKernelError", "NotDifferentiableError",
+    "SignatureError", "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
 ]
 
 
@@ -37,6 +37,11 @@ class OverlapError(FusedkitError, ValueError):
 class ArgumentError(FusedkitError, ValueError):
     """An argument of the right type with a value the call cannot take: an unknown
     activation, a scalar out of the result dtype's range, a bad setting or registry entry."""
+
+
+class ScalarOverflowError(ArgumentError, OverflowError):
+    """A Python int operand or ``alpha`` that torch cannot hold (beyond int64, or uint64 for
+    ``alpha``): an ``OverflowError`` too, as torch raises for it."""
 
 
 class SignatureError(FusedkitError, TypeError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -54,6 +56,8 @@ class AddReLU(nn.Module):
 
     @staticmethod
     def _can_write(x: torch.Tensor, residual) -> bool:
+        if not isinstance(residual, (torch.Tensor, numbers.Real)) or isinstance(residual, bool):
+            return False  # add_relu raises its own error for it
         is_tensor = isinstance(residual, torch.Tensor)
         grad = torch.is_grad_enabled() and (x.requires_grad or (is_tensor and residual.requires_grad))
         shape = broadcast_shape([x.shape, residual.shape]) if is_tensor else tuple(x.shape)

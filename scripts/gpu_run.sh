@@ -1,28 +1,22 @@
 #!/usr/bin/env bash
-# The GPU job (the device lease is short: 30 min a session, 10 min a call).
-# Each stage runs under its own time limit and writes into a work folder that is
-# re-packed into $OUT/gpu_run.tgz after every stage (the device returns at most 8
-# files), so a call that runs out of time still returns what finished; the test
-# log goes straight to $OUT/pytest.txt.  The short tables print last.
-#   bash scripts/gpu_run.sh [STAGE ...]    stages: env tests bench ncu matmul backward latency
-#   (and linprobe: benchmarks/probe_linear_backward.py alone; mmprobe: every tuning config timed;
-#   tf32probe: the fp32 tf32x3 splits side by side; smallm: small-M bf16 do_bench, host and graph times;
-#   fp32probe: fp32 modes against torch, time and error; matmul_tf32: the fp32 matmul report with TF32 allowed;
-#   tf32layout: TF32 with a row-major b: a small kernel two ways, a TMA kernel three ways;
-#   mmncu: fusedkit's and cuBLASLt's matmul kernels under ncu, MMNCU_ARGS; tmatiles: TMA kernel
-#   tiles at M = 64 / 512 and fp32's kernel choice by M, TMATILES_ARGS "tiles", "fp32", "tf32", "halves")
-#   (and sanitize, fuzz (2,000 examples an op), pybench, native (the C++ launch probe and the
-#   latency report with FUSEDKIT_NATIVE_LAUNCH=1): not in the default set)
-#   (no stage = all; FUSEDKIT_FUZZ_EXAMPLES / _SHARDS, FUZZ_ARGS (e.g. "-k matmul"), PYTEST_ARGS (default: the tests folder),
-#   MATMUL_DTYPES, MATMUL_SHAPES (e.g. 512x4096x4096,64x4096x4096), MMPROBE_ARGS, TF32PROBE_ARGS, FP32PROBE_ARGS, SMALLM_ARGS pass through; <STAGE>_SECS overrides a stage's time limit, e.g. PYTEST_SECS=300 for the tests stage;
-#   FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried copy of an earlier call's pytest.txt) runs only
-#   the tests that log does not report as passed)
+# The GPU job (a device lease is short): the test suite and the reports, each stage under
+# its own time limit, writing into a work folder that is re-packed into $OUT/gpu_run.tgz
+# after every stage, so a call that runs out of time still returns what finished; the test
+# log goes straight to $OUT/pytest.txt. The short tables print last.
+#   bash scripts/gpu_run.sh [STAGE ...]    (no stage: env tests)
+# Stages: env; tests (the suite, PYTEST_ARGS: default the tests folder); results [REPORTS]
+# (scripts/results.sh into the work folder: RESULTS_REPORTS, default all: elementwise ncu
+# matmul latency backward); fuzz (2,000 examples an op, FUZZ_ARGS); sanitize
+# (scripts/sanitize.sh); pybench (the pytest-benchmark suite); native (the latency report with
+# FUSEDKIT_NATIVE_LAUNCH=1). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);
+# FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried pytest.txt of an earlier call) runs only
+# the tests that log does not report as passed.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 W=$(mktemp -d)
 cd "$(dirname "$0")/.."
-stages=${*:-env tests bench ncu matmul backward latency}
+stages=${*:-env tests}
 rc=0
 # pytest-xdist and ninja (which fusedkit/_native.py's C++ build needs) are in the device
 # image. Earlier runs tried to pip-install carried wheels, and that install failing
@@ -76,31 +70,8 @@ for s in $stages; do case $s in
        } > "$W/env.txt" 2>&1; cp "$W/env.txt" "$OUT/env.txt" ;;
   tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-60} step pytest 420 \
            python3 -u -m pytest -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-tests} ;;
-  bench) step bench 240 python3 -m fusedkit bench --sizes 20,24,28 --json "$W/bench.json" \
-           --csv "$W/bench.csv" --plots "$W/plots" ;;
-  ncu) step ncu 240 python3 -m fusedkit bench --ncu --kernels add_relu,add --dtypes fp32,bf16 \
-         --sizes 20,26 --no-compile --json "$W/ncu.json" ;;  # 2^20: inside L2, also measured warm
-  matmul) step matmul 300 python3 -m fusedkit bench --matmul --dtypes ${MATMUL_DTYPES:-bf16,fp16} ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
-            --json "$W/matmul.json" --plots "$W/plots" ;;
-  matmul_tf32) step matmul_tf32 200 python3 -m fusedkit bench --matmul --tf32 --dtypes fp32 ${MATMUL_SHAPES:+--shapes $MATMUL_SHAPES} \
-                 --json "$W/matmul_tf32.json" ;;  # fp32 with TF32 allowed, both sides
-  backward) step backward 150 python3 -m fusedkit bench --backward --dtypes bf16 --json "$W/backward.json"
-            # fp32 apart (BACKWARD_FP32=0 skips it): tuning the fp32 LinearReLU matmuls is the slow part
-            [ "${BACKWARD_FP32:-1}" != 0 ] && step backward_fp32 200 python3 -m fusedkit bench --backward --dtypes fp32 \
-              --json "$W/backward_fp32.json"
-            PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;
-  linprobe) PYTHONPATH=. step linprobe 120 python3 benchmarks/probe_linear_backward.py ;;  # also inside backward
-  mmprobe) PYTHONPATH=. step mmprobe 280 python3 benchmarks/probe_matmul_configs.py ${MMPROBE_ARGS:-} ;;  # e.g. "bf16 64 4096 4096"
-  tf32probe) PYTHONPATH=. step tf32probe 120 python3 benchmarks/probe_tf32x3_split.py ${TF32PROBE_ARGS:-} ;;  # the fp32 splits side by side, e.g. "512 4096 4096"
-  mmncu) PYTHONPATH=. step mmncu 240 python3 benchmarks/probe_matmul_ncu.py ${MMNCU_ARGS:-} ;;  # cuBLASLt's kernels beside ours under ncu, e.g. "bf16 512 4096 4096"
-  tmatiles) PYTHONPATH=. step tmatiles 300 python3 benchmarks/probe_tma_tiles.py ${TMATILES_ARGS:-} ;;  # TMA tiles at M = 64 / 512; fp32's kernel by M
-  tf32layout) PYTHONPATH=. step tf32layout 90 python3 benchmarks/probe_tf32_layout.py ;;  # TF32 with a row-major b
-  smallm) PYTHONPATH=. step smallm 120 python3 benchmarks/probe_small_m.py ${SMALLM_ARGS:-} ;;  # small-M bf16: GPU or host time; SMALLM_ARGS="forced"
-  fp32probe) PYTHONPATH=. step fp32probe 150 python3 benchmarks/probe_fp32.py ${FP32PROBE_ARGS:-} ;;  # fp32 modes: time and error, e.g. "--quick 1 8 64 512"
-  latency) step latency 200 python3 -m fusedkit bench --latency --json "$W/latency.json"
-           PYTHONPATH=. step probe 60 python3 benchmarks/probe_latency.py 1024 ;;
-  native) PYTHONPATH=. step native 150 python3 benchmarks/probe_native_launch.py 1024
-          FUSEDKIT_NATIVE_LAUNCH=1 step latency_native 200 python3 -m fusedkit bench --latency \
+  results) RESULTS_DIR="$W/results" step results ${RESULTS_SECS:-590} bash scripts/results.sh ${RESULTS_REPORTS:-} ;;
+  native) FUSEDKIT_NATIVE_LAUNCH=1 step latency_native 200 python3 -m fusedkit bench --latency --no-progress \
             --json "$W/latency_native.json" ;;
   sanitize) step sanitize 590 bash scripts/sanitize.sh ;;  # memcheck 400 s + racecheck 150 s: a call of its own
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
@@ -115,22 +86,6 @@ cat "$OUT/env.txt" 2>/dev/null
 cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
 grep -E "^== |rc=" "$W/sanitize.txt" 2>/dev/null
-head -12 "$W/probe.txt" 2>/dev/null
-tail -8 "$W/native.txt" 2>/dev/null
 tail -16 "$W/latency_native.txt" 2>/dev/null
-tail -16 "$W/latency.txt" 2>/dev/null
-grep -A26 "DRAM bytes" "$W/ncu.txt" 2>/dev/null
-grep -A14 "fit in L2 again" "$W/ncu.txt" 2>/dev/null
-tail -18 "$W/matmul.txt" 2>/dev/null
-tail -8 "$W/matmul_tf32.txt" 2>/dev/null
-tail -8 "$W/backward.txt" "$W/backward_fp32.txt" 2>/dev/null
-cat "$W/linprobe.txt" 2>/dev/null
-cat "$W/mmprobe.txt" 2>/dev/null
-cat "$W/tf32probe.txt" 2>/dev/null
-cat "$W/tf32layout.txt" 2>/dev/null
-cat "$W/mmncu.txt" 2>/dev/null
-cat "$W/tmatiles.txt" 2>/dev/null
-cat "$W/smallm.txt" 2>/dev/null
-cat "$W/fp32probe.txt" 2>/dev/null
-tail -30 "$W/bench.txt" 2>/dev/null
+for f in "$W"/results/*.txt; do [ -f "$f" ] && { echo "== $f"; tail -24 "$f"; }; done
 exit $rc

@@ -273,7 +273,7 @@ def test_direct_launch_arguments(monkeypatch):
     assert args[:9] == (3, 1, 1, 1234, 7, "packed", None, None, None)
     assert args[9:13] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
     assert all(type(p) is int for p in args[9:13])
-    assert args[13:17] == (0, 0, 0, ew._scalar_bits(2.0, True, "alpha"))
+    assert args[13:17] == (0, 0, 0, ew._scalar_bits(2.0, torch.float32, "alpha"))
     assert args[17:] == (*recipe.static_args, *recipe.constexprs)
 
 

@@ -14,7 +14,9 @@ import torch
 from fusedkit import ncu, registry
 
 ROOT = Path(__file__).resolve().parents[1]
-CAPTURE = ROOT / "benchmarks/results/2026-12-02-h200/ncu_raw.csv"
+#: A real capture (H200, add_relu at 2^26 fp32 in three layouts, fused and unfused, NVTX ranges),
+#: kept as the parser's fixture.
+CAPTURE = ROOT / "tests/data/ncu_h200_add_relu_2e26.csv"
 
 
 def test_parse_real_capture():

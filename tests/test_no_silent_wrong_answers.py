@@ -149,8 +149,6 @@ def test_bf16_stores_round_to_nearest_even_and_keep_subnormals():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_add_with_alpha_rounds_once_as_a_fused_multiply_add(dtype):
-    if PYTORCH_PATH and dtype != torch.float32:
-        pytest.skip("the PyTorch path runs torch's CPU kernel, which rounds a half alpha to the half dtype")
     x, y = rand((2048,), dtype, DEVICE), rand((2048,), dtype, DEVICE)
     alpha = 0.3
     # torch's CUDA kernel: alpha in float32, one fma in float32, one rounding to the dtype.
@@ -163,6 +161,32 @@ def test_add_with_alpha_rounds_once_as_a_fused_multiply_add(dtype):
         assert torch.equal(got, torch.add(x, y, alpha=alpha).cpu())
     elif dtype == torch.float32:
         assert torch.equal(got, torch.add(x.cpu(), y.cpu(), alpha=alpha))  # torch's CPU kernel fuses too
+    # A half alpha beyond the half range computes in float32 (torch's CPU kernel would refuse it).
+    big = fusedkit.add(x, y, alpha=70000.0).cpu()
+    assert torch.equal(big, (x.cpu().double() + y.cpu().double() * 70000.0).float().to(dtype))
+
+
+def test_python_number_operands_convert_as_torchs_cuda_kernels_read_them():
+    # A wrapped number goes to the compute dtype, not through the half result dtype.
+    h = torch.ones(1, dtype=torch.float16, device=DEVICE)
+    assert fusedkit.add(h, 2049.0001).item() == fusedkit.add(h, 2049).item() == 2050.0
+    if ON_GPU:
+        assert torch.add(h, 2049.0001).item() == 2050.0
+    # An int beyond float64's exact range rounds once into float32, as an int64 converts.
+    x = torch.zeros(2, device=DEVICE)
+    n = 2**60 + 2**36 + 1
+    expected = torch.tensor(n).float().item()
+    assert fusedkit.add(x, n)[0].item() == expected
+    assert fusedkit.add(x, torch.ones(2, device=DEVICE), alpha=n)[0].item() == expected
+    assert fusedkit.add_relu(x, n)[0].item() == expected
+
+
+def test_matmul_bf16_rounds_to_nearest_even_and_keeps_subnormals():
+    a = torch.tensor([[1.0, 2**-8 + 2**-9]], dtype=torch.bfloat16, device=DEVICE)
+    assert fusedkit.matmul(a, torch.ones(2, 1, dtype=torch.bfloat16, device=DEVICE)).item() == 1.0078125
+    tiny = torch.full((1, 2), 2.0**-130, dtype=torch.bfloat16, device=DEVICE)
+    huge = torch.full((2, 1), 2.0**100, dtype=torch.bfloat16, device=DEVICE)
+    assert fusedkit.matmul(tiny, huge).item() == pytest.approx(2.0**-29)
 
 
 # 7. linear_relu / LinearReLU: every input F.linear takes, autocast.
@@ -180,6 +204,9 @@ def _linear_samples(dtype):
     yield rand((3, 4), dtype, DEVICE), rand((5, 4), dtype, DEVICE), rand((), dtype, DEVICE)
     yield rand((2, 3, 4), dtype, DEVICE), rand((5, 4), dtype, DEVICE), rand((3, 5), dtype, DEVICE)
     yield rand((4,), dtype, DEVICE), rand((4,), dtype, DEVICE), rand((), dtype, DEVICE)
+    yield rand((2, 4), dtype, DEVICE), rand((4,), dtype, DEVICE), None  # a 1-D weight, no bias
+    yield rand((2, 5, 4), dtype, DEVICE), rand((4,), dtype, DEVICE), None
+    yield rand((4,), dtype, DEVICE), rand((3, 4), dtype, DEVICE), rand((1, 3), dtype, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -214,6 +241,8 @@ def test_linear_relu_follows_autocast_as_f_linear_does(device_type):
     with torch.autocast(device_type, dtype=fast):
         got, expected = m(x), ref(x)
         mixed = fusedkit.linear_relu(x.to(fast), m.weight, m.bias)  # a bf16 activation with fp32 weights
+        batch_bias = fusedkit.linear_relu(x, m.weight, torch.ones(4, 8, device=DEVICE))  # F.linear's other path
+        assert batch_bias.dtype == fast
         kept = fusedkit.matmul(x.double(), m.weight.double().t())  # float64 is not cast
     assert got.dtype == expected.dtype == mixed.dtype == fast and kept.dtype == torch.float64
     assert_rel_err(got, expected.float(), matmul_rel_err(fast))
@@ -263,6 +292,26 @@ def test_torch_func_vmap_and_grad_over_the_ops():
                                    grad(lambda ww: _ref_act(a3[0] @ ww.t() + b, act).sum())(w))
         torch.testing.assert_close(vmap(grad(lambda a: fusedkit.linear_relu(a, w, b).sum()))(a3),
                                    vmap(grad(lambda a: fl(a, w).sum()))(a3))
+
+
+def test_vmap_promotes_a_per_example_0d_operand_as_torch_does():
+    from torch.func import vmap
+    for a, b in ((torch.randn(3, 4).half(), torch.randn(3)), (torch.randn(3, 4), torch.randn(3).double()),
+                 (torch.randn(3, 4).bfloat16(), torch.randn(3).half())):
+        a, b = a.to(DEVICE), b.to(DEVICE)
+        ours, theirs = vmap(fusedkit.add_relu)(a, b), vmap(lambda u, v: torch.relu(u + v))(a, b)
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_out_under_torch_func():
+    from torch.func import grad, vmap
+    x, out = rand((3, 4), torch.float32, DEVICE), torch.zeros(3, 4, device=DEVICE)
+    vmap(lambda a, o: fusedkit.add(a, 1, out=o))(x, out)
+    assert torch.equal(out.cpu(), x.cpu() + 1)
+    with pytest.raises(FusedkitError, match="out= does not support automatic differentiation"):
+        grad(lambda a: fusedkit.add(a, 1, out=torch.zeros(4, device=DEVICE)).sum())(rand((4,), torch.float32,
+                                                                                        DEVICE))
 
 
 def _ref_act(v, act):
@@ -330,6 +379,8 @@ def test_every_bad_input_raises_a_fusedkit_error():
         (lambda: fusedkit.add(x, x, alpha=1e300), ValueError),
         (lambda: registry.unregister("no_such_kernel"), KeyError),
         (lambda: registry.register("add"), TypeError),
+        (lambda: fusedkit.add(x, 2**64), OverflowError),
+        (lambda: AddReLU(inplace=True)(x, "y"), TypeError),
         (lambda: fusedkit.elementwise("t_no_backward", x.detach().requires_grad_(), x), NotImplementedError),
     ]
     registry.register(registry.ElementwiseKernel(name="t_no_backward", math=registry.get("relu_grad").math,
@@ -359,6 +410,12 @@ def test_out_takes_any_dtype_the_result_casts_to():
     i = rand((6,), torch.int64, DEVICE)
     out = poisoned((6,), torch.float32, DEVICE)
     assert torch.equal(fusedkit.add(i, i, out=out).cpu(), (i.cpu() * 2).float())
+    # Dtypes the kernel cannot store, which torch casts to: through a temporary and copy_.
+    small = torch.zeros(6, dtype=torch.int16, device=DEVICE)
+    assert torch.equal(fusedkit.add(i, 1, out=small).cpu(), (i.cpu() + 1).to(torch.int16))
+    z = torch.zeros(7, 5, dtype=torch.complex64, device=DEVICE)
+    fusedkit.add(x.float(), 1, out=z)
+    assert torch.equal(z.cpu().real, x.cpu().float() + 1) and not z.imag.any()
     with pytest.raises(DTypeError, match="can't be cast"):
         fusedkit.add(x, y, out=torch.empty(7, 5, dtype=torch.int32, device=DEVICE))
 
@@ -392,6 +449,9 @@ def test_result_layout_matches_torch():
         assert ours.stride() == theirs.stride(), [getattr(t, "shape", t) for t in operands]
         assert torch.equal(ours.cpu(), theirs)
     assert fusedkit.add_relu(nchw, dense).is_contiguous(memory_format=torch.channels_last)
+    empty = rand((0, 2, 2, 1), torch.float32, DEVICE).permute(3, 1, 2, 0).permute(3, 1, 2, 0)
+    assert fusedkit.add(empty, rand((2, 1, 1), torch.float32, DEVICE)).stride() == torch.add(
+        empty.cpu(), torch.ones(2, 1, 1)).stride()
 
 
 @pytest.mark.slow  # a second pytest session

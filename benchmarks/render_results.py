@@ -1,0 +1,214 @@
+"""Render the committed results of one GPU into the docs' tables.
+
+    python benchmarks/render_results.py benchmarks/results/h200
+
+reads the reports' JSON files that ``bash scripts/results.sh`` wrote there and rewrites
+the regions between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in
+``docs/results.md`` and ``README.md``: one table per report and the README's headline
+rows, each with one footnote naming the GPU, the versions, the commit and the date.
+A report whose JSON is missing leaves its region as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = (ROOT / "docs" / "results.md", ROOT / "README.md")
+SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def load(folder: Path, name: str) -> dict | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def footnote(env: dict, command: str) -> str:
+    commit = (env.get("commit") or "unknown")[:12]
+    gpu = env.get("gpu") or f"{env.get('device')} ({env.get('backend')}: not GPU times)"
+    driver = f", driver {env['driver']}" if env.get("driver") else ""
+    return (f"<sub>{gpu}{driver}; torch {env.get('torch')}, triton {env.get('triton')}; fusedkit "
+            f"{env.get('fusedkit', '?')} at {commit}; {env.get('date', '')[:10]}. Reproduce: "
+            f"`bash scripts/results.sh {command}`.</sub>")
+
+
+def ratio(peer, ours) -> str:
+    return f"{peer / ours:.2f}x" if peer and ours else "-"
+
+
+def table(head: list[str], rows: list[list], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(head) - 1)
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def elementwise(data: dict) -> str:
+    rows = data["rows"]
+    n = max(r["n"] for r in rows)
+    body = []
+    for r in rows:
+        if r["n"] != n:
+            continue
+        share = f"{r['roof_share']:.0%}" if r.get("roof_share") else "-"
+        body.append([r["kernel"], r["layout"], SHORT.get(r["dtype"], r["dtype"]), f"{r['fused_us']:.1f}",
+                     f"{r['fused_gbps']:.0f}", share, ratio(r["unfused_us"], r["fused_us"]),
+                     ratio(r.get("compiled_us"), r["fused_us"]), ratio(r.get("tutorial_us"), r["fused_us"])])
+    head = ["kernel", "layout", "dtype", "fusedkit us", "GB/s", "copy roof", "x eager", "x torch.compile",
+            "x tutorial kernel"]
+    sizes = sorted({r["n"] for r in rows})
+    small = [r for r in rows if r["n"] != n and r["layout"] == "contiguous" and r["kernel"] == "add_relu"]
+    text = f"n = 2^{n.bit_length() - 1} elements:\n\n" + table(head, body, "lllrrrrrr")
+    if small:
+        text += "\n\nadd_relu, contiguous, at the other sizes (" + ", ".join(f"2^{s.bit_length() - 1}" for s in sizes
+                                                                       if s != n) + "):\n\n"
+        text += table(["n", "dtype", "fusedkit us", "GB/s", "x eager", "x torch.compile"],
+                      [[f"2^{r['n'].bit_length() - 1}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fused_us']:.1f}",
+                        f"{r['fused_gbps']:.0f}", ratio(r["unfused_us"], r["fused_us"]),
+                        ratio(r.get("compiled_us"), r["fused_us"])] for r in small])
+    return text + "\n\n" + footnote(data["environment"], "elementwise")
+
+
+def ncu(data: dict) -> str:
+    rows = data.get("ncu") or []
+    body = [[t["case"], f"{t['model_fused_read'] / 1e6:.2f}", f"{t['ncu_fused_read'] / 1e6:.2f}",
+             f"{t['model_fused_written'] / 1e6:.2f}", f"{t['ncu_fused_written'] / 1e6:.2f}",
+             f"{t['model_unfused_total'] / 1e6:.2f}", f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:.2f}",
+             t["verdict"]] for t in rows]
+    head = ["case", "model read MB", "ncu read MB", "model written MB", "ncu written MB", "unfused model MB",
+            "unfused ncu MB", "verdict"]
+    return table(head, body, "lrrrrrrl") + "\n\n" + footnote(data["environment"], "ncu")
+
+
+def matmul(data: dict) -> str:
+    body = [[f"{r['m']} x {r['n']} x {r['k']}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fusedkit_tflops']:.1f}",
+             f"{r['cublaslt_epilogue_tflops']:.1f}", f"{r['addmm_relu_tflops']:.1f}", f"{r['matmul_bare_tflops']:.1f}",
+             ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]), ratio(r["addmm_relu_us"], r["fusedkit_us"]),
+             ratio(r["matmul_bare_us"], r["fusedkit_us"])] for r in data["matmul"]]
+    head = ["M x N x K", "dtype", "fusedkit TFLOP/s", "cuBLASLt epilogue", "addmm + relu", "bare matmul",
+            "x cuBLASLt", "x addmm + relu", "x bare"]
+    return table(head, body, "llrrrrrrr") + "\n\n" + footnote(data["environment"], "matmul")
+
+
+def latency(data: dict) -> str:
+    body = []
+    for r in data["elementwise"]:
+        body.append([SHORT.get(r["dtype"], r["dtype"]), r["n"], f"{r['torch.add']:.1f}", f"{r['relu(x + y)']:.1f}",
+                     f"{r['fusedkit.add_relu']:.1f}", ratio(r["fusedkit.add_relu"], r["torch.add"]),
+                     f"{r.get('relu(x + y) grad') or 0:.1f}", f"{r.get('fusedkit.add_relu grad') or 0:.1f}",
+                     f"{r.get('graph fusedkit.add_relu') or 0:.1f}"])
+    head = ["dtype", "n", "torch.add us", "relu(x + y) us", "fusedkit.add_relu us", "add_relu / torch.add",
+            "relu(x + y) with grad", "add_relu with grad", "add_relu in a CUDA graph"]
+    text = table(head, body, "lrrrrrrrr")
+    lin = data.get("linear") or []
+    if lin:
+        text += "\n\n" + table(["dtype", "M", "K = N", "fusedkit.linear_relu us", "relu(F.linear) us", "ratio"],
+                               [[SHORT.get(r["dtype"], r["dtype"]), r["m"], r["k"], f"{r['fusedkit.linear_relu']:.1f}",
+                                 f"{r['relu(F.linear)']:.1f}",
+                                 f"{r['fusedkit.linear_relu'] / r['relu(F.linear)']:.2f}"] for r in lin], "lrrrrr")
+    return text + "\n\n" + footnote(data["environment"], "latency")
+
+
+def backward(data: dict) -> str:
+    body = []
+    for r in data["backward"]:
+        body.append([SHORT.get(r["dtype"], r["dtype"]), f"2^{r['n'].bit_length() - 1}", f"{r['fusedkit_bwd_us']:.1f}",
+                     f"{r['eager_bwd_us']:.1f}", ratio(r["eager_bwd_us"], r["fusedkit_bwd_us"]),
+                     f"{r['fusedkit_fwd_bwd_us']:.1f}", f"{r['eager_fwd_bwd_us']:.1f}",
+                     ratio(r["eager_fwd_bwd_us"], r["fusedkit_fwd_bwd_us"]),
+                     f"{r['fusedkit_saved_bytes'] / 2**20:.0f}", f"{r['eager_saved_bytes'] / 2**20:.0f}"])
+    head = ["dtype", "n", "backward us", "eager backward us", "x eager", "fwd + bwd us", "eager fwd + bwd us",
+            "x eager", "saved MiB", "eager saved MiB"]
+    text = "add_relu:\n\n" + table(head, body, "llrrrrrrrr")
+    lin = data.get("linear_relu_training") or []
+    if lin:
+        text += "\n\nLinearReLU forward + backward against nn.Linear + nn.ReLU:\n\n" + table(
+            ["dtype", "M x K x N", "fusedkit us", "torch us", "x torch"],
+            [[SHORT.get(r["dtype"], r["dtype"]), f"{r['m']} x {r['k']} x {r['n']}", f"{r['fusedkit_us']:.1f}",
+              f"{r['torch_us']:.1f}", ratio(r["torch_us"], r["fusedkit_us"])] for r in lin], "llrrr")
+    return text + "\n\n" + footnote(data["environment"], "backward")
+
+
+def headline(reports: dict) -> str | None:
+    """At most eight rows for the README: one ratio each, the peer named."""
+    rows, envs = [], []
+    ew = reports.get("elementwise")
+    if ew:
+        envs.append(ew["environment"])
+        n = max(r["n"] for r in ew["rows"])
+        for kernel, layout, dtype in (("add_relu", "contiguous", "float32"), ("add_relu", "contiguous", "bfloat16"),
+                                      ("add_relu", "transposed", "bfloat16")):
+            r = next((r for r in ew["rows"] if (r["kernel"], r["layout"], r["dtype"], r["n"]) == (kernel, layout,
+                                                                                                   dtype, n)), None)
+            if r:
+                rows.append([f"`add_relu`, {layout}, {SHORT[dtype]}, 2^{n.bit_length() - 1} elements",
+                             "`torch.relu(x + y)`", ratio(r["unfused_us"], r["fused_us"]),
+                             f"{r['fused_gbps']:.0f} GB/s, {r['roof_share']:.0%} of the copy roof"])
+    mm = reports.get("matmul")
+    if mm:
+        envs.append(mm["environment"])
+        for shape in ((4096, 4096, 4096), (64, 4096, 4096)):
+            r = next((r for r in mm["matmul"] if (r["m"], r["n"], r["k"]) == shape and r["dtype"] == "bfloat16"), None)
+            if r:
+                rows.append([f"matmul + bias + ReLU, bf16, {' x '.join(map(str, shape))}",
+                             "cuBLASLt's fused epilogue", ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]),
+                             f"{r['fusedkit_tflops']:.0f} TFLOP/s"])
+    lat = reports.get("latency")
+    if lat:
+        envs.append(lat["environment"])
+        r = next((r for r in lat["elementwise"] if r["n"] == 1024 and r["dtype"] == "float32"), None)
+        if r:
+            rows.append(["`add_relu` per eager call, fp32, 1,024 elements", "`torch.relu(x + y)` (two ops)",
+                         ratio(r["relu(x + y)"], r["fusedkit.add_relu"]),
+                         f"{r['fusedkit.add_relu']:.1f} us a call; `torch.add` {r['torch.add']:.1f} us"])
+    bw = reports.get("backward")
+    if bw and bw.get("linear_relu_training"):
+        envs.append(bw["environment"])
+        r = bw["linear_relu_training"][0]
+        rows.append([f"`LinearReLU` forward + backward, bf16, {r['m']} x {r['k']} x {r['n']}",
+                     "`nn.Linear` + `nn.ReLU`", ratio(r["torch_us"], r["fusedkit_us"]), f"{r['fusedkit_us']:.0f} us"])
+    if not rows:
+        return None
+    env = envs[0]
+    commits = sorted({(e.get("commit") or "?")[:12] for e in envs})
+    dates = sorted({e.get("date", "")[:10] for e in envs})
+    note = (f"<sub>Ratios: the peer's time over fusedkit's, above 1.00x fusedkit is faster; peers timed in the same "
+            f"process (`triton.testing.do_bench` medians). {env.get('gpu')}, torch {env.get('torch')}, triton "
+            f"{env.get('triton')}; fusedkit at {', '.join(commits)}; {', '.join(dates)}. Reproduce: "
+            f"`bash scripts/results.sh`; every table: [docs/results.md](docs/results.md).</sub>")
+    return table(["case", "against", "speed-up", "fusedkit"], rows[:8], "llrl") + "\n\n" + note
+
+
+RENDERERS = {"elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency, "backward": backward}
+
+
+def replace_region(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- results:{name} -->).*?(<!-- /results:{name} -->)", re.DOTALL)
+    return pattern.sub(lambda m: f"{m.group(1)}\n{body}\n{m.group(2)}", text)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    folder = Path(argv[0])
+    reports = {name: load(folder, name) for name in RENDERERS}
+    bodies = {name: RENDERERS[name](data) for name, data in reports.items() if data is not None}
+    head = headline(reports)
+    if head:
+        bodies["headline"] = head
+    for target in TARGETS:
+        text = target.read_text()
+        for name, body in bodies.items():
+            text = replace_region(text, name, body)
+        target.write_text(text)
+    print(f"rendered {', '.join(sorted(bodies)) or 'nothing'} from {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

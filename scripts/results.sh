@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Regenerates the committed benchmark results of this machine's GPU and the tables built from them:
+#   bash scripts/results.sh [REPORT ...]    reports: elementwise ncu matmul latency backward (default: all)
+# Each report writes benchmarks/results/<gpu>/<report>.txt (what it printed) and .json (the
+# numbers and the environment: GPU, driver, torch, triton, fusedkit version and commit, date);
+# the elementwise and matmul reports also their plots. Then docs/results.md and the README's
+# headline table are rendered from those files (benchmarks/render_results.py).
+# RESULTS_DIR overrides the folder; MATMUL_DTYPES (default bf16,fp16) the matmul report's dtypes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else 'cpu')")
+dir=${RESULTS_DIR:-benchmarks/results/$gpu}
+mkdir -p "$dir"
+reports=${*:-elementwise ncu matmul latency backward}
+rc=0
+report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $dir/NAME.{txt,json}
+  local name=$1; shift
+  echo "[results] $name: python -m fusedkit bench $*" >&2
+  if ! bash scripts/run.sh bench --no-progress "$@" --json "$dir/$name.json" > "$dir/$name.txt" 2>&1; then
+    echo "[results] $name failed: see $dir/$name.txt" >&2; rc=1
+  fi
+}
+for r in $reports; do case $r in
+  elementwise) report elementwise --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
+  ncu) report ncu --ncu --kernels add_relu,add --dtypes fp32,bf16 --sizes 20,26 --no-compile ;;
+  matmul) report matmul --matmul --dtypes "${MATMUL_DTYPES:-bf16,fp16}" --plots "$dir" ;;
+  latency) report latency --latency ;;
+  backward) report backward --backward --dtypes bf16 ;;
+  *) echo "unknown report $r" >&2; rc=1 ;;
+esac; done
+"$py" benchmarks/render_results.py "$dir" || rc=1
+exit $rc
