@@ -267,12 +267,13 @@ def format_table(rows: list[Row], gpu: bool = True) -> str:
 
 
 def _commit() -> str | None:
-    """The checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one."""
+    """The checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one;
+    else ``FUSEDKIT_COMMIT`` when set (a copy of a checkout without its ``.git``)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isdir(os.path.join(root, ".git")):
-        return None
+        return os.environ.get("FUSEDKIT_COMMIT")
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
