@@ -177,7 +177,7 @@ def headline(reports: dict) -> str | None:
     commits = sorted({(e.get("commit") or "?")[:12] for e in envs})
     dates = sorted({e.get("date", "")[:10] for e in envs})
     note = (f"<sub>Ratios: the peer's time over fusedkit's, above 1.00x fusedkit is faster; peers timed in the same "
-            f"process (`triton.testing.do_bench` medians). {env.get('gpu')}, torch {env.get('torch')}, triton "
+            f"process (GPU times: `triton.testing.do_bench` medians; per-call times: back-to-back calls on the host). {env.get('gpu')}, torch {env.get('torch')}, triton "
             f"{env.get('triton')}; fusedkit at {', '.join(commits)}; {', '.join(dates)}. Reproduce: "
             f"`bash scripts/results.sh`; every table: [docs/results.md](docs/results.md).</sub>")
     return table(["case", "against", "speed-up", "fusedkit"], rows[:8], "llrl") + "\n\n" + note

@@ -267,12 +267,12 @@ def format_table(rows: list[Row], gpu: bool = True) -> str:
 
 
 def _commit() -> str | None:
-    """The checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one;
-    else ``FUSEDKIT_COMMIT`` when set (a copy of a checkout without its ``.git``)."""
+    """``FUSEDKIT_COMMIT`` when set (a copied tree whose ``.git``, if any, is not its own);
+    else the checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isdir(os.path.join(root, ".git")):
+    if os.environ.get("FUSEDKIT_COMMIT") or not os.path.isdir(os.path.join(root, ".git")):
         return os.environ.get("FUSEDKIT_COMMIT")
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
