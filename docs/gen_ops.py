@@ -30,8 +30,7 @@ MARKER = "<!-- fusedkit:op-table -->"
 #: Pages that must hold the marker: the build fails when it is gone.
 TABLE_PAGES = ("elementwise.md",)
 #: The committed GPU runs whose plots the docs show: ``benchmarks/results/<run>/<name>``.
-PLOTS = {"elementwise_gbps.png": "2026-12-02-h200-87e937c", "elementwise_bytes.png": "2026-12-02-h200-87e937c",
-         "matmul_tflops.png": "2026-12-03-h200-99b4b22"}
+PLOTS = {"elementwise_gbps.png": "h200", "elementwise_bytes.png": "h200", "matmul_tflops.png": "h200"}
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "int32", torch.int64: "int64"}
