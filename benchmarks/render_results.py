@@ -133,6 +133,11 @@ def backward(data: dict) -> str:
     return text + "\n\n" + footnote(data["environment"], "backward")
 
 
+def _find(rows: list[dict], **want) -> dict | None:
+    """The first row whose fields have the wanted values."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
+
+
 def headline(reports: dict) -> str | None:
     """At most eight rows for the README: one ratio each, the peer named."""
     rows, envs = [], []
@@ -142,8 +147,7 @@ def headline(reports: dict) -> str | None:
         n = max(r["n"] for r in ew["rows"])
         for kernel, layout, dtype in (("add_relu", "contiguous", "float32"), ("add_relu", "contiguous", "bfloat16"),
                                       ("add_relu", "transposed", "bfloat16")):
-            r = next((r for r in ew["rows"] if (r["kernel"], r["layout"], r["dtype"], r["n"]) == (kernel, layout,
-                                                                                                   dtype, n)), None)
+            r = _find(ew["rows"], kernel=kernel, layout=layout, dtype=dtype, n=n)
             if r:
                 rows.append([f"`add_relu`, {layout}, {SHORT[dtype]}, 2^{n.bit_length() - 1} elements",
                              "`torch.relu(x + y)`", ratio(r["unfused_us"], r["fused_us"]),
@@ -152,7 +156,7 @@ def headline(reports: dict) -> str | None:
     if mm:
         envs.append(mm["environment"])
         for shape in ((4096, 4096, 4096), (64, 4096, 4096)):
-            r = next((r for r in mm["matmul"] if (r["m"], r["n"], r["k"]) == shape and r["dtype"] == "bfloat16"), None)
+            r = _find(mm["matmul"], m=shape[0], n=shape[1], k=shape[2], dtype="bfloat16")
             if r:
                 rows.append([f"matmul + bias + ReLU, bf16, {' x '.join(map(str, shape))}",
                              "cuBLASLt's fused epilogue", ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]),
@@ -160,7 +164,7 @@ def headline(reports: dict) -> str | None:
     lat = reports.get("latency")
     if lat:
         envs.append(lat["environment"])
-        r = next((r for r in lat["elementwise"] if r["n"] == 1024 and r["dtype"] == "float32"), None)
+        r = _find(lat["elementwise"], n=1024, dtype="float32")
         if r:
             rows.append(["`add_relu` per eager call, fp32, 1,024 elements", "`torch.relu(x + y)` (two ops)",
                          ratio(r["relu(x + y)"], r["fusedkit.add_relu"]),
