@@ -22,7 +22,6 @@ import triton.language as tl
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
 from ._elementwise import _profiling, backend_for, dispatch, elementwise, kept_launch, launch_elementwise
-from ._layout import broadcast_shape
 from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import functorch_active, tracing
 from .configs import (

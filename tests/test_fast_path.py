@@ -14,7 +14,7 @@ import fusedkit
 from fusedkit import _elementwise as ew
 from fusedkit import _launch, _native
 from fusedkit import _matmul as mm
-from fusedkit.errors import ArgumentError, DTypeError, ShapeError
+from fusedkit.errors import ArgumentError, ShapeError
 from fusedkit.registry import ADD, ADD_RELU
 from fusedkit.testing import assert_rel_err, matmul_rel_err
 
