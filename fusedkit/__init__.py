@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import nn, registry
 from ._elementwise import BACKENDS, backend_for, elementwise
+from ._launch import clear_caches
 from .errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
     ShapeError, SignatureError, UnknownKernelError,
@@ -38,7 +39,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
+    "add", "add_relu", "elementwise", "clear_caches", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
     "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
 ]

@@ -636,6 +636,9 @@ _CONSTEXPR_NAMES = _launch.constexpr_names(_elementwise_kernel)
 #: three scalar bit patterns and the parameter's.
 _PER_CALL_ARGS = 8
 _RECIPES: dict = {}
+_launch.register_cache(_RECIPES.clear)
+_launch.register_cache(_native.clear)
+_launch.register_cache(plan_elementwise.cache_clear)
 
 
 #: What ``_call_key`` returns for plain tensors of which one requires a gradient.

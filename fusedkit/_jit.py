@@ -212,10 +212,9 @@ TF32_ROUND_ASM = tl.constexpr("cvt.rna.satfinite.tf32.f32 $0, $1;")
 @triton.jit
 def tf32_round_bits(x):
     """``cvt.rna.satfinite.tf32.f32`` in integer operations, for finite ``x``: what the
-    interpreter runs, and what compiled kernels ran before the instruction took over. Its
-    cost: about 10 operations an element; in ``benchmarks/probe_tf32x3_split.py`` (H200,
-    torch 2.11, triton 3.6, M = 512, K = N = 4096, one 64 x 64 x 32 tile a program) the
-    tf32x3 product with it took 560.5 us, with Triton's one-instruction split 486.9."""
+    interpreter runs. Compiled kernels use the instruction, as this costs about 10 operations
+    an element: at M = 512, K = N = 4096, one 64 x 64 x 32 tile a program, the tf32x3 product
+    takes 560.5 us with it against 486.9 with the instruction (H200, torch 2.11, triton 3.6)."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = ((bits + TF32_HALF_ULP_BITS) & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
     truncated = (bits & TF32_KEEP_BITS).to(tl.float32, bitcast=True)
@@ -253,10 +252,9 @@ def tf32_split(x):
 def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     """``acc + a @ b`` at ``INPUT_PRECISION``; "tf32x3" is three TF32 tensor-core products,
     big * big + (small * big + big * small), in Triton's own tf32x3 order: at M = 64, K = N
-    = 4096 on the H200 (0ede8f0, ``benchmarks/probe_tf32x3_split.py``) 5.05e-7 max error /
-    max |ref|, the same as Triton's tf32x3, against torch's fp32 5.99e-7. An infinite
-    input's small part is inf - inf = NaN: those small sums are dropped, so infinities pass
-    as in fp32."""
+    = 4096 on the H200 5.05e-7 max error / max |ref|, the same as Triton's tf32x3, against
+    torch's fp32 5.99e-7. An infinite input's small part is inf - inf = NaN: those small
+    sums are dropped, so infinities pass as in fp32."""
     if INPUT_PRECISION == "tf32x3":
         a_big, a_small = tf32_split(a)
         b_big, b_small = tf32_split(b)
@@ -264,8 +262,8 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
         small = tl.dot(a_big, b_small, small, input_precision="tf32")
         small = tl.where(small == small, small, 0.0)
         # This block's products start from zero in the tensor cores and join ``acc`` by an
-        # fp32 add, as in Triton's own tf32x3. Accumulating into ``acc`` inside the tensor
-        # cores (with a truncating split, b758956) measured 3.1e-6 in the case above.
+        # fp32 add, as in Triton's own tf32x3: accumulating into ``acc`` inside the tensor
+        # cores (with a truncating split) measures 3.1e-6 in the case above.
         acc += tl.dot(a_big, b_big, small, input_precision="tf32")
     else:
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)

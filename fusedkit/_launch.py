@@ -56,8 +56,8 @@ except ImportError:  # a PyTorch without CUDA support
     def current_device() -> int:
         return torch.cuda.current_device()
 
-__all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "constexpr_names", "current_device", "enabled",
-           "hooks_idle", "int_class", "stream_of", "tensor_map_args"]
+__all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "clear_caches", "constexpr_names", "current_device",
+           "enabled", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
 
 
 @triton.jit
@@ -183,8 +183,8 @@ class Entry(NamedTuple):
 def _descriptor_launch(launch, metadata):
     """``(C launch, layouts)`` when ``launch`` is the wrapper Triton 3.6 puts around its C
     launch for a kernel with TMA descriptor parameters (it encodes every ``TensorDescriptor``
-    on every call, after the caller has built them: four built alone took 19.5 us of the
-    H200 host's time, 6b564a5), else None (no descriptors, or a layout this module does
+    on every call, after the caller has built them: four take 19.5 us of the H200 host's
+    time), else None (no descriptors, or a layout this module does
     not encode: the wrapper stays)."""
     names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
     cells = dict(zip(names, getattr(launch, "__closure__", None) or ()))
@@ -216,6 +216,25 @@ def _raw_launcher(launcher, metadata=None):
     return (launch, head, None) if unwrapped is None else (unwrapped[0], head, unwrapped[1])
 
 
+#: How to empty each process-wide cache of fusedkit's (plans, kept launches, recipes, encoded
+#: descriptors, workspaces), registered by the module that owns it.
+_CACHE_CLEARERS: list = []
+
+
+def register_cache(clear) -> None:
+    """Have :func:`clear_caches` call ``clear()``."""
+    _CACHE_CLEARERS.append(clear)
+
+
+def clear_caches() -> None:
+    """Forget everything fusedkit keeps between calls: launch plans, kept launches and the
+    recipes of the eager fast path, the C++ launch table, encoded TMA descriptors and split-K
+    workspaces. The next call of each signature validates and plans again. Triton's own
+    caches (compiled kernels, autotuning results, each keyed on what it depends on) stay."""
+    for clear in _CACHE_CLEARERS:
+        clear()
+
+
 #: Encoded TMA descriptors by (address, shape, strides, layout): a CUtensorMap is a pure
 #: function of those, so a repeated operand (a weight; an activation the caching allocator
 #: hands back at the same address) reuses its encoding.
@@ -240,6 +259,9 @@ def tensor_map_args(address: int, shape: tuple, strides: tuple, layout: tuple) -
             _TENSOR_MAPS.clear()
         args = _TENSOR_MAPS[key] = [tensor_map, *shape, *strides]
     return args
+
+
+register_cache(_TENSOR_MAPS.clear)
 
 
 class CompiledCache:

@@ -145,6 +145,8 @@ _TMA_CONSTEXPR_NAMES = _launch.constexpr_names(_matmul_tma._matmul_tma_kernel)
 #: Direct launches of eager matmuls (fusedkit._launch); TMA entries carry their tile.
 _LAUNCHES = _launch.CompiledCache()
 _TMA_LAUNCHES = _launch.CompiledCache()
+_launch.register_cache(_LAUNCHES.clear)
+_launch.register_cache(_TMA_LAUNCHES.clear)
 
 _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -153,6 +155,7 @@ _ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float
 #: launches sharing counters must not overlap (one stream runs its kernels in order).
 #: The counters start at zero and every launch leaves them at zero.
 _SPLIT_K_BUFFERS: dict = {}
+_launch.register_cache(_SPLIT_K_BUFFERS.clear)
 
 
 def tf32_enabled() -> bool:
@@ -267,10 +270,8 @@ def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
     square tiles. ``launch``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
-    Triton's own launch path. On the H200 (99b4b22, ``probe_tma_tiles.py tf32``) a 4096^2
-    fp32 ``b`` took 38.6 us per call with ``launch`` and 38.4 without (about 3.5 TB/s read +
-    written) against 128.3 for ``b.t().contiguous()`` (c33a988 had measured 73.3 without
-    ``launch``, for reasons not known)."""
+    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` takes 38.6 us (about 3.5 TB/s
+    read + written) against 128.3 for ``b.t().contiguous()``."""
     if launch is not None:
         out = launch.run((b, _COPY_ADDEND), 1)
         if out is not None:
@@ -279,6 +280,7 @@ def kmajor_copy(b: torch.Tensor, launch=None) -> torch.Tensor:
 
 
 _COPY_LAUNCHES: dict = {}
+_launch.register_cache(_COPY_LAUNCHES.clear)
 
 
 def kmajor_copy_launch(b: torch.Tensor):
@@ -373,8 +375,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     if use_tma:
         entry = _TMA_LAUNCHES.get(key)
         # A kept launch whose launcher takes encoded descriptors (``entry.layouts``) gets
-        # them encoded once per operand address (LinearReLU's 4096^3 bf16 step on the H200:
-        # 64 us of its host time went to building them, 6b564a5); a profiler's hooks get
+        # them encoded once per operand address (building them each call cost LinearReLU's
+        # 4096^3 bf16 step 64 us of host time on the H200); a profiler's hooks get
         # Triton's own launch, which passes them the descriptor objects.
         if entry is not None and (entry.layouts is None or _launch.hooks_idle()):
             if entry.layouts is None:
@@ -552,10 +554,7 @@ matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerMatmul(torch.autograd.Function):
     """An eager matmul that needs a gradient: the registered op's autograd (same saved
-    tensors, same backward) without the dispatcher and its host time. (LinearReLU's forward
-    + backward at 4096^3 bf16 on the H200 stayed 0.63x torch with it, commit e375e1b, so
-    the gap is not the dispatcher; ``benchmarks/probe_linear_backward.py`` splits it.)
-    Only ``out`` is an output; the pre-activation, when kept, is saved as an intermediate."""
+    tensors, same backward) without the dispatcher and its host time. Only ``out`` is an output; the pre-activation, when kept, is saved as an intermediate."""
 
     @staticmethod
     def forward(ctx, a2, b, bias, activation, store_pre, recipe=None):
@@ -721,6 +720,7 @@ def _resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
 # validation and launch plan; per call it allocates the result and launches.
 
 _RECIPES: dict = {}
+_launch.register_cache(_RECIPES.clear)
 
 
 def _call_key(a, b, bias, activation) -> tuple | None:
@@ -759,8 +759,8 @@ class _Recipe:
     plan: _Plan
     #: Autograd records the call: it runs through :class:`_EagerMatmul` (whose forward
     #: launches with this plan unless the pre-activation is kept), without the full path's
-    #: validation and checks (the host time of LinearReLU's forward with autograd was
-    #: 135 us against 44 without, 4096^3 bf16 on the H200, b758956).
+    #: validation and checks (they cost LinearReLU's forward with autograd 135 us of host
+    #: time against 44 without, 4096^3 bf16 on the H200).
     grad: bool
 
     def run(self, a, b, bias) -> torch.Tensor:

@@ -19,12 +19,10 @@ A second data-movement algorithm for the same ``act(a @ b + bias)`` as
 
 TRANSPOSED_PRODUCT: TF32 ``wgmma`` reads its shared-memory operands K-major only, and a
 row-major ``b`` is N-major, so Triton transposes it on a shared-memory store each K step.
-As the register operand of ``b^T a^T`` it may have any layout. H200, torch 2.11, triton
-3.6, TF32, K = N = 4096, 128 x 128 x 32 tiles, 3 stages, 8 warps
-(``benchmarks/probe_tf32_layout.py``, 4e097d7): 257.0 TFLOP/s against 71.0 for ``a @ b``
-at M = 4096 (torch 370.7), 164.4 against 66.2 at M = 512 (torch 298.7); rounding ``b``
-to nearest also halved the error (4.85e-4 against 8.14e-4 max error / max |ref| at
-M = 4096, torch 2.95e-4).
+As the register operand of ``b^T a^T`` it may have any layout: at M = K = N = 4096, TF32,
+128 x 128 x 32 tiles, 3 stages, 8 warps, it runs 257.0 TFLOP/s against 71.0 for ``a @ b``
+(H200, torch 2.11, triton 3.6), and rounding ``b`` to nearest in registers also halves the
+max error / max |ref|.
 
 TMA needs 16-byte-aligned bases and row strides and unit inner strides;
 :func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
@@ -236,8 +234,7 @@ def _set_block_shapes(nargs):
 
 
 # INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (on the
-# H200 a TF32 tuning result reused with TF32 then off raised OutOfResources:
-# benchmarks/results/2026-12-03-h200-4e097d7/call2-tmatiles.txt).
+# H200 a TF32 tuning result reused with TF32 off raises OutOfResources).
 # The dtype is in the key through bias_ptr, the only tensor argument.
 _matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
                                     key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],

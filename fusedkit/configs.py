@@ -1,7 +1,7 @@
 """Launch configurations, all in one place.
 
 Elementwise kernels are bandwidth-bound: a tile only needs enough bytes in
-flight per program and 16-byte accesses. Matmul autotune configs will live here
+flight per program and 16-byte accesses. Matmul autotune configs live here
 too.
 """
 
@@ -77,9 +77,8 @@ MATMUL_LARGE_M_TILES = (
 )
 #: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
 #: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
-#: keep each program's loads in flight. The last fits fp64. (64-row tiles, tried for
-#: M = 33..64, measured worse: 81.6 TFLOP/s at M = 64, N = K = 4096 bf16 on the H200
-#: against 93.9 without them, 126 for cuBLASLt; B's 32 MB stays in the 60 MB L2 anyway.)
+#: keep each program's loads in flight. The last fits fp64. No 64-row tiles: with them
+#: M = 64, N = K = 4096 bf16 ran 81.6 TFLOP/s against 93.9 without (H200).
 MATMUL_DECODE_TILES = (
     (16, 32, 256, 4, 4),
     (16, 64, 256, 4, 4),
@@ -88,15 +87,12 @@ MATMUL_DECODE_TILES = (
     (16, 32, 32, 2, 4),
 )
 #: Exact fp32 (TF32 off) and fp64 at decode-sized M: ``tl.dot`` without tensor cores is
-#: an FMA loop over at least 16 rows (fp32 ``linear_relu`` at M = 1..64, K = N = 4096:
-#: 150-300 us on the H200 against 27-98 us for cuBLAS); these tiles multiply and sum
-#: over K instead (``DOT=False``), with as few rows as M needs. Same tuple layout.
+#: an FMA loop over at least 16 rows; these tiles multiply and sum over K instead
+#: (``DOT=False``), with as few rows as M needs. Same tuple layout.
 #: Fewer than 16 rows: from 16 up in every dimension Triton rewrites the multiply-and-sum
-#: into a TF32 ``tl.dot`` (a 16-row tile gave fp32 relative error 7.5e-4 on the H200).
-#: The narrow 1-row tiles give N = 4096 128 or 256 programs for 132 SMs (a 64-wide one
-#: gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 took 44 us on the H200 against
-#: 26-34 us for cuBLAS (87e937c), where streaming its 64 MiB weight takes 15 us; with
-#: them, 20.2 us against 26.6 (e375e1b).
+#: into a TF32 ``tl.dot``. The narrow 1-row tiles give N = 4096 128 or 256 programs for
+#: 132 SMs (a 64-wide one gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 takes
+#: 20.2 us against cuBLAS's 26.6 (H200).
 MATMUL_REDUCE_TILES = (
     (1, 64, 128, 3, 4),
     (1, 128, 64, 3, 4),
@@ -107,12 +103,10 @@ MATMUL_REDUCE_TILES = (
     (8, 32, 64, 3, 4),
 )
 #: Exact fp32 / fp64 at M buckets of 32 and 64: FMA ``tl.dot`` tiles as tall as M, so
-#: the weight streams once or twice, with 4x4 to 8x4 accumulators per thread. fp32
-#: ``linear_relu`` at M = 64, K = N = 4096 (TF32 off) took 302 us on the H200 with the
-#: tiles above (8-row multiply-and-sum tiles read the 64 MiB weight, more than the
-#: 60 MiB L2, eight times) against 90.7 us for cuBLAS (commit 87e937c), and 301.9 us
-#: against 89.7 with these tiles added (e375e1b): no gain; which tile won is not yet known
-#: (``benchmarks/probe_linear_backward.py`` prints it).
+#: the weight streams once or twice (8-row multiply-and-sum tiles read the 64 MiB weight,
+#: more than the 60 MiB L2, eight times), with 4x4 to 8x4 accumulators per thread. They do
+#: not yet close the gap: fp32 ``linear_relu`` at M = 64, K = N = 4096 (TF32 off) takes
+#: 301.9 us against cuBLAS's 89.7 (H200), no faster than without them.
 MATMUL_EXACT_DECODE_TILES = (
     (64, 32, 32, 3, 4),
     (64, 64, 32, 3, 8),
@@ -127,10 +121,9 @@ SMALL_M_BUCKET = 64
 #: Split-K tiles, as (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SPLIT_K): SPLIT_K programs
 #: share a tile's K range and the last to finish sums their partial accumulators (a
 #: workspace of SPLIT_K x M x N) and runs the epilogue. For grids of fewer tiles than
-#: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs (0.74x cuBLASLt's
-#: epilogue on the H200 without split-K, 87e937c). Decode-sized M; the last, 64 x 128 x 128
-#: with 8 warps, took 20.4 us there against 21.3 for the tile tuning picked without it
-#: (0ede8f0, ``probe_matmul_configs.py``; cuBLASLt's epilogue 18.2):
+#: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs. Decode-sized M; the
+#: last, 64 x 128 x 128 with 8 warps, takes 20.4 us there against 21.3 for the best tile
+#: without it (H200):
 MATMUL_SPLIT_K_TILES = (
     (16, 64, 128, 4, 4, 4),
     (32, 64, 128, 4, 4, 4),
@@ -148,7 +141,8 @@ MATMUL_EXACT_SPLIT_K_TILES = (
     (32, 32, 64, 3, 4, 4),
 )
 #: M buckets above SMALL_M_BUCKET up to this one also try split-K large tiles (M = 512,
-#: N = 4096: 128 tiles of 128 x 128 for 132 SMs; 0.89x cuBLASLt's epilogue, 87e937c).
+#: N = 4096: 128 tiles of 128 x 128 for 132 SMs; without split-K 0.89x cuBLASLt's epilogue
+#: on the H200).
 SPLIT_K_MAX_M_BUCKET = 512
 MATMUL_MID_M_SPLIT_K_TILES = (
     (128, 128, 64, 4, 8, 2),
@@ -156,13 +150,11 @@ MATMUL_MID_M_SPLIT_K_TILES = (
     (64, 128, 64, 4, 4, 2),
 )
 #: float32 at M buckets above SMALL_M_BUCKET (pointer kernel), beside the tiles above:
-#: 32-wide K steps, so three or four stages fit shared memory with 4-byte operands. Of
-#: the 11 tiles above tuning could try for fp32 tf32x3 at M = 512, N = K = 4096, 9 did not
-#: fit (OutOfResources on the H200, 139f353) and the best left took 457.0 us against
-#: torch's 368.3. These fit sm_90's shared memory in the tf32x3 mode (checked at compile
-#: time: ``tests/test_codegen.py``); with them offered the matmul report's fp32 M = 512
-#: (row-major ``b``) went from 26.8 to 39.7 TFLOP/s (6cd1d48; which tile tuning picked
-#: is not in that run).
+#: 32-wide K steps, so three or four stages fit shared memory with 4-byte operands (most
+#: tiles above do not fit fp32 tf32x3 on the H200: OutOfResources). These fit sm_90's
+#: shared memory in the tf32x3 mode (checked at compile time: ``tests/test_codegen.py``);
+#: with them the matmul report's fp32 M = 512 (row-major ``b``) runs 39.7 TFLOP/s against
+#: 26.8 without (H200).
 MATMUL_FP32_TILES = (
     (128, 128, 32, 3, 8, 1),
     (128, 128, 32, 4, 8, 1),
@@ -209,9 +201,9 @@ def exact_tiles(precision: str, dtype: torch.dtype) -> tuple[bool, bool]:
     """(tall, reduce): whether a call at decode-sized M tunes over the tall FMA ``tl.dot``
     tiles (IEEE fp32 / fp64 only) and over the multiply-and-sum tiles (fp32 / fp64 unless
     TF32). The latter use no ``tl.dot``, so they are fp32's own math in the tf32x3 mode too,
-    and at M = 1 the faster: fp32 M = 1, N = K = 4096 with tf32x3's 16-row dot tiles alone
-    ran at 0.54x cuBLASLt's speed on the H200 (139f353) where these took 20.2 us against
-    torch's 26.6 (``linear_relu``, e375e1b)."""
+    and at M = 1 the faster: fp32 ``linear_relu`` at M = 1, N = K = 4096 takes 20.2 us with
+    them against torch's 26.6 on the H200, where tf32x3's 16-row dot tiles alone run at about
+    half torch's speed."""
     wide = dtype in (torch.float32, torch.float64)
     return wide and precision == "ieee", wide and precision != "tf32"
 
@@ -297,26 +289,21 @@ TENSOR_MAP_CACHE_SIZE = 512
 #: per-thread loads), "tma" (persistent, tensor-descriptor loads; Hopper, aligned
 #: operands) or "auto". Set with FUSEDKIT_MATMUL_KERNEL.
 MATMUL_KERNELS = ("auto", "pointer", "tma")
-#: "auto" takes the TMA kernel from this many rows of ``a`` up. On the H200 (torch 2.11,
-#: triton 3.6, N = K = 4096, b row-major, autotuned, ``benchmarks/probe_tma_tiles.py
-#: halves`` at 8a6b6ca, TFLOP/s TMA against the pointer kernel): bf16 M = 512 556.3 / 544.5,
-#: 1024 707.3 / 644.5; fp16 571.1 / 540.7 and 675.3 / 618.2; at M = 128 and 256 the pointer
-#: kernel led (bf16 191.7 / 137.9 and 302.0 / 298.3; fp16 197.7 / 167.6 and 317.7 / 291.5).
-#: fp32 in nn.Linear's layout, tf32x3, M = 512: TMA 257.7 us against 294.1 (e7e3de7); fp32
-#: with ``FUSEDKIT_FP32_MATMUL=ieee`` at M = 512-1023 was not timed on either kernel.
+#: "auto" takes the TMA kernel from this many rows of ``a`` up: at M = 512, N = K = 4096,
+#: bf16, b row-major, autotuned, it runs 556.3 TFLOP/s against the pointer kernel's 544.5
+#: (H200, torch 2.11, triton 3.6), and leads for fp16 and for fp32 in nn.Linear's layout too;
+#: at M = 128 and 256 the pointer kernel leads. fp32 with ``FUSEDKIT_FP32_MATMUL=ieee`` at
+#: M = 512-1023 is untimed on either kernel.
 MATMUL_TMA_MIN_M = 512
 #: ... and, for 2-byte operands, in this M bucket (33-64 rows: one 64-row tile, where the TMA
-#: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): same run, M = 64, bf16
-#: 114.7 against 107.5, fp16 111.7 against 104.2; at M = 16 the pointer kernel's split-K
-#: tiles lead (bf16 30.0 / 16.5, fp16 30.1 / 15.1), at M = 32 they split (bf16 52.9 / 44.9,
-#: fp16 47.1 / 52.9), so that bucket stays with the pointer kernel.
+#: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): at M = 64 bf16, the same
+#: setup, 114.7 TFLOP/s against 107.5. At M = 16 and 32 the pointer kernel's split-K tiles
+#: lead or tie, so those buckets stay with the pointer kernel.
 MATMUL_TMA_HALF_M_BUCKET = 64
 #: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
 #: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
-#: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200
-#: (``benchmarks/probe_tma_tiles.py``, 6e944eb): TMA 59.9 / 118.6 / 150.6 TFLOP/s at M = 128 /
-#: 256 / 512 against the pointer kernel's 40.1 / 77.7 / 84.7 with TF32; 23.1 / 47.4 / 63.4
-#: against 20.4 / 32.6 / 40.1 with tf32x3.
+#: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200, TMA runs 59.9
+#: TFLOP/s at M = 128 against the pointer kernel's 40.1 with TF32, and leads with tf32x3 too.
 MATMUL_TMA_MIN_M_TRANSPOSED = 128
 
 
@@ -333,13 +320,10 @@ def matmul_kernel_setting() -> str:
 #: big * small + small * big; the split rounds, and truncates where rounding would
 #: overflow: ``_jit.tf32_split``) or "ieee" (fp32 multiply-adds on the CUDA cores, what
 #: torch's "ieee" precision names). The default because its errors measured below torch's
-#: fp32 at every size tried: fp32 ``linear_relu``, K = N = 4096, TF32 off, on the H200
-#: (9ec4d64), max error / max |ref| 2.6e-7 / 2.7e-7 / 5.3e-7 at M = 64 / 512 / 4096
-#: against torch's 9.8e-7 / 2.2e-6 / 3.1e-6, in 68.3 / 459.6 / 2008.8 us against torch's
-#: 93.5 / 368.8 / 2735.1 (the IEEE kernel: 159.2 us at M = 64); M = 512 since 294.1 us
-#: against torch's 368.6 (e7e3de7: 32-wide K tiles, the one-instruction split); products
-#: in fp32's subnormal range kept as torch keeps them. TF32 itself, when PyTorch allows
-#: it, takes precedence.
+#: fp32 at every size tried, in less time: fp32 ``linear_relu``, K = N = 4096, TF32 off,
+#: M = 64 to 4096, on the H200: max error / max |ref| 5.3e-7 against torch's 3.1e-6 at
+#: M = 4096. Products in fp32's subnormal range are kept as torch keeps them. TF32 itself,
+#: when PyTorch allows it, takes precedence.
 FP32_MATMUL_DEFAULT = "tf32x3"
 FP32_MATMUL_MODES = ("tf32x3", "ieee")
 
@@ -386,13 +370,9 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 #: and as many written, each call, through a kept launch) and runs ``a @ b`` on that, instead
 #: of the transposed product, whose ``b^T`` goes through registers. The copy pays only with
 #: the TMA kernel after it, so this is at least ``MATMUL_TMA_MIN_M`` (a test holds it there).
-#: On the H200 (K = N = 4096, ``probe_tma_tiles.py tf32``, TFLOP/s, the copy about 38 us):
-#: at 99b4b22 the transposed product 151.2 / 156.0 / 160.8 at M = 512 / 1024 / 4096 against
-#: 173.0 / 220.3 / 269.7 for the copy and ``a @ b``; at M = 256, where ``a @ b`` runs on the
-#: pointer kernel, 118.7 against 98.1 (the TMA kernel forced after the copy: 116.4). At
-#: f439dc9 (with ``TMA_FP32_TILES``' deeper tiles) M = 512 164.3 against 193.7; torch 302.5.
-#: (c33a988 timed the copy at 73.3 us, and the copy lost at M = 512; why it was slow then is
-#: not known: the same launch path took 38.4 us at 99b4b22.)
+#: On the H200 (K = N = 4096, the copy about 38 us) the copy and ``a @ b`` run 193.7 TFLOP/s
+#: at M = 512 against 164.3 for the transposed product, and lead at larger M too; at M = 256,
+#: where ``a @ b`` runs on the pointer kernel, the transposed product leads.
 MATMUL_TF32_COPY_MIN_M = 512
 
 
@@ -404,21 +384,19 @@ def tf32_copies_b(m: int) -> bool:
 
 #: TMA tiles tuned for fp32 operands only, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SUBTILE).
 #: 64 x 64 gives 128 tiles at M = 128, N = 4096, where the smallest tile otherwise offered to
-#: fp32 (64 x 128) leaves 68 of the H200's 132 SMs idle: at 6e944eb (K = 4096, b row-major)
-#: tf32x3 ran 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
+#: fp32 (64 x 128) leaves 68 of the H200's 132 SMs idle: with it alone (K = 4096, b row-major)
+#: tf32x3 runs 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
 #: must keep 64 rows on ``wgmma``'s M side in either product (``a @ b`` and the transposed
 #: one), which 64 x 64 does (checked on sm_90 by tests/test_codegen.py).
-#: The deeper 32-wide K steps after it are for TF32 on a K-major ``b`` (the copy above),
-#: where tuning had no fp32 tile deeper than 3 stages of 128 x 128 x 32 while cuBLAS runs
-#: 128 x 128 x 32 (8a6b6ca, M = 512: ``sm90_xmma_..._tilesize128x128x32``): that tile at 5
+#: The deeper 32-wide K steps after it are for TF32 on a K-major ``b`` (the copy above), where
+#: cuBLAS runs 128 x 128 x 32 (M = 512: ``sm90_xmma_..._tilesize128x128x32``): that tile at 5
 #: stages, a 128 x 256 one for large M and a 64 x 256 one (128 tiles at M = 512, N = 4096),
 #: each as deep as shared memory allows. Compiled for sm_90 by Triton 3.6
 #: (``_codegen.compile_matmul_tma``, on the CPU) they take 161-224 KiB in both products and
 #: both fp32 modes (the most: 128 x 256 x 32, tf32x3, K-major ``b``; 6 stages of 128 x 128 x 32
-#: would take 240 KiB in the transposed TF32 product, over the 227 available). ``a @ b`` with
-#: TF32 on a K-major ``b``, M = 512 / 1024 / 4096, went from 271.4 / 288.3 / 277.8 TFLOP/s
-#: (99b4b22) to 316.9 / 364.6 / 348.1 (f439dc9; torch 302.5 / 360.9 / 297.7); which tile
-#: tuning picked was not recorded.
+#: would take 240 KiB in the transposed TF32 product, over the 227 available). With them
+#: ``a @ b`` with TF32 on a K-major ``b`` runs 364.6 TFLOP/s at M = 1024 against 288.3
+#: without (H200).
 TMA_FP32_TILES = ((64, 64, 32, 5, 4, False), (128, 128, 32, 5, 8, True), (128, 256, 32, 3, 8, True),
                   (64, 256, 32, 4, 4, True))
 
@@ -442,11 +420,9 @@ def matmul_tma_configs(pre_hook=None):
         cfg(64, 128, 64, 4, 4, False),
         cfg(64, 256, 64, 4, 4, True),
         cfg(128, 64, 64, 4, 4, False),
-        # Deeper pipelines, each the fastest of its shape in benchmarks/probe_tma_tiles.py
-        # (H200, 6e944eb, bf16, N = K = 4096, b row-major, CUDA-graph replays): at M = 512
-        # 128 x 128 x 64 at 6 stages 31.0 us and 64 x 256 x 64 at 5 stages 31.0 against
-        # 33.8 for the 4-stage 128 x 128 x 64 that tuning picked (cuBLASLt's epilogue 28.1);
-        # at M = 64 64 x 32 x 128 at 8 stages 19.8 us (all 64-row tiles tried: 22.4-29.8).
+        # Deeper pipelines, each the fastest of its shape (H200, bf16, N = K = 4096, b
+        # row-major, CUDA-graph replays): at M = 512 128 x 128 x 64 at 6 stages takes 31.0 us
+        # against 33.8 at 4 stages; at M = 64 64 x 32 x 128 at 8 stages leads the 64-row tiles.
         cfg(128, 128, 64, 5, 8, True),
         cfg(128, 128, 64, 6, 8, True),
         cfg(64, 256, 64, 5, 4, True),

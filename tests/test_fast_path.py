@@ -12,7 +12,7 @@ from helpers import rand
 
 import fusedkit
 from fusedkit import _elementwise as ew
-from fusedkit import _launch, _native
+from fusedkit import _launch
 from fusedkit import _matmul as mm
 from fusedkit.errors import ArgumentError, ShapeError
 from fusedkit.registry import ADD, ADD_RELU
@@ -25,11 +25,7 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="direct launches of compiled ke
 def _fresh_caches(monkeypatch):
     # The Python fast path under test: C++ launches (tests/test_native.py) stay out of it.
     monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "0")
-    ew._RECIPES.clear()
-    _native.clear()
-    mm._LAUNCHES.clear()
-    mm._RECIPES.clear()
-    mm._TMA_LAUNCHES.clear()
+    fusedkit.clear_caches()
     yield
 
 

@@ -221,7 +221,7 @@ def test_gradients_match_torch(dtype, activation):
 def test_training_outputs_take_in_place_ops_and_second_derivatives():
     # The first call of a shape (no kept recipe) returns the result itself, not a view of
     # it: an autograd Function's output that is a view refuses in-place ops.
-    mm._RECIPES.clear()
+    fusedkit.clear_caches()
     a, w = mk(7, 5, dtype=torch.float64).requires_grad_(), mk(6, 5, dtype=torch.float64).requires_grad_()
     z = fusedkit.matmul(a, w.t())
     z += 1
@@ -337,7 +337,7 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
     calls = []
     real = _matmul_tma.launch_tma
     monkeypatch.setattr(_matmul_tma, "launch_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
-    mm._TMA_LAUNCHES.clear()
+    fusedkit.clear_caches()
     x, w = mk(40, 64, dtype=torch.float16), mk(48, 64, dtype=torch.float16)
     assert_rel_err(fusedkit.linear_relu(x, w), ref64(x, w.t(), None, "relu"), matmul_rel_err(torch.float16))
     assert len(calls) == 1

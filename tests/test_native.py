@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c
 @pytest.fixture(autouse=True)
 def _forget_native_launches():
     yield
-    _native.clear()  # later tests in this process take the Python path they test
+    fusedkit.clear_caches()  # later tests in this process take the Python path they test
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def table(monkeypatch):
     except Exception as exc:  # pragma: no cover - depends on the machine's toolchain
         pytest.skip(f"the extension did not build: {exc}")
     monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
-    ew._RECIPES.clear()
+    fusedkit.clear_caches()
     return t
 
 
@@ -182,8 +182,7 @@ def _gpu_cases():
 @pytest.mark.parametrize("case", list(_gpu_cases()))
 def test_native_launches_match_torch(case, monkeypatch):
     monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
-    ew._RECIPES.clear()
-    _native.clear()
+    fusedkit.clear_caches()
     x, y = _gpu_cases()[case]()
     for _ in range(2):  # the first call keeps the recipe, the second the compiled kernel (and the table's entry)
         fusedkit.add_relu(x, y, alpha=0.5)
@@ -212,8 +211,7 @@ def test_native_launch_from_a_new_thread(monkeypatch):
     import threading
 
     monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
-    ew._RECIPES.clear()
-    _native.clear()
+    fusedkit.clear_caches()
     x, y = rand((1000,), torch.float32, DEVICE), rand((1000,), torch.float32, DEVICE)
     for _ in range(2):
         fusedkit.add_relu(x, y)
