@@ -212,8 +212,9 @@ def _scalar_bits(value, dtype: torch.dtype, what: str) -> int:
     computation is rounded to float32 here, once, as torch converts an int64 (through
     float64 it would round twice)."""
     if dtype.is_floating_point:
-        if type(value) is int and abs(value) >= _F64_EXACT and dtype != torch.float64:
-            value = _int_to_float32(value)
+        if (type(value) is not float and isinstance(value, numbers.Integral) and abs(int(value)) >= _F64_EXACT
+                and dtype != torch.float64):
+            value = _int_to_float32(int(value))  # (numpy ints too)
         return struct.unpack("<q", struct.pack("<d", float(value)))[0]
     value = int(value)
     if not _INT64_MIN <= value <= _INT64_MAX:
@@ -268,9 +269,9 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
                          f"got {type(value).__name__}")
     if not isinstance(value, numbers.Real):
         raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
-    if isinstance(value, numbers.Integral) and not _INT64_MIN <= value <= _INT64_MAX:
-        raise ScalarOverflowError(f"{kernel.name}(): argument '{name}'={value} does not fit in int64, as torch "
-                                  "requires of an int operand")
+    if isinstance(value, numbers.Integral) and not _INT64_MIN <= value < _SCALAR_INT_END:
+        raise ScalarOverflowError(f"{kernel.name}(): argument '{name}'={value} is too big for a torch Scalar "
+                                  "(an int64 or a uint64)")
 
 
 def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
@@ -302,6 +303,10 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
     shape = torch.Size(shape)
 
     dtype = result_dtype(operands)
+    if not dtype.is_floating_point and any(isinstance(v, numbers.Integral) and v > _INT64_MAX for v in operands):
+        # torch would wrap a uint64 operand of an integer result around; a float result takes it.
+        raise ScalarOverflowError(f"{kernel.name}(): an int operand beyond int64 cannot join an integral "
+                                  f"({dtype}) result without wrapping around")
     if dtype not in kernel.dtypes:
         raise DTypeError(f"{kernel.name}(): result dtype {dtype} is not supported; "
                          f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
@@ -321,10 +326,6 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
             f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
             f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
     return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
-
-
-#: A tensor wrapped by ``torch.func.grad`` / ``vjp`` (its gradient is tracked by the transform).
-_grad_tracked = torch._C._functorch.is_gradtrackingtensor
 
 
 def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
@@ -572,7 +573,8 @@ def _dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tens
         if out is None:
             _validate(kernel, operands, param, None)  # errors before anything runs, on the wrapped tensors
             return _library.call_functorch(kernel, operands, param)
-        if any(_grad_tracked(t) for t in (*operands, out) if isinstance(t, torch.Tensor)):
+        # (inside a transform ``requires_grad`` says whether it differentiates through a tensor)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*operands, out) if isinstance(t, torch.Tensor)):
             raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, but a "
                                 "torch.func transform tracks the gradient of an argument")
         # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.

@@ -12,6 +12,7 @@ registers, and the output is written once. Layers, by name:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ import triton.language as tl
 from . import _jit, _launch, _matmul_tma, activations as act
 from ._compat import is_interpreted
 from ._elementwise import _profiling, backend_for, dispatch, elementwise, kept_launch, launch_elementwise
+from ._layout import broadcast_shape
 from ._library import dispatch_mode_active as _dispatch_mode_active
 from ._library import functorch_active, tracing
 from .configs import (
@@ -801,32 +803,34 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``torch.relu(F.linear(x, weight, bias))``: x (..., in) or (in,), weight (out, in), bias
     (out,) in one kernel, the weight read transposed through its strides, never copied.
 
-    Takes every input ``F.linear`` takes: a bias of shape () or (1,) is expanded (a view);
-    other shapes ``F.linear`` accepts (a 1-D weight, a bias over the batch dims) run the
-    product and then one fused ``add_relu``, with ``F.linear``'s result shape (and its
-    error, as a ``ShapeError``, where it refuses them). Follows ``torch.autocast`` as
-    ``F.linear`` does, bias included.
+    Takes the inputs ``F.linear`` takes: a bias of shape () or (1,) is expanded (a view);
+    a 1-D weight, or a bias over the batch dims, runs the product and then one fused
+    ``add_relu``. A bias that would widen the result raises ``ShapeError`` (torch's addmm
+    refuses it too). Follows ``torch.autocast`` as ``F.linear`` does, bias included.
     """
     for name, value in (("x", x), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
             raise DTypeError(f"linear_relu(): {name} must be a Tensor, got {type(value).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise DTypeError(f"linear_relu(): bias must be a Tensor or None, got {type(bias).__name__}")
+    if weight.dim() not in (1, 2):
+        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in) or 1-D (in,), got shape {tuple(weight.shape)}")
     if x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
         x, weight, bias = _autocast(x.device.type, x, weight, bias)
     if weight.dim() == 2 and (bias is None or (bias.dim() <= 1 and bias.numel() in (1, weight.shape[0]))):
         if bias is not None and bias.shape != weight.shape[:1]:
             bias = bias.expand(weight.shape[0])
         return matmul(x, weight.t(), bias, "relu")
-    # F.linear's other shapes: its meta kernel gives the result's shape, or refuses as it would.
-    try:
-        shape = F.linear(*(None if t is None else torch.empty_like(t, device="meta") for t in (x, weight)),
-                         None if bias is None else torch.empty_like(bias, device="meta")).shape
-    except RuntimeError as err:
-        raise ShapeError(f"linear_relu(): F.linear refuses these shapes: {err}") from None
-    if weight.dim() == 1:
-        y = matmul(x, weight[:, None]).squeeze(-1)
-    else:
-        y = matmul(x, weight.t())
-    out = dispatch(ADD_RELU, (y, 0 if bias is None else bias), 1, None)
-    return out if out.shape == shape else out.reshape(shape)
+    # F.linear's other shapes: the product, then bias and ReLU in one kernel. The bias may
+    # not widen the product's shape (torch's addmm refuses that); a 1-D x keeps its (out,) shape.
+    product = tuple(x.shape[:-1]) + tuple(weight.shape[:-1])  # (checked before anything launches)
+    if bias is not None:
+        shape = broadcast_shape([product, tuple(bias.shape)])
+        if shape != product and not (x.dim() == 1 and shape is not None and math.prod(shape) == math.prod(product)):
+            raise ShapeError(f"linear_relu(): a bias of shape {tuple(bias.shape)} does not broadcast to the "
+                             f"product's shape {product}, as F.linear requires")
+    y = matmul(x, weight[:, None]).squeeze(-1) if weight.dim() == 1 else matmul(x, weight.t())
+    if bias is None:
+        return dispatch(ADD_RELU, (y, 0), 1, None)
+    out = dispatch(ADD_RELU, (y, bias), 1, None)
+    return out if out.shape == y.shape else out.reshape(y.shape)

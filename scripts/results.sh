@@ -9,7 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else 'cpu')")
+gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else 'cpu')") \
+  || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
 reports=${*:-elementwise ncu matmul latency backward}

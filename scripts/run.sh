@@ -2,9 +2,9 @@
 # fusedkit's two jobs from a fresh clone, on a CPU or a GPU machine, with nothing done first:
 #   bash scripts/run.sh bench [options]   the fused-vs-unfused report (python -m fusedkit bench --help)
 #   bash scripts/run.sh test [pytest args]   the test suite (add -m "not slow" for the quick subset)
-# It uses the first Python that already has PyTorch and Triton (a GPU machine's own stack),
-# else a virtual environment in .venv with PyTorch's CPU build, and installs whatever else
-# the job needs (the package's "test" or "bench" extra) that is missing.
+# It uses $PYTHON, else python3 when it already has PyTorch and Triton (a GPU machine's own
+# stack), else a virtual environment in .venv with PyTorch 2.13 and Triton 3.9, and installs
+# whatever else the job needs (the package's "test" or "bench" extra) that is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-}
@@ -14,7 +14,7 @@ case $job in
 esac
 
 py=${PYTHON:-python3}
-if [ -x .venv/bin/python ] && ! "$py" -c "import torch, triton" 2>/dev/null; then
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && ! "$py" -c "import torch, triton" 2>/dev/null; then
   py=.venv/bin/python
 fi
 if ! "$py" -c "import torch, triton" 2>/dev/null; then
@@ -23,6 +23,10 @@ if ! "$py" -c "import torch, triton" 2>/dev/null; then
   echo "[run.sh] no PyTorch in $py: installing the CPU stack into .venv" >&2
   [ -x .venv/bin/python ] || "$py" -m venv .venv
   py=.venv/bin/python
+  if ! "$py" -m pip --version >/dev/null 2>&1; then
+    echo "[run.sh] .venv has no pip (python3-venv missing?): install it, remove .venv and run again" >&2
+    exit 1
+  fi
   "$py" -m pip install --quiet --disable-pip-version-check torch==2.13.0 "triton==3.9.*"
 fi
 
@@ -30,7 +34,7 @@ fi
 # optional ones may fail (no network, say: a GPU machine), and the tests that need them skip.
 if [ "$job" = test ]; then
   required="packaging=packaging numpy=numpy pytest=pytest hypothesis=hypothesis"
-  optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm mkdocs=mkdocs-material mkdocstrings=mkdocstrings[python]"
+  optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm ninja=ninja mkdocs=mkdocs-material mkdocstrings_handlers=mkdocstrings-python"
 else
   required="packaging=packaging numpy=numpy"
   optional="matplotlib=matplotlib tqdm=tqdm"
@@ -50,10 +54,12 @@ install() {  # install LEVEL PAIRS...: pip-install the distributions whose modul
 install required $required
 install optional $optional
 
-# fusedkit itself runs from this checkout (the current directory is on sys.path).
+# fusedkit itself runs from this checkout (the current directory is on sys.path); the
+# environment's own tools (ninja, for the C++ launch table) come first on PATH.
+export PATH="$(dirname "$py"):$PATH"
 if [ "$job" = bench ]; then
   exec "$py" -m fusedkit bench "$@"
 fi
 workers=()
 "$py" -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-auto}")
-exec "$py" -m pytest -q "${workers[@]}" "$@"
+exec "$py" -m pytest -q ${workers[@]+"${workers[@]}"} "$@"

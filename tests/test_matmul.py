@@ -186,10 +186,12 @@ def test_bad_input_is_refused_before_launch(monkeypatch):
     for args, kw, error, words in cases:
         with pytest.raises(error, match=words):
             fusedkit.matmul(*args, **kw)
-    with pytest.raises(ShapeError, match="F.linear refuses these shapes"):
+    with pytest.raises(ShapeError, match="weight must be 2-D"):
         fusedkit.linear_relu(a, mk(5, 5, 5))
-    with pytest.raises(ShapeError, match="F.linear refuses these shapes"):
+    with pytest.raises(ShapeError, match="K differs"):
         fusedkit.linear_relu(a, mk(4), mk(4))
+    with pytest.raises(ShapeError, match="does not broadcast to the product's shape"):
+        fusedkit.linear_relu(a, mk(6, 5), mk(2, 4, 6))  # torch's addmm refuses to widen the result
 
 
 @pytest.mark.parametrize("activation", ACTS)

@@ -177,6 +177,12 @@ def test_python_number_operands_convert_as_torchs_cuda_kernels_read_them():
     n = 2**60 + 2**36 + 1
     expected = torch.tensor(n).float().item()
     assert fusedkit.add(x, n)[0].item() == expected
+    import numpy as np
+    assert fusedkit.add(x, np.int64(n))[0].item() == expected
+    # uint64-range ints: a float result takes them, as torch does; an integral one would wrap.
+    assert fusedkit.add(x, 2**63)[0].item() == torch.add(torch.zeros(2), 2**63)[0].item()
+    with pytest.raises(OverflowError):
+        fusedkit.add(torch.ones(2, dtype=torch.int64, device=DEVICE), 2**63)
     assert fusedkit.add(x, torch.ones(2, device=DEVICE), alpha=n)[0].item() == expected
     assert fusedkit.add_relu(x, n)[0].item() == expected
 
@@ -207,6 +213,7 @@ def _linear_samples(dtype):
     yield rand((2, 4), dtype, DEVICE), rand((4,), dtype, DEVICE), None  # a 1-D weight, no bias
     yield rand((2, 5, 4), dtype, DEVICE), rand((4,), dtype, DEVICE), None
     yield rand((4,), dtype, DEVICE), rand((3, 4), dtype, DEVICE), rand((1, 3), dtype, DEVICE)
+    yield rand((2, 4), dtype, DEVICE), rand((3, 4), dtype, DEVICE), rand((2, 3), dtype, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -309,6 +316,12 @@ def test_out_under_torch_func():
     x, out = rand((3, 4), torch.float32, DEVICE), torch.zeros(3, 4, device=DEVICE)
     vmap(lambda a, o: fusedkit.add(a, 1, out=o))(x, out)
     assert torch.equal(out.cpu(), x.cpu() + 1)
+
+    def through_a_buffer(a):  # out= on tensors grad does not differentiate through: allowed, as in torch
+        buf = torch.empty(3, 4, device=DEVICE)
+        fusedkit.add_relu(x, 1.0, out=buf)
+        return (a * buf).sum()
+    torch.testing.assert_close(grad(through_a_buffer)(x), torch.relu(x + 1))
     with pytest.raises(FusedkitError, match="out= does not support automatic differentiation"):
         grad(lambda a: fusedkit.add(a, 1, out=torch.zeros(4, device=DEVICE)).sum())(rand((4,), torch.float32,
                                                                                         DEVICE))
