@@ -256,6 +256,10 @@ class _Call:
     direct: bool = True
 
 
+#: Numbers as torch.compile traces them when they vary between calls.
+_SYMBOLIC = (torch.SymInt, torch.SymFloat)
+
+
 def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
     if isinstance(value, torch.Tensor):
         if value.is_complex():
@@ -264,6 +268,8 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
             raise DTypeError(f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; "
                              f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
         return
+    if isinstance(value, _SYMBOLIC):
+        return  # a traced number (torch.compile with dynamic shapes): its value is checked when it runs
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
         raise DTypeError(f"{kernel.name}(): argument '{name}' must be a Tensor or a real number, "
                          f"got {type(value).__name__}")
@@ -331,6 +337,8 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
 def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
     """The parameter as torch checks ``alpha``: an int torch can take, an integer for an
     integral result (within its range), a float within the compute dtype's range."""
+    if isinstance(param, _SYMBOLIC):
+        return  # traced: checked when the op runs with the real value
     if isinstance(param, bool) or not isinstance(param, numbers.Real):
         raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
     if isinstance(param, numbers.Integral) and not _INT64_MIN <= param < _SCALAR_INT_END:

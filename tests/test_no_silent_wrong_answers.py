@@ -482,3 +482,15 @@ def test_the_pytorch_path_keeps_them_too():
 
 def test_this_module_runs_on_the_backend_it_names():
     assert fusedkit.backend_for(DEVICE) == ("triton" if ON_GPU else "torch" if PYTORCH_PATH else "interpreter")
+
+
+@pytest.mark.slow  # torch.compile
+def test_compiled_calls_take_new_python_numbers():
+    # A number that varies between calls is traced as a SymFloat / SymInt: it must be taken.
+    f = torch.compile(lambda x, s: fusedkit.add_relu(x, s, alpha=2), fullgraph=True)
+    g = torch.compile(lambda x, a: fusedkit.add(x, x, alpha=a), fullgraph=True)
+    x = rand((8,), torch.float32, DEVICE)
+    for s in (1.5, 2.5, -0.25):
+        assert_matches_reference(f(x, s), torch.relu(x.cpu().double() + 2 * s), torch.float32)
+    for a in (2, 3, 0.5):
+        assert_matches_reference(g(x, a), torch.add(x.cpu().double(), x.cpu().double(), alpha=a), torch.float32)
