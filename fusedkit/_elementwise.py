@@ -260,6 +260,13 @@ class _Call:
 _SYMBOLIC = (torch.SymInt, torch.SymFloat)
 
 
+def _check_scalar_int(kernel: ElementwiseKernel, what: str, value) -> None:
+    """An int operand or parameter must fit a torch Scalar: an int64, or a uint64 above it."""
+    if isinstance(value, numbers.Integral) and not _INT64_MIN <= value < _SCALAR_INT_END:
+        raise ScalarOverflowError(f"{kernel.name}(): {what}={value} is too big for a torch Scalar "
+                                  "(an int64 or a uint64)")
+
+
 def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
     if isinstance(value, torch.Tensor):
         if value.is_complex():
@@ -275,9 +282,7 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
                          f"got {type(value).__name__}")
     if not isinstance(value, numbers.Real):
         raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
-    if isinstance(value, numbers.Integral) and not _INT64_MIN <= value < _SCALAR_INT_END:
-        raise ScalarOverflowError(f"{kernel.name}(): argument '{name}'={value} is too big for a torch Scalar "
-                                  "(an int64 or a uint64)")
+    _check_scalar_int(kernel, f"argument '{name}'", value)
 
 
 def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
@@ -341,9 +346,7 @@ def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
         return  # traced: checked when the op runs with the real value
     if isinstance(param, bool) or not isinstance(param, numbers.Real):
         raise DTypeError(f"{kernel.name}(): {kernel.param} must be a real number, got {type(param).__name__}")
-    if isinstance(param, numbers.Integral) and not _INT64_MIN <= param < _SCALAR_INT_END:
-        raise ScalarOverflowError(f"{kernel.name}(): {kernel.param}={param} is too big for a torch Scalar "
-                                  "(an int64 or a uint64)")
+    _check_scalar_int(kernel, kernel.param, param)
     if not dtype.is_floating_point:
         if not isinstance(param, numbers.Integral):
             raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
