@@ -15,3 +15,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+import pytest  # noqa: E402
+
+import fusedkit  # noqa: E402
+
+
+@pytest.fixture
+def fk_settings():
+    """Change fusedkit's settings for one case; the ones before are put back after it."""
+    before = fusedkit.settings.current()
+    yield fusedkit.settings.set
+    fusedkit.settings.restore(before)

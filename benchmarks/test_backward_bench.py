@@ -9,7 +9,7 @@ import torch
 import triton
 
 import fusedkit
-from fusedkit.bench_backward import keep_saved_buffers
+from fusedkit.bench.backward import keep_saved_buffers
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

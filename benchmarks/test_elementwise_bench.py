@@ -7,8 +7,8 @@ import torch
 import triton
 
 import fusedkit
-from fusedkit import bench
-from fusedkit.bench_peers import supports_tutorial, tutorial
+from fusedkit.bench import report as bench
+from fusedkit.bench.peers import supports_tutorial, tutorial
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -57,7 +57,7 @@ def _record(benchmark, spec, ops, which):
 @pytest.mark.parametrize("which", ["fused", "unfused", "compiled", "tutorial", "torch_add"])
 @pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
 def test_elementwise(benchmark, spec, which, dtype, n, layout):
-    ops = bench._operands(spec, layout, n, dtype, DEVICE)
+    ops = bench.make_operands(spec, layout, n, dtype, DEVICE)
     args = ops + ((spec.param_default,) if spec.param else ())
     if which == "compiled":
         if not ON_GPU:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 
 import fusedkit
-from fusedkit.latency import LATENCY_SIZES, LINEAR_SHAPES
+from fusedkit.bench.latency import LATENCY_SIZES, LINEAR_SHAPES
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

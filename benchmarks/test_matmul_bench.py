@@ -3,14 +3,13 @@ eager addmm + relu, and torch.compile of the eager composition."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import triton
 
 import fusedkit
-from fusedkit import bench
+from fusedkit.bench import report as bench
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -22,11 +21,11 @@ WHICH = ["fusedkit_pointer", "fusedkit_tma", "cublaslt_epilogue", "addmm_relu", 
 @pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda v: str(v))
-def test_matmul_relu(benchmark, m, n, k, dtype, which, monkeypatch):
+def test_matmul_relu(fk_settings, benchmark, m, n, k, dtype, which):
     a, b, bias = (torch.randn(*s, device=DEVICE).to(dtype) for s in ((m, k), (k, n), (n,)))
     benchmark.group = f"matmul_relu {str(dtype).removeprefix('torch.')} {m}x{n}x{k}"
     if which.startswith("fusedkit_"):
-        monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", which.removeprefix("fusedkit_"))
+        fk_settings(matmul_kernel=which.removeprefix("fusedkit_"))
         fn = lambda: fusedkit.matmul_relu(a, b, bias)  # noqa: E731
     elif which == "compiled":
         if not ON_GPU:
@@ -38,7 +37,7 @@ def test_matmul_relu(benchmark, m, n, k, dtype, which, monkeypatch):
               "addmm_relu": lambda: torch.relu(torch.addmm(bias, a, b))}[which]
     info = benchmark.extra_info
     info.update(case=which, m=m, n=n, k=k, dtype=str(dtype), torch=torch.__version__, triton=triton.__version__,
-                autotune=os.environ.get("FUSEDKIT_AUTOTUNE", "1"))
+                autotune=fusedkit.settings.current().autotune)
     if ON_GPU:
         us = 1e3 * triton.testing.do_bench(fn, return_mode="median")
         info.update(gpu=torch.cuda.get_device_name(DEVICE), do_bench_median_us=us, tflops=2 * m * n * k / us / 1e6)

@@ -1,22 +1,39 @@
 """fusedkit: fused GPU kernels in Triton for PyTorch.
 
 ``fusedkit.add`` and ``fusedkit.add_relu`` replace ``torch.add`` and
-``torch.relu(torch.add(...))`` with one kernel each; :mod:`fusedkit.registry`
-lists every fused elementwise op and lets you register your own.
+``torch.relu(torch.add(...))`` with one kernel each; ``fusedkit.matmul`` runs
+``act(a @ b + bias)`` in one; :mod:`fusedkit.registry` lists every fused elementwise op
+and lets you register your own; :mod:`fusedkit.settings` chooses how matmuls run.
+
+The package reads top to bottom, each layer importing only the ones before it:
+``errors`` and ``settings``; ``kernels`` (``@triton.jit`` code only); ``registry``;
+``runtime`` (validation, planning, launches, caches); ``autograd`` (custom ops and
+autograd Functions); ``dispatch`` (where a call runs); ``library`` (the built-in ops and
+their derivatives); ``ops`` and ``nn``. ``fusedkit.bench`` (the reports) is not imported here.
 """
 
 from __future__ import annotations
 
-from . import nn, registry
-from ._elementwise import BACKENDS, backend_for, elementwise
-from ._launch import clear_caches
+from . import nn, registry, settings
 from .errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
     ShapeError, SignatureError, UnknownKernelError,
 )
-from ._matmul import linear_relu, matmul, matmul_relu
-from .ops import add, add_relu
+from .ops import add, add_relu, elementwise, linear_relu, matmul, matmul_relu
+from .runtime.elementwise import BACKENDS, backend_for
+from .runtime.launch import clear_caches
 
+
+def set_fp32_precision(precision: str) -> None:
+    """How float32 matmuls run when PyTorch rules TF32 out, from now on: "tf32x3" (the
+    default: three TF32 products each, fp32-sized errors) or "ieee" (fp32 multiply-adds).
+    The same as ``fusedkit.settings.set(fp32_precision=...)``; see :mod:`fusedkit.settings`."""
+    settings.set(fp32_precision=precision)
+
+
+def get_fp32_precision() -> str:
+    """The float32 matmul precision :func:`set_fp32_precision` chose ("tf32x3" or "ieee")."""
+    return settings.current().fp32_precision
 
 
 def _version() -> str:
@@ -39,7 +56,8 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "add", "add_relu", "elementwise", "clear_caches", "matmul", "matmul_relu", "linear_relu", "nn", "registry", "backend_for", "BACKENDS",
+    "add", "add_relu", "elementwise", "clear_caches", "matmul", "matmul_relu", "linear_relu", "nn", "registry",
+    "settings", "set_fp32_precision", "get_fp32_precision", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
     "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
 ]

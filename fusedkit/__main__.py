@@ -13,8 +13,9 @@ import sys
 
 import torch
 
-from . import __version__, _elementwise, registry
+from . import __version__, registry
 from .bench import BIAS_COLS, DTYPE_NAMES, LAYOUTS
+from .runtime.elementwise import INTERPRETED
 
 
 def _choices(kind: str, allowed, aliases=None):
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plots needs matplotlib: pip install matplotlib (or fusedkit[bench])")
-    if not torch.cuda.is_available() and not _elementwise.INTERPRETED:
+    if not torch.cuda.is_available() and not INTERPRETED:
         # Triton chooses the interpreter when it decorates the kernels, which has
         # happened already: start again with it on, so the report runs the real kernels.
         env = dict(os.environ, TRITON_INTERPRET="1")

@@ -7,9 +7,8 @@ import numbers
 import torch
 from torch import nn
 
-from ._layout import broadcast_shape
-from ._matmul import linear_relu
-from .ops import add_relu
+from .ops import add_relu, linear_relu
+from .runtime.layout import broadcast_shape
 
 __all__ = ["LinearReLU", "AddReLU"]
 

@@ -1,16 +1,24 @@
-"""Public fused elementwise ops. Each is a thin, documented front for one
-registry entry; the work happens in :func:`fusedkit.elementwise`."""
+"""fusedkit's public ops: documented fronts over :mod:`fusedkit.dispatch`.
+
+``add`` and ``add_relu`` are the registry entries of those names; ``elementwise`` runs
+any entry; ``matmul``, ``matmul_relu`` and ``linear_relu`` are the matmul with a fused
+epilogue.
+"""
 
 from __future__ import annotations
 
+import math
 import typing
 
 import torch
 
-from ._elementwise import dispatch
-from .registry import ADD, ADD_RELU
+from . import dispatch
+from .errors import DTypeError, ShapeError, SignatureError
+from .library import ADD, ADD_RELU
+from .registry import ElementwiseKernel, get
+from .runtime.layout import broadcast_shape
 
-__all__ = ["add", "add_relu"]
+__all__ = ["add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu"]
 
 #: What an operand may be: a tensor, or a host number standing for a scalar.
 Operand = typing.Union[torch.Tensor, float, int]
@@ -48,7 +56,7 @@ def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | N
     All are ``FusedkitError`` subclasses (a ``RuntimeError``), raised before anything is
     launched or written.
     """
-    return dispatch(ADD, (x, y), alpha, out)
+    return dispatch.elementwise(ADD, (x, y), alpha, out)
 
 
 def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
@@ -60,4 +68,98 @@ def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
     and ``relu(-0.0)`` is ``-0.0``, as in PyTorch. ``out=x`` computes in place, as a
     residual join does.
     """
-    return dispatch(ADD_RELU, (x, y), alpha, out)
+    return dispatch.elementwise(ADD_RELU, (x, y), alpha, out)
+
+
+def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):
+    """Run a registered elementwise kernel: ``elementwise("add_relu", x, y, alpha=2)``.
+
+    ``operands`` are tensors or real numbers that broadcast together; the result
+    has their broadcast shape and PyTorch's promoted dtype. ``param`` is the
+    kernel's one scalar keyword (e.g. ``alpha``), defaulting as registered.
+    ``out`` receives the result when given (it may be one of the inputs).
+    """
+    if not isinstance(kernel, ElementwiseKernel):
+        kernel = get(kernel)  # a name; anything else raises DTypeError
+    if kernel.param is None:
+        if param:
+            raise SignatureError(f"{kernel.name}() takes no keyword {', '.join(param)}")
+        value = None
+    else:
+        value = param.pop(kernel.param, kernel.param_default)  # ``param`` is this call's own dict
+        if param:
+            raise SignatureError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(param))}")
+    return dispatch.elementwise(kernel, operands, value, out)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """``act(a @ b + bias)`` in one kernel: bias and activation run on the accumulator.
+
+    Args:
+        a: (..., M, K), or (K,) for a (N,) result as ``torch.matmul`` gives. Leading dims are
+            flattened, without a copy when the strides allow.
+        b: (K, N), any strides (an ``nn.Linear`` weight's ``.t()`` is read as is).
+        bias: optional (N,).
+        activation: None, "relu", "gelu", "gelu_tanh" or "silu".
+
+    Returns:
+        (..., M, N) in the inputs' dtype: float16, bfloat16, float32 (TF32 when
+        PyTorch's matmul setting allows it; else as ``fusedkit.settings``' ``fp32_precision``
+        says: three TF32 products each, with fp32-sized errors, or fp32 multiply-adds) or
+        float64.
+        Accumulates in fp32 (fp64 for float64). Differentiable in a, b and bias.
+
+    Raises:
+        ShapeError: ``a`` with fewer than 2 dims, ``b`` not 2-D, mismatched K, or a bias not (N,).
+        DTypeError: a non-tensor, an unsupported dtype, or operands of different dtypes.
+        DeviceError: operands on different devices.
+        ArgumentError: an unknown activation.
+
+    Each is raised before any launch. Under ``torch.autocast`` the operands are cast to
+    the autocast dtype first, as ``F.linear`` casts them (float64 stays float64). Under
+    ``torch.profiler`` each call is a ``fusedkit::matmul`` range.
+    """
+    return dispatch.matmul(a, b, bias, activation)
+
+
+def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.relu(a @ b + bias)`` in one kernel; see :func:`matmul`."""
+    return matmul(a, b, bias, "relu")
+
+
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.relu(F.linear(x, weight, bias))``: x (..., in) or (in,), weight (out, in), bias
+    (out,) in one kernel, the weight read transposed through its strides, never copied.
+
+    Takes the inputs ``F.linear`` takes: a bias of shape () or (1,) is expanded (a view);
+    a 1-D weight, or a bias over the batch dims, runs the product and then one fused
+    ``add_relu``. A bias that would widen the result raises ``ShapeError`` (torch's addmm
+    refuses it too). Follows ``torch.autocast`` as ``F.linear`` does, bias included.
+    """
+    for name, value in (("x", x), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"linear_relu(): {name} must be a Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise DTypeError(f"linear_relu(): bias must be a Tensor or None, got {type(bias).__name__}")
+    if weight.dim() not in (1, 2):
+        raise ShapeError(f"linear_relu(): weight must be 2-D (out, in) or 1-D (in,), got shape {tuple(weight.shape)}")
+    if x.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+        x, weight, bias = dispatch.autocast(x.device.type, x, weight, bias)
+    if weight.dim() == 2 and (bias is None or (bias.dim() <= 1 and bias.numel() in (1, weight.shape[0]))):
+        if bias is not None and bias.shape != weight.shape[:1]:
+            bias = bias.expand(weight.shape[0])
+        return matmul(x, weight.t(), bias, "relu")
+    # F.linear's other shapes: the product, then bias and ReLU in one kernel. The bias may
+    # not widen the product's shape (torch's addmm refuses that); a 1-D x keeps its (out,) shape.
+    product = tuple(x.shape[:-1]) + tuple(weight.shape[:-1])  # (checked before anything launches)
+    if bias is not None:
+        shape = broadcast_shape([product, tuple(bias.shape)])
+        if shape != product and not (x.dim() == 1 and shape is not None and math.prod(shape) == math.prod(product)):
+            raise ShapeError(f"linear_relu(): a bias of shape {tuple(bias.shape)} does not broadcast to the "
+                             f"product's shape {product}, as F.linear requires")
+    y = matmul(x, weight[:, None]).squeeze(-1) if weight.dim() == 1 else matmul(x, weight.t())
+    if bias is None:
+        return dispatch.elementwise(ADD_RELU, (y, 0), 1, None)
+    out = dispatch.elementwise(ADD_RELU, (y, bias), 1, None)
+    return out if out.shape == y.shape else out.reshape(y.shape)

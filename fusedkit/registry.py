@@ -3,14 +3,14 @@
 Every fused elementwise op is an :class:`ElementwiseKernel`: its math (a small
 ``@triton.jit`` function), its PyTorch reference (the unfused composition it
 replaces), the dtypes it takes and its byte model. One generic launcher
-(:mod:`fusedkit._elementwise`) runs any entry; tests, benchmarks and the docs'
+(:mod:`fusedkit.runtime.elementwise`) runs any entry; tests, benchmarks and the docs'
 op table enumerate the registry, so a new entry gets all three.
 
 Register your own::
 
     import torch, triton, fusedkit
     import triton.language as tl  # jit functions need it in their module
-    from fusedkit.activations import relu
+    from fusedkit.kernels.activations import relu
 
     @triton.jit
     def sub_relu_math(x, y):
@@ -35,7 +35,6 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 from triton.runtime.jit import KernelInterface
 
-from . import activations
 from .errors import ArgumentError, DTypeError, UnknownKernelError
 
 __all__ = [
@@ -196,9 +195,9 @@ def result_dtype(operands) -> torch.dtype:
 
 
 _REGISTRY: dict[str, ElementwiseKernel] = {}
-#: Names of the kernels fusedkit itself registers: they can be neither replaced nor removed,
-#: since fusedkit's own gradients hold those kernel objects.
-BUILTIN_NAMES: frozenset[str] = frozenset()
+#: Names of the kernels fusedkit itself registers (:mod:`fusedkit.library`): they can be
+#: neither replaced nor removed, since fusedkit's own gradients hold those kernel objects.
+BUILTIN_NAMES: set[str] = set()
 
 
 def register(kernel: ElementwiseKernel, *, replace: bool = False) -> ElementwiseKernel:
@@ -212,6 +211,13 @@ def register(kernel: ElementwiseKernel, *, replace: bool = False) -> Elementwise
     if kernel.name in _REGISTRY and not replace:
         raise ArgumentError(f"an elementwise kernel named {kernel.name!r} is already registered")
     _REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def register_builtin(kernel: ElementwiseKernel) -> ElementwiseKernel:
+    """Register one of fusedkit's own kernels, fixed from then on."""
+    register(kernel)
+    BUILTIN_NAMES.add(kernel.name)
     return kernel
 
 
@@ -240,68 +246,3 @@ def kernels() -> Iterator[ElementwiseKernel]:
 
 def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
-
-
-def _run(kernel, *operands, **param):
-    from ._elementwise import elementwise
-
-    return elementwise(kernel, *operands, **param)
-
-
-def _add_backward(grad, saved, alpha):
-    # d/dx = grad itself (no copy); d/dy = alpha * grad, computed as 0 + alpha * grad.
-    return grad, grad if alpha == 1 else _run(ADD, 0, grad, alpha=alpha)
-
-
-def _add_relu_backward(grad, out, alpha):
-    # Only the output is saved: relu's mask is out > 0, so x and y need not be kept.
-    gx = _run(RELU_GRAD, grad, out)
-    return gx, gx if alpha == 1 else _run(RELU_GRAD, grad, out, alpha=alpha)
-
-
-def _relu_grad_reference(grad, out, alpha=1):
-    dtype = torch.result_type(grad, out)
-    device = (grad if isinstance(grad, torch.Tensor) else out).device
-    g = torch.as_tensor(grad, dtype=dtype, device=device) * alpha
-    o = torch.as_tensor(out, device=device)
-    # NaN in ``out`` passes the gradient, as PyTorch's threshold_backward does.
-    return torch.where(o <= 0, torch.zeros((), dtype=dtype, device=device), g)
-
-
-def _relu_grad_backward(grad, saved, alpha):
-    # Linear in its gradient input with the same mask; no gradient flows to ``out``.
-    return _run(RELU_GRAD, grad, saved[1], alpha=alpha), None
-
-
-ADD = register(ElementwiseKernel(
-    name="add",
-    math=activations.add_math,
-    reference=lambda x, y, alpha=1: torch.add(x, y, alpha=alpha),
-    formula="x + alpha * y",
-    unfused=("torch.add",),
-    backward=_add_backward,
-))
-
-ADD_RELU = register(ElementwiseKernel(
-    name="add_relu",
-    math=activations.add_relu_math,
-    reference=lambda x, y, alpha=1: torch.relu(torch.add(x, y, alpha=alpha)),
-    formula="relu(x + alpha * y)",
-    unfused=("torch.add", "torch.relu"),
-    saves="output",
-    backward=_add_relu_backward,
-))
-
-RELU_GRAD = register(ElementwiseKernel(
-    name="relu_grad",
-    math=activations.relu_grad_math,
-    reference=_relu_grad_reference,
-    arg_names=("grad", "out"),
-    dtypes=FLOAT_DTYPES,
-    formula="where(out <= 0, 0, alpha * grad)",
-    unfused=("torch.mul", "torch.where"),
-    saves="inputs",
-    backward=_relu_grad_backward,
-))
-
-BUILTIN_NAMES = frozenset(_REGISTRY)  # from here on, these names are fixed

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._matmul import tf32_enabled
+from .runtime.matmul import tf32_enabled
 from .registry import ElementwiseKernel, result_dtype
 
 __all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned",

@@ -35,6 +35,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def fk_settings():
+    """Change fusedkit's settings for one test, ``fk_settings(autotune=True)``; the ones
+    before are put back after it."""
+    before = fusedkit.settings.current()
+    yield fusedkit.settings.set
+    fusedkit.settings.restore(before)
+
+
 def pytest_report_header(config):
     return (f"fusedkit {fusedkit.__version__}: device {DEVICE}, backend {fusedkit.backend_for(DEVICE)}, "
             f"torch {torch.__version__}, triton {__import__('triton').__version__}")

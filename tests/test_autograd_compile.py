@@ -8,7 +8,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
-from fusedkit._library import elementwise_op
+from fusedkit.autograd import elementwise_op
 
 DIFFERENTIABLE = [k for k in fusedkit.registry.kernels() if k.backward is not None]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -192,7 +192,7 @@ def test_cuda_graph_capture_and_replay():
 # --- matmul and modules ------------------------------------------------------------
 
 def test_matmul_opcheck():
-    from fusedkit._matmul import matmul_op
+    from fusedkit.autograd import matmul_op
 
     a, b, bias = rand((6, 5), torch.float32, DEVICE), rand((5, 7), torch.float32, DEVICE), rand((7,), torch.float32,
                                                                                                DEVICE)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedkit.configs import HOPPER_SMEM_BYTES
+from fusedkit.runtime.configs import HOPPER_SMEM_BYTES
 
 pytestmark = pytest.mark.slow  # compiles kernels for sm_90 in new processes
 
@@ -36,7 +36,7 @@ def run_fresh(script: str, **env) -> dict:
 
 CODEGEN = """
 import json, re, torch, fusedkit
-from fusedkit._codegen import compile_elementwise
+from fusedkit.runtime.codegen import compile_elementwise
 from fusedkit.registry import get
 
 M = "meta"
@@ -58,7 +58,7 @@ t = torch.empty(512, 256, device=M)
 r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), torch.empty(256, 512, device=M))
 b = torch.empty(4096, 1024, device=M)
 r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
-from fusedkit._codegen import compile_matmul
+from fusedkit.runtime.codegen import compile_matmul
 tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT=True)
 def mm_facts(m, n, k):
     a, b = torch.empty(m, k, device=M, dtype=torch.bfloat16), torch.empty(k, n, device=M, dtype=torch.bfloat16)
@@ -139,8 +139,8 @@ def test_cpu_without_interpreter_runs_the_pytorch_reference():
 
 TMA_CODEGEN = r"""
 import json, re, torch
-from fusedkit._codegen import compile_matmul_tma
-from fusedkit.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_configs, matmul_tma_fixed_tile
+from fusedkit.runtime.codegen import compile_matmul_tma
+from fusedkit.runtime.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_configs, matmul_tma_fixed_tile
 
 def facts(dtype, tile, warps, stages, **kw):
     c = compile_matmul_tma(dtype, tile, warps, stages, **kw)
@@ -163,8 +163,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fixed_tile(4), w, s, b_kmajor=kmajor,
                                                       precision=p)
                    for p in ("tf32", "tf32x3") for kmajor in (False, True)}
-from fusedkit._codegen import compile_matmul
-from fusedkit.configs import HOPPER_SMEM_BYTES, matmul_configs, prune_matmul_configs
+from fusedkit.runtime.codegen import compile_matmul
+from fusedkit.runtime.configs import HOPPER_SMEM_BYTES, matmul_configs, prune_matmul_configs
 r["fp64_fits"] = {}
 for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
     fits = []
@@ -175,7 +175,7 @@ for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
         fits.append(c.metadata.shared <= HOPPER_SMEM_BYTES)
     r["fp64_fits"][bucket] = any(fits)
 from types import SimpleNamespace
-from fusedkit.configs import TMA_FP32_TILES, _tma_tile_of, prune_tma_configs
+from fusedkit.runtime.configs import TMA_FP32_TILES, tma_tile_of, prune_tma_configs
 for dtype in (torch.bfloat16, torch.float32):  # each config tuning may try for this operand size
     desc = SimpleNamespace(base=torch.empty(1, 1, device="meta", dtype=dtype))
     for cfg in prune_tma_configs(matmul_tma_configs(), {"a_desc": desc}):
@@ -183,7 +183,7 @@ for dtype in (torch.bfloat16, torch.float32):  # each config tuning may try for 
             # fp32 in both products: nn.Linear's K-major b and the transposed one of a row-major b;
             # fp32's own deep tiles also in tf32x3, whose splits take more shared memory
             # (128 x 256 x 32, K-major b: 224 KiB against 209 in TF32, triton 3.6)
-            precisions = ("tf32", "tf32x3") if _tma_tile_of(cfg) in TMA_FP32_TILES else (None,)
+            precisions = ("tf32", "tf32x3") if tma_tile_of(cfg) in TMA_FP32_TILES else (None,)
             for kmajor in ((True, False) if dtype == torch.float32 else (True,)):
                 for precision in precisions:
                     r["configs"].append(facts(dtype, cfg.kwargs, cfg.num_warps, cfg.num_stages, b_kmajor=kmajor,
@@ -227,8 +227,8 @@ def test_tma_autotune_configs_fit_hopper_shared_memory(tma_codegen):
 
 FP32_FIT_CODEGEN = """
 import json, torch
-from fusedkit._codegen import compile_matmul
-from fusedkit.configs import MATMUL_FP32_TILES, MATMUL_GROUP_M
+from fusedkit.runtime.codegen import compile_matmul
+from fusedkit.runtime.configs import MATMUL_FP32_TILES, MATMUL_GROUP_M
 r = []
 a, out = torch.empty(512, 4096, device="meta"), torch.empty(512, 4096, device="meta")
 for b in (torch.empty(4096, 4096, device="meta"), torch.empty(4096, 4096, device="meta").t()):
@@ -249,8 +249,8 @@ def test_fp32_tiles_fit_shared_memory_in_the_tf32x3_mode():
 
 REDUCE_CODEGEN = """
 import json, torch
-from fusedkit._codegen import compile_matmul
-from fusedkit.configs import MATMUL_GROUP_M, MATMUL_REDUCE_TILES
+from fusedkit.runtime.codegen import compile_matmul
+from fusedkit.runtime.configs import MATMUL_GROUP_M, MATMUL_REDUCE_TILES
 r = []
 for dtype in (torch.float32, torch.float64):
     a, b = torch.empty(64, 256, device="meta", dtype=dtype), torch.empty(256, 256, device="meta", dtype=dtype)
@@ -274,7 +274,7 @@ def test_multiply_and_sum_tiles_stay_off_the_tensor_cores():
 
 FP32_CODEGEN = """
 import json, os, torch
-from fusedkit._codegen import compile_matmul
+from fusedkit.runtime.codegen import compile_matmul
 tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, DOT=True)
 a, w = torch.empty(64, 512, device="meta"), torch.empty(256, 512, device="meta")
 c = compile_matmul(a, w.t(), None, "relu", torch.empty(64, 256, device="meta"), tile, num_warps=4, num_stages=3)

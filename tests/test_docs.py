@@ -169,7 +169,7 @@ def test_op_table_lists_every_registered_kernel():
         assert f"`{kernel.formula}`" in table, kernel.name
 
     # The table follows the registry: a kernel registered now shows up.
-    from fusedkit.activations import add_relu_math
+    from fusedkit.kernels.activations import add_relu_math
 
     extra = fusedkit.registry.register(fusedkit.registry.ElementwiseKernel(
         name="docs_table_probe", math=add_relu_math, reference=lambda x, y, alpha=1: torch.relu(x + alpha * y),

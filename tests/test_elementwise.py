@@ -13,7 +13,7 @@ from conftest import DEVICE
 from helpers import rand, views
 
 import fusedkit
-from fusedkit import _elementwise as ew
+from fusedkit.runtime import elementwise as ew
 from fusedkit.testing import assert_matches_reference, poisoned, reference_result
 
 KERNELS = list(fusedkit.registry.kernels())

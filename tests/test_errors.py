@@ -9,7 +9,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
-from fusedkit import _elementwise as ew
+from fusedkit.runtime import elementwise as ew
 from fusedkit.errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
 
 OPS = [fusedkit.add, fusedkit.add_relu]

@@ -1,5 +1,5 @@
 """The eager fast path: a repeated call signature reuses its validation, plan and
-compiled kernel (``_elementwise._RECIPES``, ``fusedkit._launch``), and nothing it
+compiled kernel (``elementwise.KEPT``, ``fusedkit.runtime.launch``), and nothing it
 reuses may go stale. On the CPU the recipes run through the interpreter; the
 direct launches of compiled kernels are checked on a GPU."""
 
@@ -11,26 +11,26 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
-from fusedkit import _elementwise as ew
-from fusedkit import _launch
-from fusedkit import _matmul as mm
+from fusedkit.runtime import elementwise as ew
+from fusedkit.runtime import launch as fk_launch
+from fusedkit.runtime import matmul as mm
 from fusedkit.errors import ArgumentError, ShapeError
-from fusedkit.registry import ADD, ADD_RELU
+from fusedkit.library import ADD, ADD_RELU
 from fusedkit.testing import assert_rel_err, matmul_rel_err
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="direct launches of compiled kernels need a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_caches(monkeypatch):
+def _fresh_caches(fk_settings, monkeypatch):
     # The Python fast path under test: C++ launches (tests/test_native.py) stay out of it.
-    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "0")
+    fk_settings(native_launch=False)
     fusedkit.clear_caches()
     yield
 
 
 def _recipe(kernel, *operands, alpha=1):
-    return ew._RECIPES[ew._call_key(kernel, operands, alpha)]
+    return ew.KEPT[ew.call_key(kernel, operands, alpha)]
 
 
 def test_repeated_signature_reuses_one_recipe_with_new_values():
@@ -39,7 +39,7 @@ def test_repeated_signature_reuses_one_recipe_with_new_values():
         x.copy_(rand((37, 19), torch.float32, DEVICE))
         torch.testing.assert_close(fusedkit.add_relu(x, y, alpha=alpha), torch.relu(torch.add(x, y, alpha=alpha)))
     # int and float alpha are two signatures (the type is in the key), nothing more
-    assert len(ew._RECIPES) == 2
+    assert len(ew.KEPT) == 2
 
 
 def test_each_layout_and_dtype_takes_its_own_recipe():
@@ -51,7 +51,7 @@ def test_each_layout_and_dtype_takes_its_own_recipe():
         want = torch.add(x, y.to(x.dtype), alpha=3)
         torch.testing.assert_close(got, want)
     # base[:, :64] and base[:, 1:] share shape and strides: one signature, two offsets
-    assert len(ew._RECIPES) == len(cases) - 1
+    assert len(ew.KEPT) == len(cases) - 1
 
 
 def test_scalar_operands_and_default_dtype():
@@ -82,7 +82,7 @@ def test_grad_calls_do_not_take_the_recipe():
     y = rand((20,), torch.float32, DEVICE)
     with torch.no_grad():
         assert fusedkit.add_relu(x, y).grad_fn is None
-    assert len(ew._RECIPES) == 1
+    assert len(ew.KEPT) == 1
     out = fusedkit.add_relu(x, y)
     assert out.grad_fn is not None
     out.sum().backward()
@@ -96,9 +96,9 @@ def test_eager_grad_calls_skip_the_registered_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through the registered op")
 
-    from fusedkit import _library
-    monkeypatch.setattr(_library, "elementwise_op", refuse)
-    monkeypatch.setattr(mm, "matmul_op", refuse)
+    from fusedkit import autograd
+    monkeypatch.setattr(autograd, "elementwise_op", refuse)
+    monkeypatch.setattr(autograd, "matmul_op", refuse)
     x = rand((6, 8), torch.float32, DEVICE).requires_grad_()
     y = rand((8,), torch.float32, DEVICE).requires_grad_()
     for _ in range(2):  # the second call's forward runs the recipe the first one kept
@@ -107,7 +107,7 @@ def test_eager_grad_calls_skip_the_registered_ops(monkeypatch):
         mask = ((x + 0.5 * y) > 0).float()
         torch.testing.assert_close(x.grad, mask)
         torch.testing.assert_close(y.grad, 0.5 * mask.sum(0))
-    assert ew._call_key(ADD_RELU, (x.detach(), y.detach()), 0.5) in ew._RECIPES  # the forward's, kept
+    assert ew.call_key(ADD_RELU, (x.detach(), y.detach()), 0.5) in ew.KEPT  # the forward's, kept
     w = rand((5, 8), torch.float64, DEVICE).requires_grad_()
     b = rand((5,), torch.float64, DEVICE).requires_grad_()
     xd = rand((3, 8), torch.float64, DEVICE).requires_grad_()
@@ -120,7 +120,8 @@ def test_eager_grad_calls_skip_the_registered_ops(monkeypatch):
 
 
 def test_kernel_specs_need_not_be_hashable():
-    from fusedkit import activations, registry
+    from fusedkit import registry
+    from fusedkit.kernels import activations
 
     spec = registry.ElementwiseKernel(name="test_listy_add", math=activations.add_math,
                                       reference=lambda x, y: x + y, arg_names=["x", "y"],
@@ -160,7 +161,7 @@ def test_parameters_take_the_fast_path_without_grad():
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(fusedkit.add_relu(x, p), torch.relu(x + p))
-    assert len(ew._RECIPES) == 1
+    assert len(ew.KEPT) == 1
 
 
 def test_empty_results_repeat():
@@ -170,9 +171,9 @@ def test_empty_results_repeat():
 
 
 @pytest.mark.parametrize("kernel", ["pointer", "tma"])
-def test_matmul_recipes_reuse_plans_and_stay_correct(kernel, monkeypatch):
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+def test_matmul_recipes_reuse_plans_and_stay_correct(fk_settings, kernel, monkeypatch):
+    fk_settings(matmul_kernel=kernel)
+    fk_settings(autotune=False)
     w = torch.nn.Parameter(rand((48, 64), torch.float32, DEVICE))
     b = rand((48,), torch.float32, DEVICE)
     with torch.no_grad():
@@ -182,30 +183,30 @@ def test_matmul_recipes_reuse_plans_and_stay_correct(kernel, monkeypatch):
             ref = torch.relu(torch.nn.functional.linear(x.double(), w.double(), b.double()))
             assert got.shape == ref.shape
             assert_rel_err(got, ref, matmul_rel_err(torch.float32))
-    assert len(mm._RECIPES) == 2
+    assert len(mm.KEPT) == 2
     # grad enabled: autograd records the call, under a signature of its own
     assert fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b).grad_fn is not None
-    assert len(mm._RECIPES) == 3 and sum(r.grad for r in mm._RECIPES.values()) == 1
+    assert len(mm.KEPT) == 3 and sum(r.grad for r in mm.KEPT.values()) == 1
     # a signature that fails validation is never cached
     with pytest.raises(ShapeError):
         fusedkit.linear_relu(rand((8, 63), torch.float32, DEVICE), w.detach(), b)
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer" if kernel == "tma" else "tma")
+    fk_settings(matmul_kernel="pointer" if kernel == "tma" else "tma")
     with torch.no_grad():
         fusedkit.linear_relu(rand((8, 64), torch.float32, DEVICE), w, b)
-    assert len(mm._RECIPES) == 4  # the kernel choice is part of the signature
+    assert len(mm.KEPT) == 4  # the kernel choice is part of the signature
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])  # gelu keeps its pre-activation
-def test_matmul_recipes_with_autograd(activation, monkeypatch):
+def test_matmul_recipes_with_autograd(fk_settings, activation, monkeypatch):
     # A repeated signature that autograd records skips validation and goes straight to
     # the autograd Function, whose forward launches with the kept plan; every repeat
     # gives the right values and gradients, with new tensors and with grad mode toggled.
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    fk_settings(autotune=False)
     w = torch.nn.Parameter(rand((48, 64), torch.float32, DEVICE))
     bias = torch.nn.Parameter(rand((48,), torch.float32, DEVICE))
     validated = []
-    real = mm._validate
-    monkeypatch.setattr(mm, "_validate", lambda *args: validated.append(step) or real(*args))
+    real = mm.validate
+    monkeypatch.setattr(mm, "validate", lambda *args: validated.append(step) or real(*args))
     for step in range(4):
         x = rand((2, 5, 64), torch.float32, DEVICE).requires_grad_()
         with torch.set_grad_enabled(step != 2):
@@ -226,7 +227,7 @@ def test_matmul_recipes_with_autograd(activation, monkeypatch):
     # its first inner launch and the backward's two products; step 2: without autograd),
     # and the repeats take their recipes.
     assert set(validated) == {0, 2}, validated
-    assert sorted(r.grad for r in mm._RECIPES.values() if r.lead == (2, 5)) == [False, True]
+    assert sorted(r.grad for r in mm.KEPT.values() if r.lead == (2, 5)) == [False, True]
 
 
 class _StandInLauncher:
@@ -247,11 +248,11 @@ def _stand_in_entry(recipe, monkeypatch):
     """Route ``recipe``'s direct launches to a stand-in launcher (no GPU needed), kept
     with the tail the recipe keeps a compiled kernel with."""
     launcher = _StandInLauncher()
-    entry = _launch.Entry(compiled=launcher, launcher=launcher, function=7, packed_metadata="packed",
+    entry = fk_launch.Entry(compiled=launcher, launcher=launcher, function=7, packed_metadata="packed",
                           grid=(3, 1, 1), tail=recipe.launch_tail, extra=None)
     monkeypatch.setattr(recipe.compiled, "get", lambda spec: entry)
-    monkeypatch.setattr(_launch, "current_device", lambda: recipe.device.index)
-    monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: recipe.device.index)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 1234)
     return launcher
 
 
@@ -269,7 +270,7 @@ def test_direct_launch_arguments(monkeypatch):
     assert args[:9] == (3, 1, 1, 1234, 7, "packed", None, None, None)
     assert args[9:13] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
     assert all(type(p) is int for p in args[9:13])
-    assert args[13:17] == (0, 0, 0, ew._scalar_bits(2.0, torch.float32, "alpha"))
+    assert args[13:17] == (0, 0, 0, ew.scalar_bits(2.0, torch.float32, "alpha"))
     assert args[17:] == (*recipe.static_args, *recipe.constexprs)
 
 
@@ -285,20 +286,20 @@ class _StandInCudaLauncher:
 def test_raw_launch_calls_the_c_launch_function(monkeypatch):
     # On Triton 3.6 a kept kernel is launched through the launcher object's C
     # function, with the flags and (absent) scratch buffers its Python wrapper adds.
-    monkeypatch.setattr(_launch, "_RAW_LAUNCH", True)
+    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", True)
     cuda_launcher = _StandInCudaLauncher()
-    launch, head, layouts = _launch._raw_launcher(cuda_launcher)
+    launch, head, layouts = fk_launch.raw_launcher(cuda_launcher)
     assert launch is cuda_launcher.launch and head == (0, 1, None, None) and layouts is None
-    entry = _launch.Entry(compiled=None, launcher=launch, function=7, packed_metadata="packed", grid=(3, 1, 1),
+    entry = fk_launch.Entry(compiled=None, launcher=launch, function=7, packed_metadata="packed", grid=(3, 1, 1),
                           tail=("tail",), extra=None, head=head)
-    monkeypatch.setattr(_launch, "_current_stream", lambda index: 1234)
-    _launch.CompiledCache.run(entry, (11, 12), 0)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 1234)
+    fk_launch.CompiledCache.run(entry, (11, 12), 0)
     assert launch.calls == [(3, 1, 1, 1234, 7, 0, 1, None, None, "packed", None, None, None, 11, 12, "tail")]
     # A kernel that needs scratch memory, or another Triton release, keeps the wrapper.
-    assert _launch._raw_launcher(_StandInCudaLauncher(global_scratch_size=64)) is None
-    assert _launch._raw_launcher(object()) is None
-    monkeypatch.setattr(_launch, "_RAW_LAUNCH", False)
-    assert _launch._raw_launcher(cuda_launcher) is None
+    assert fk_launch.raw_launcher(_StandInCudaLauncher(global_scratch_size=64)) is None
+    assert fk_launch.raw_launcher(object()) is None
+    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", False)
+    assert fk_launch.raw_launcher(cuda_launcher) is None
 
 
 def _descriptor_wrapper(c_launch, tensordesc_meta):
@@ -320,53 +321,53 @@ class _Metadata:
 def test_raw_launch_takes_encoded_descriptors(monkeypatch):
     # A TMA kernel's launcher is Triton's descriptor-expanding wrapper: a kept launch calls
     # the C launch inside it, with the layouts the compiled kernel recorded.
-    monkeypatch.setattr(_launch, "_RAW_LAUNCH", True)
-    monkeypatch.setattr(_launch, "_TMA_HOST_TYPE", {10: 8, 7: 7})
+    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", True)
+    monkeypatch.setattr(fk_launch, "TMA_HOST_TYPE", {10: 8, 7: 7})
     meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False},
             {"swizzle": 2, "elem_size": 4, "elem_type": 7, "block_size": [64, 32], "fp4_padded": False}]
     cuda_launcher = _StandInCudaLauncher()
     c_launch = cuda_launcher.launch
     cuda_launcher.launch = _descriptor_wrapper(c_launch, meta)
-    launch, head, layouts = _launch._raw_launcher(cuda_launcher, _Metadata(meta))
+    launch, head, layouts = fk_launch.raw_launcher(cuda_launcher, _Metadata(meta))
     assert launch is c_launch and head == (0, 1, None, None)
     assert layouts == ((3, 2, 8, (128, 64)), (2, 4, 7, (64, 32)))  # host-side element type codes
     # A descriptor without a hardware layout, or an fp4 one: the wrapper stays.
     for odd in ([meta[0], None], [meta[0], {**meta[1], "fp4_padded": True}]):
         cuda_launcher.launch = _descriptor_wrapper(c_launch, odd)
-        launch, _, layouts = _launch._raw_launcher(cuda_launcher, _Metadata(odd))
+        launch, _, layouts = fk_launch.raw_launcher(cuda_launcher, _Metadata(odd))
         assert launch is cuda_launcher.launch and layouts is None
 
 
 def test_tensor_maps_are_encoded_once_per_operand(monkeypatch):
     encoded = []
-    monkeypatch.setattr(_launch, "_encode_tensor_map", lambda *args: encoded.append(args) or f"map{len(encoded)}")
-    monkeypatch.setattr(_launch, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(fk_launch, "encode_tensor_map", lambda *args: encoded.append(args) or f"map{len(encoded)}")
+    monkeypatch.setattr(fk_launch, "TENSOR_MAPS", {})
     layout = (3, 2, 8, (128, 64))
-    first = _launch.tensor_map_args(4096, (300, 64), (64, 1), layout)
+    first = fk_launch.tensor_map_args(4096, (300, 64), (64, 1), layout)
     assert first == ["map1", 300, 64, 64, 1]
     assert encoded == [(4096, 3, 2, 8, (128, 64), (300, 64), (64, 1), 0)]  # zero padding
-    assert _launch.tensor_map_args(4096, (300, 64), (64, 1), layout) is first  # reused
+    assert fk_launch.tensor_map_args(4096, (300, 64), (64, 1), layout) is first  # reused
     # Any other address, size, stride or layout is its own encoding.
     for args in ((8192, (300, 64), (64, 1), layout), (4096, (299, 64), (64, 1), layout),
                  (4096, (300, 64), (128, 1), layout), (4096, (300, 64), (64, 1), (3, 2, 8, (64, 64)))):
-        _launch.tensor_map_args(*args)
+        fk_launch.tensor_map_args(*args)
     assert len(encoded) == 5
     # A full cache starts over.
-    monkeypatch.setattr(_launch, "TENSOR_MAP_CACHE_SIZE", 5)
-    _launch.tensor_map_args(1, (1, 1), (1, 1), layout)
-    assert len(_launch._TENSOR_MAPS) == 1
+    monkeypatch.setattr(fk_launch, "TENSOR_MAP_CACHE_SIZE", 5)
+    fk_launch.tensor_map_args(1, (1, 1), (1, 1), layout)
+    assert len(fk_launch.TENSOR_MAPS) == 1
 
 
 def test_encoded_operands_are_the_row_major_views_tma_reads():
     # The operand views encoded_args encodes: a column-major a and an nn.Linear weight's
     # transpose are read as the row-major tensors they are in memory.
-    from fusedkit import _matmul_tma
+    from fusedkit.runtime import matmul_tma
 
     x, w = torch.empty(96, 64), torch.empty(48, 64)
     for t, flip in ((x, False), (x.t(), True), (w.t(), True), (w, False)):
         v = t.t() if flip else t
-        assert _matmul_tma._row_major(t, flip) == (v.data_ptr(), tuple(v.shape), v.stride())
-    assert _matmul_tma.a_mmajor(x.t()) and _matmul_tma.b_kmajor(w.t())
+        assert matmul_tma.row_major(t, flip) == (v.data_ptr(), tuple(v.shape), v.stride())
+    assert matmul_tma.a_mmajor(x.t()) and matmul_tma.b_kmajor(w.t())
 
 
 def test_direct_launch_feeds_installed_hooks(monkeypatch):
@@ -394,17 +395,17 @@ def test_hooks_idle_sees_an_installed_hook():
     knobs = pytest.importorskip("triton.knobs")
     if not isinstance(knobs.runtime.launch_exit_hook, knobs.HookChain):
         pytest.skip("this Triton has no launch-hook chains")
-    assert _launch.hooks_idle()
+    assert fk_launch.hooks_idle()
 
     def hook(metadata):
         pass
 
     knobs.runtime.launch_exit_hook.add(hook)
     try:
-        assert not _launch.hooks_idle()
+        assert not fk_launch.hooks_idle()
     finally:
         knobs.runtime.launch_exit_hook.remove(hook)
-    assert _launch.hooks_idle()
+    assert fk_launch.hooks_idle()
 
 
 @gpu_only
@@ -420,7 +421,7 @@ def test_direct_launch_after_the_first_call():
         assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
         assert len(recipe.compiled) == 1
     (entry,) = recipe.compiled._entries.values()
-    assert bool(entry.head) == _launch._RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
+    assert bool(entry.head) == fk_launch.RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
 
 
 @gpu_only
@@ -457,7 +458,7 @@ def test_matmul_direct_launch_and_alignment(dtype):
         out = fusedkit.linear_relu(a, w, bias)
         ref = torch.relu(torch.nn.functional.linear(a.double(), w.double(), bias.double()))
         assert_rel_err(out, ref, matmul_rel_err(dtype))
-    assert len(mm._LAUNCHES) == 2
+    assert len(mm.LAUNCHES) == 2
     a = base[:, :128]
     first = fusedkit.linear_relu(a, w, bias)
     assert torch.equal(fusedkit.linear_relu(a, w, bias), first)
@@ -481,27 +482,27 @@ def test_fast_path_calls_capture_in_a_cuda_graph():
 
 
 @gpu_only
-def test_fast_launch_can_be_turned_off(monkeypatch):
+def test_fast_launch_can_be_turned_off(fk_settings, monkeypatch):
     x, y = rand((100,), torch.float32, DEVICE), rand((100,), torch.float32, DEVICE)
-    monkeypatch.setenv("FUSEDKIT_FAST_LAUNCH", "0")
+    fk_settings(fast_launch=False)
     for _ in range(2):
         assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
-    assert ew._call_key(ADD_RELU, (x, y), 1) not in ew._RECIPES  # every call takes the full path
-    monkeypatch.setenv("FUSEDKIT_FAST_LAUNCH", "1")
+    assert ew.call_key(ADD_RELU, (x, y), 1) not in ew.KEPT  # every call takes the full path
+    fk_settings(fast_launch=True)
     fusedkit.add_relu(x, y)
     assert len(_recipe(ADD_RELU, x, y).compiled) == 0
 
 
 @gpu_only
 @pytest.mark.parametrize("layout", ["weight", "column_major_a", "row_major_b"])
-def test_tma_kept_launches_with_encoded_descriptors(layout, monkeypatch):
+def test_tma_kept_launches_with_encoded_descriptors(fk_settings, layout, monkeypatch):
     # Kept TMA launches pass descriptors encoded once per operand address (Triton 3.6):
     # values, layouts and the saved pre-activation must match a fresh reference on every
     # repeat, with new tensors, with the same tensors refilled in place, and in backward.
     if torch.cuda.get_device_capability(DEVICE)[0] not in (9, 10):
         pytest.skip("the TMA kernel needs Hopper or datacenter Blackwell")
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "tma")
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    fk_settings(matmul_kernel="tma")
+    fk_settings(autotune=False)
     dt = torch.bfloat16
     m, k, n = 200, 136, 72
     bias = rand((n,), dt, DEVICE)
@@ -527,5 +528,5 @@ def test_tma_kept_launches_with_encoded_descriptors(layout, monkeypatch):
         ref.backward(g.double())
         assert_rel_err(a_.grad, ref_a.grad, matmul_rel_err(dt))
         assert_rel_err(b_.grad, ref_b.grad, matmul_rel_err(dt))
-    if _launch._RAW_LAUNCH:
-        assert mm._TMA_LAUNCHES._entries and all(e.layouts for e in mm._TMA_LAUNCHES._entries.values())
+    if fk_launch.RAW_LAUNCH:
+        assert mm.TMA_LAUNCHES._entries and all(e.layouts for e in mm.TMA_LAUNCHES._entries.values())

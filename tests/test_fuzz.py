@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import fusedkit
-from fusedkit.configs import settings as env_settings
+from fusedkit.settings import override as settings_override
 from fusedkit.testing import assert_matches_reference, poisoned, reference_result
 
 pytestmark = pytest.mark.slow  # hypothesis runs many examples
@@ -135,7 +135,7 @@ def _check_elementwise(args):
 
 
 def _self_overlapping(t: torch.Tensor) -> bool:
-    from fusedkit._layout import may_self_overlap
+    from fusedkit.runtime.layout import may_self_overlap
 
     return may_self_overlap(t.shape, t.stride())
 
@@ -164,17 +164,19 @@ def matmul_case(draw):
 def _split_k(split: int):
     """The untuned tile (GPU) and the interpreter's tile split ``split`` ways over K, with
     no kept call plans (a plan records the split it was made with)."""
-    from fusedkit import _matmul as mm
+    from fusedkit.runtime import matmul as mm
 
-    saved = mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE, mm._RECIPES
+    saved = mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE
     if split > 1:
         mm.MATMUL_FIXED_TILE = dict(mm.MATMUL_FIXED_TILE, SPLIT_K=split)
         mm.MATMUL_INTERPRETER_TILE = dict(mm.MATMUL_INTERPRETER_TILE, SPLIT_K=split)
-        mm._RECIPES = {}
+        fusedkit.clear_caches()
     try:
         yield
     finally:
-        mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE, mm._RECIPES = saved
+        mm.MATMUL_FIXED_TILE, mm.MATMUL_INTERPRETER_TILE = saved
+        if split > 1:
+            fusedkit.clear_caches()
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
@@ -183,17 +185,17 @@ def test_matmul_matches_torch(shard, record_property):
 
 
 def _check_matmul(args):
-    from fusedkit._matmul import matmul_reference
+    from fusedkit.runtime.matmul import matmul_reference
     from fusedkit.testing import assert_rel_err, matmul_error_floor, matmul_rel_err
 
     a, b, bias, activation, kernel, split = args
     # every random shape would otherwise be tuned afresh; both kernels are drawn
-    with env_settings(FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL=kernel), _split_k(split):
+    with settings_override(autotune=False, matmul_kernel=kernel), _split_k(split):
         out = fusedkit.matmul(a, b, bias, activation)
         if split > 1 and out.numel() and a.shape[-1]:
-            from fusedkit import _matmul as mm
+            from fusedkit.runtime import matmul as mm
 
-            plans = [r.plan.split_k for r in mm._RECIPES.values()]
+            plans = [r.plan.split_k for r in mm.KEPT.values()]
             assert plans == [split], f"the call was planned with split-K {plans}, not {split}"
     wide = [None if t is None else t.double().cpu() for t in (a, b, bias)]
     expected = matmul_reference(*wide, activation)

@@ -82,9 +82,9 @@ def test_every_op_launches_on_the_inputs_device():
 
 
 @pytest.mark.parametrize("kernel", ["pointer", "tma"])
-def test_matmul_allocates_only_its_output_and_reruns_bit_identical(kernel, monkeypatch):
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")  # one fixed config: a deterministic kernel
+def test_matmul_allocates_only_its_output_and_reruns_bit_identical(fk_settings, kernel, monkeypatch):
+    fk_settings(matmul_kernel=kernel)
+    fk_settings(autotune=False)  # one fixed config: a deterministic kernel
     x, w, b = (rand(s, torch.bfloat16, DEV) for s in ((300, 512), (384, 512), (384,)))
     first = fusedkit.linear_relu(x, w, b)  # warm-up
     torch.cuda.synchronize()
@@ -98,10 +98,10 @@ def test_matmul_allocates_only_its_output_and_reruns_bit_identical(kernel, monke
 
 
 @pytest.mark.parametrize("kernel", ["pointer", "tma"])
-def test_matmul_output_past_2_pow_31_elements(kernel, monkeypatch):
+def test_matmul_output_past_2_pow_31_elements(fk_settings, kernel, monkeypatch):
     """(2**16 + 3) x (2**15 + 8) bf16 outputs: 2.15e9 elements, 64-bit offsets; head and tail checked."""
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "0")
+    fk_settings(matmul_kernel=kernel)
+    fk_settings(autotune=False)
     m, n, k = 2**16 + 3, 2**15 + 8, 16
     a, b, bias = (rand(s, torch.bfloat16, DEV) for s in ((m, k), (k, n), (n,)))
     out = fusedkit.matmul_relu(a, b, bias)

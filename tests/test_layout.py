@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from fusedkit._layout import (
+from fusedkit.runtime.layout import (
     INT32_MAX, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise,
 )
 

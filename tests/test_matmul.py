@@ -11,10 +11,10 @@ from helpers import rand
 
 import fusedkit
 from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
-from fusedkit import _jit
-from fusedkit import _matmul as mm
-from fusedkit._matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
-from fusedkit.configs import matmul_configs, prune_matmul_configs
+from fusedkit.kernels import helpers
+from fusedkit.runtime import matmul as mm
+from fusedkit.runtime.matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
+from fusedkit.runtime.configs import matmul_configs, prune_matmul_configs
 from fusedkit.testing import assert_rel_err, matmul_rel_err, poisoned
 
 # Autotuning every odd test shape and variant on a GPU would compile hundreds of
@@ -23,14 +23,14 @@ pytestmark = pytest.mark.usefixtures("fixed_matmul_config")
 
 
 @pytest.fixture
-def fixed_matmul_config(monkeypatch, request):
-    monkeypatch.setenv("FUSEDKIT_AUTOTUNE", "1" if "autotuned" in request.node.name else "0")
+def fixed_matmul_config(fk_settings, monkeypatch, request):
+    fk_settings(autotune="autotuned" in request.node.name)
 
 
 @pytest.fixture(autouse=True, params=["pointer", "tma"])
-def matmul_kernel(monkeypatch, request):
+def matmul_kernel(fk_settings, monkeypatch, request):
     """Every test runs both kernels (the TMA one where the operands allow it)."""
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", request.param)
+    fk_settings(matmul_kernel=request.param)
     return request.param
 
 ACTS = [None, *ACTIVATION_NAMES]
@@ -76,7 +76,7 @@ def test_multiply_and_sum_tiles(dtype, block_m, matmul_kernel):
     args, meta = mm.launch_config(a, b, bias, "relu", out)
     tile = dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=32, GROUP_M=8, DOT=False)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, tile["BLOCK_N"]),)
-    mm._matmul_kernel[grid](*args, **meta, **tile, EVEN_K=k % tile["BLOCK_K"] == 0)
+    mm.matmul_kernel[grid](*args, **meta, **tile, EVEN_K=k % tile["BLOCK_K"] == 0)
     assert_rel_err(out, ref64(a, b, bias, "relu"), matmul_rel_err(dtype))
 
 
@@ -95,19 +95,10 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert dot_flags(1, a16, "ieee") == {True}
     assert dot_flags(128, a32, "ieee") == {True}
 
-    def tall(bucket, a, precision):
-        return sum(c.kwargs["BLOCK_M"] >= bucket for c in prune_matmul_configs(
-            configs, {"M_BUCKET": bucket, "a_ptr": a}, INPUT_PRECISION=precision))
-
-    # Tiles as tall as M (one or two passes over the weight) only for exact fp32 / fp64 at M in 33..64.
-    assert tall(64, a32, "ieee") >= 2 and tall(64, a32, "tf32") == 0 and tall(64, a16, "ieee") == 0
-    assert tall(64, a32, "tf32x3") == 0
-
-
 def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
     from types import SimpleNamespace
 
-    from fusedkit.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, _tma_tile_of, matmul_tma_configs,
+    from fusedkit.runtime.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, tma_tile_of, matmul_tma_configs,
                                   prune_tma_configs, tma_stage_bytes)
     configs = matmul_tma_configs()
 
@@ -116,7 +107,7 @@ def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
         return prune_tma_configs(configs, {"a_desc": desc})
 
     def tiles(cs):
-        return {_tma_tile_of(c) for c in cs}
+        return {tma_tile_of(c) for c in cs}
 
     half = kept(torch.bfloat16)  # every tile but fp32's own fits half-precision operands
     assert len(half) == len(configs) - len(TMA_FP32_TILES) and not tiles(half) & set(TMA_FP32_TILES)
@@ -294,34 +285,34 @@ def test_autotuned_path(m, n, k, dtype, activation, linear):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
 @pytest.mark.parametrize("m", [1, 8, 64, 1024])
-def test_autotuned_ieee_fp32_path(m, monkeypatch):
-    """``FUSEDKIT_FP32_MATMUL=ieee`` with TF32 off tunes over its own tiles (multiply-and-sum
-    and FMA ``tl.dot`` tiles at decode-sized M, split-K among them): every M bucket they serve."""
+def test_autotuned_ieee_fp32_path(fk_settings, m, monkeypatch):
+    """``fp32_precision="ieee"`` with TF32 off tunes over its own tiles (multiply-and-sum tiles
+    beside the ``tl.dot`` ones at decode-sized M, split-K among them): every M bucket they serve."""
     if mm.tf32_enabled():
         pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
-    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "ieee")
+    fk_settings(fp32_precision="ieee")
     n, k = 200, 264  # sizes no other test tunes
     a, w, bias = mk(m, k, dtype=torch.float32), mk(n, k, dtype=torch.float32), mk(n, dtype=torch.float32)
     for _ in range(2):  # tuned, then the kept launch
         assert_rel_err(fusedkit.linear_relu(a, w, bias), ref64(a, w.t(), bias, "relu"), matmul_rel_err(torch.float32))
-    assert {r.plan.meta["INPUT_PRECISION"] for r in mm._RECIPES.values() if r.m == m and r.n == n} == {"ieee"}
+    assert {r.plan.meta["INPUT_PRECISION"] for r in mm.KEPT.values() if r.m == m and r.n == n} == {"ieee"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
 def test_autotuned_tma_tunes_each_fp32_precision(tf32_allowed, matmul_kernel):
     """The TMA kernel tunes TF32 and tf32x3 apart at one shape (a TF32 tile can need more
     shared memory than tf32x3 has left), and the results stand within their bounds."""
-    from fusedkit import _matmul_tma
+    from fusedkit.runtime import matmul_tma
 
     if matmul_kernel != "tma" or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the TMA kernel's tuning (FUSEDKIT_MATMUL_KERNEL=tma on Hopper)")
+        pytest.skip("the TMA kernel's tuning (matmul_kernel='tma' on Hopper)")
     m, n, k = 136, 208, 272  # sizes no other test tunes; 16-byte rows
     a, b = mk(m, k), mk(k, n)
-    before = len(_matmul_tma._matmul_tma_tuned.cache)
+    before = len(matmul_tma.matmul_tma_tuned.cache)
     for tf32 in (True, False):  # the fixture turns TF32 off again afterwards
         torch.backends.cuda.matmul.allow_tf32 = tf32
         assert_rel_err(fusedkit.matmul(a, b), ref64(a, b), matmul_rel_err(torch.float32))
-    assert len(_matmul_tma._matmul_tma_tuned.cache) == before + 2
+    assert len(matmul_tma.matmul_tma_tuned.cache) == before + 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -332,13 +323,13 @@ def test_large_shapes_on_gpu(dtype):
 
 
 def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
-    from fusedkit import _matmul_tma
+    from fusedkit.runtime import matmul_tma
 
     if matmul_kernel != "tma" or (DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9):
-        pytest.skip("checks the TMA kernel's dispatch (needs FUSEDKIT_MATMUL_KERNEL=tma and Hopper or the interpreter)")
+        pytest.skip("checks the TMA kernel's dispatch (needs matmul_kernel='tma' and Hopper or the interpreter)")
     calls = []
-    real = _matmul_tma.launch_tma
-    monkeypatch.setattr(_matmul_tma, "launch_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = matmul_tma.launch_tma
+    monkeypatch.setattr(matmul_tma, "launch_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
     fusedkit.clear_caches()
     x, w = mk(40, 64, dtype=torch.float16), mk(48, 64, dtype=torch.float16)
     assert_rel_err(fusedkit.linear_relu(x, w), ref64(x, w.t(), None, "relu"), matmul_rel_err(torch.float16))
@@ -353,11 +344,11 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
     assert len(calls) == 2
 
 
-def test_auto_kernel_choice_by_rows(monkeypatch):
-    from fusedkit.configs import (MATMUL_TMA_HALF_M_BUCKET, MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED,
+def test_auto_kernel_choice_by_rows(fk_settings, monkeypatch):
+    from fusedkit.runtime.configs import (MATMUL_TMA_HALF_M_BUCKET, MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED,
                                   matmul_kernel_choice)
 
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
+    fk_settings(matmul_kernel="auto")
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M - 1) == "pointer"
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M) == "tma"
     assert MATMUL_TMA_MIN_M_TRANSPOSED < MATMUL_TMA_MIN_M
@@ -371,15 +362,15 @@ def test_auto_kernel_choice_by_rows(monkeypatch):
     assert matmul_kernel_choice(MATMUL_TMA_HALF_M_BUCKET) == "pointer"
     # fp32 on TF32 tensor cores with a row-major b is the transposed product; nn.Linear's b is not
     a, w = torch.empty(8, 16, device="meta"), torch.empty(32, 16, device="meta")
-    assert mm._matmul_tma.transposed_product(a, w.t().contiguous(), "tf32x3")
-    assert not mm._matmul_tma.transposed_product(a, w.t(), "tf32")
-    assert not mm._matmul_tma.transposed_product(a, w.t().contiguous(), "ieee")
-    assert not mm._matmul_tma.transposed_product(a.half(), w.t().contiguous().half(), "ieee")
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "pointer")
+    assert mm.matmul_tma.transposed_product(a, w.t().contiguous(), "tf32x3")
+    assert not mm.matmul_tma.transposed_product(a, w.t(), "tf32")
+    assert not mm.matmul_tma.transposed_product(a, w.t().contiguous(), "ieee")
+    assert not mm.matmul_tma.transposed_product(a.half(), w.t().contiguous().half(), "ieee")
+    fk_settings(matmul_kernel="pointer")
     assert matmul_kernel_choice(1 << 20) == "pointer"
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "fast")
-    with pytest.raises(ValueError, match="FUSEDKIT_MATMUL_KERNEL"):
-        matmul_kernel_choice(1)
+    with pytest.raises(ValueError, match="matmul_kernel='fast'"):
+        fk_settings(matmul_kernel="fast")
+    assert fusedkit.settings.current().matmul_kernel == "pointer"
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
@@ -416,10 +407,11 @@ def test_unhashable_activation_is_a_value_error():
 # --- Split-K: programs share a tile's K range; the last to arrive runs the epilogue ---------
 
 def _split_cases():
-    from fusedkit.configs import MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
+    from fusedkit.runtime.configs import MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
 
     cases = [(t, torch.bfloat16) for t in MATMUL_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES]
-    return cases + [(t, d) for t in MATMUL_EXACT_SPLIT_K_TILES for d in (torch.float32, torch.float64)]
+    # fp32 operands and workspace: the smallest split tile fits their shared memory too.
+    return cases + [(MATMUL_SPLIT_K_TILES[0], torch.float32)]
 
 
 @pytest.mark.parametrize("tile,dtype", _split_cases(),
@@ -441,12 +433,12 @@ def test_split_k_configs(tile, dtype, matmul_kernel):
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT=True, SPLIT_K=split, EVEN_K=k % bk == 0)
     options = {} if mm.INTERPRETED else dict(num_warps=warps, num_stages=stages)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
-    mm._matmul_kernel[grid](*args, **meta, **cfg, **options)
+    mm.matmul_kernel[grid](*args, **meta, **cfg, **options)
     assert_rel_err(out, ref64(a, b, bias, "gelu"), matmul_rel_err(dtype))
     assert_rel_err(pre, ref64(a, b, bias), matmul_rel_err(dtype))
     assert not arrivals.any(), "a launch left split-K counters behind"
     first = out.clone()
-    mm._matmul_kernel[grid](*args, **meta, **cfg, **options)
+    mm.matmul_kernel[grid](*args, **meta, **cfg, **options)
     assert torch.equal(out, first)
 
 
@@ -456,7 +448,7 @@ def test_split_k_through_the_public_path(monkeypatch, matmul_kernel):
     if not mm.INTERPRETED:
         pytest.skip("the interpreter's tile; GPUs take split-K through tuning")
     monkeypatch.setattr(mm, "MATMUL_INTERPRETER_TILE", dict(mm.MATMUL_INTERPRETER_TILE, SPLIT_K=3))
-    monkeypatch.setattr(mm, "_RECIPES", {})
+    fusedkit.clear_caches()
     for dtype in (torch.float32, torch.bfloat16):
         a, w, bias = mk(9, 100, dtype=dtype), mk(33, 100, dtype=dtype), mk(33, dtype=dtype)
         ref = ref64(a, w.t(), bias, "relu")
@@ -469,14 +461,14 @@ def test_split_k_through_the_public_path(monkeypatch, matmul_kernel):
     want = torch.autograd.grad(torch.nn.functional.silu(x @ w.t()), (x, w), g)
     for have, ref in zip(got, want):
         assert_rel_err(have, ref, matmul_rel_err(torch.float64))
-    assert all(not arrivals.any() for _, arrivals in mm._SPLIT_K_BUFFERS.values())
+    assert all(not arrivals.any() for _, arrivals in mm.SPLIT_K_BUFFERS.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_autotuned_split_k_path(dtype, monkeypatch, matmul_kernel):
     """Tuning over split-K tiles alone (decode-sized M), then the kept direct launch."""
-    from fusedkit import configs
+    from fusedkit.runtime import configs
     if matmul_kernel == "tma":
         # Split-K is the pointer kernel's. With the TMA kernel forced this test read a
         # tuning result left by another test on its worker, or failed where none was
@@ -484,20 +476,19 @@ def test_autotuned_split_k_path(dtype, monkeypatch, matmul_kernel):
         pytest.skip("split-K is the pointer kernel's")
 
     monkeypatch.setattr(configs, "MATMUL_DECODE_TILES", ())
-    monkeypatch.setattr(configs, "MATMUL_EXACT_DECODE_TILES", ())
     monkeypatch.setattr(configs, "MATMUL_REDUCE_TILES", ())
     m, n, k = 24, 328, 1032  # sizes no other test tunes, so this tuning runs here
     a, w, bias = mk(m, k, dtype=dtype), mk(n, k, dtype=dtype), mk(n, dtype=dtype)
     ref = ref64(a, w.t(), bias, "relu")
     for _ in range(3):
         assert_rel_err(fusedkit.linear_relu(a, w, bias), ref, matmul_rel_err(dtype))
-    assert mm._matmul_tuned.best_config.kwargs["SPLIT_K"] > 1
+    assert mm.matmul_tuned.best_config.kwargs["SPLIT_K"] > 1
     torch.cuda.synchronize()
-    assert all(not arrivals.any() for _, arrivals in mm._SPLIT_K_BUFFERS.values())
+    assert all(not arrivals.any() for _, arrivals in mm.SPLIT_K_BUFFERS.values())
 
 
-def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
-    """``FUSEDKIT_FP32_MATMUL=tf32x3`` (the default): float32 products as three TF32
+def test_fp32_tf32x3_setting(fk_settings, monkeypatch, matmul_kernel):
+    """``fp32_precision="tf32x3"`` (the default): float32 products as three TF32
     products, within fp32's error bound, infinities kept as fp32 keeps them; a plan of its
     own beside the IEEE one; an unknown value raises before any launch."""
     if mm.tf32_enabled():
@@ -508,23 +499,19 @@ def test_fp32_tf32x3_setting(monkeypatch, matmul_kernel):
     ref = ref64(a, w.t(), bias, "relu")
     finite = torch.ones(m, dtype=torch.bool)
     finite[3] = False
-    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "ieee")
+    fk_settings(fp32_precision="ieee")
     assert_rel_err(fusedkit.linear_relu(a, w, bias)[finite.to(DEVICE)], ref[finite], matmul_rel_err(torch.float32))
-    monkeypatch.delenv("FUSEDKIT_FP32_MATMUL")
+    fk_settings(fp32_precision="tf32x3")
     assert mm.fp32_precision() == "tf32x3"
     for _ in range(2):  # the second call takes the kept plan
         got = fusedkit.linear_relu(a, w, bias)
         assert got[3].isposinf().all()
         assert_rel_err(got[finite.to(got.device)], ref[finite], matmul_rel_err(torch.float32))
-    precisions = {r.plan.meta["INPUT_PRECISION"] for r in mm._RECIPES.values() if r.dtype == torch.float32}
+    precisions = {r.plan.meta["INPUT_PRECISION"] for r in mm.KEPT.values() if r.dtype == torch.float32}
     assert {"ieee", "tf32x3"} <= precisions
-    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "fast")
-    out = poisoned((m, n), torch.float32, DEVICE)
-    with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
-        fusedkit.linear_relu(a, w, bias)
-    with pytest.raises(ValueError, match="FUSEDKIT_FP32_MATMUL"):
-        launch_matmul(a, w.t(), bias, "relu", out)
-    assert out.isnan().all(), "a refused call wrote its output"
+    with pytest.raises(ValueError, match="fp32_precision='fast'"):
+        fusedkit.set_fp32_precision("fast")
+    assert fusedkit.get_fp32_precision() == "tf32x3"
 
 
 @pytest.fixture
@@ -577,11 +564,11 @@ def test_kmajor_copy_is_exact(matmul_kernel):
         assert torch.equal(b.contiguous().view(torch.int32), before.contiguous().view(torch.int32))
 
 
-def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_kernel, monkeypatch):
+def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(fk_settings, tf32_allowed, matmul_kernel, monkeypatch):
     """"auto" with TF32 and row-major ``a`` and ``b``: from ``MATMUL_TF32_COPY_MIN_M`` rows
     the launch runs ``a @ b`` on a K-major copy of ``b`` (left as it was), below it not;
     a forced kernel never copies."""
-    from fusedkit.configs import MATMUL_TF32_COPY_MIN_M, MATMUL_TMA_MIN_M
+    from fusedkit.runtime.configs import MATMUL_TF32_COPY_MIN_M, MATMUL_TMA_MIN_M
     if matmul_kernel == "tma":
         pytest.skip("the choice of 'auto': once is enough")
     # The copy pays only with the TMA kernel's a @ b after it (H200, 99b4b22: M = 256 with the
@@ -592,7 +579,7 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_
     b_before = b.clone()
     for m, kernel, copies in ((MATMUL_TF32_COPY_MIN_M, "auto", True), (MATMUL_TF32_COPY_MIN_M - 1, "auto", False),
                               (MATMUL_TF32_COPY_MIN_M, "pointer", False)):
-        monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", kernel)
+        fk_settings(matmul_kernel=kernel)
         a = mk(m, k)
         out = poisoned((m, n), torch.float32, DEVICE)
         plan = mm.plan_matmul(a, b, bias, "relu", out)
@@ -602,7 +589,7 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_
         assert b.stride() == (n, 1) and torch.equal(b, b_before)
     # the plan follows TF32: with it off (tf32x3) nothing is copied
     torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setenv("FUSEDKIT_MATMUL_KERNEL", "auto")
+    fk_settings(matmul_kernel="auto")
     assert not mm.plan_matmul(mk(MATMUL_TF32_COPY_MIN_M, k), b, bias, "relu",
                               torch.empty(MATMUL_TF32_COPY_MIN_M, n, device=DEVICE)).copy_b
 
@@ -611,13 +598,13 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(tf32_allowed, matmul_
 def _tf32_split_kernel(x_ptr, big_ptr, small_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    big, small = _jit.tf32_split(x)
+    big, small = helpers.tf32_split(x)
     tl.store(big_ptr + offs, big, mask=offs < n)
     tl.store(small_ptr + offs, small, mask=offs < n)
 
 
 def test_tf32_split_rounds_to_nearest_and_stays_finite(matmul_kernel):
-    """``_jit.tf32_split``, the tf32x3 mode's split: ``big + small == x`` exactly, ``big`` a
+    """``helpers.tf32_split``, the tf32x3 mode's split: ``big + small == x`` exactly, ``big`` a
     TF32 value (13 low bits clear) within half a TF32 unit of ``x`` (ties away from zero, as
     ``cvt.rna``), finite for every finite ``x`` (truncated where rounding would overflow);
     inf and NaN (any payload) are their own ``big``."""
@@ -647,13 +634,13 @@ def test_tf32_split_rounds_to_nearest_and_stays_finite(matmul_kernel):
     assert big[n + 2:].isnan().all() and small[n + 2:].isnan().all()
 
 
-def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(monkeypatch, matmul_kernel):
+def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(fk_settings, monkeypatch, matmul_kernel):
     """The tf32x3 split truncates: the fp32 maximum's TF32 part is below it, not inf (Triton's
     own rounding split, ``cvt.rna``, turns inputs within 0.025% of the maximum into inf).
     A product of it by 0.5 is finite and as exact as the other rows."""
     if mm.tf32_enabled():
         pytest.skip("PyTorch allows TF32 here: the setting applies with TF32 off")
-    monkeypatch.setenv("FUSEDKIT_FP32_MATMUL", "tf32x3")
+    fk_settings(fp32_precision="tf32x3")
     m, n, k = 20, 40, 48
     a, b = mk(m, k, dtype=torch.float32), mk(k, n, dtype=torch.float32) * 0.1
     a[2, 3] = torch.finfo(torch.float32).max

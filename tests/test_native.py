@@ -1,4 +1,4 @@
-"""The C++ launch table (``FUSEDKIT_NATIVE_LAUNCH=1``, ``fusedkit/_native.py``).
+"""The C++ launch table (the ``native_launch`` setting, ``fusedkit/runtime/native.py``).
 
 On any machine: a dry-run table (it records the kernel parameters it would pass to
 ``cuLaunchKernel``) is filled from a real recipe with a stand-in compiled kernel, and
@@ -19,9 +19,10 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
-from fusedkit import _elementwise as ew
-from fusedkit import _launch, _native
-from fusedkit.registry import ADD_RELU
+from fusedkit.kernels.elementwise import NOT_SPECIALISED
+from fusedkit.runtime import elementwise as ew
+from fusedkit.runtime import launch as fk_launch, native
+from fusedkit.library import ADD_RELU
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c++") is None,
                                 reason="building the extension needs ninja and a C++ compiler")
@@ -34,12 +35,12 @@ def _forget_native_launches():
 
 
 @pytest.fixture
-def table(monkeypatch):
+def table(fk_settings, monkeypatch):
     try:
-        t = _native.build(dry_run=True)
+        t = native.build(dry_run=True)
     except Exception as exc:  # pragma: no cover - depends on the machine's toolchain
         pytest.skip(f"the extension did not build: {exc}")
-    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
+    fk_settings(native_launch=True)
     fusedkit.clear_caches()
     return t
 
@@ -48,27 +49,27 @@ def _triton_signature(recipe, bits):
     """The signature Triton would compile for this recipe's arguments: pointers by dtype,
     specialised integers equal to 1 and the constants as constexpr, other integers by
     their 32/64-bit class (the kernel's ``do_not_specialize`` names stay runtime)."""
-    names = ew._elementwise_kernel.arg_names
+    names = ew.elementwise_kernel.arg_names
     values = (None,) * 4 + tuple(bits) + recipe.launch_tail
     ptr = "*" + {torch.float32: "fp32", torch.bfloat16: "bf16"}[recipe.dtype]
     signature = {}
     for i, (name, value) in enumerate(zip(names, values)):
         if i < 4:
             signature[name] = ptr
-        elif name in ew._CONSTEXPR_NAMES or (value == 1 and name not in ew._NOT_SPECIALISED):
+        elif name in ew.CONSTEXPR_NAMES or (value == 1 and name not in NOT_SPECIALISED):
             signature[name] = "constexpr"
         else:
-            signature[name] = "i32" if _launch.int_class(value) else "i64"
+            signature[name] = "i32" if fk_launch.int_class(value) else "i64"
     return signature, values
 
 
 def _kept(recipe, operands, param):
     """A stand-in kept launch of ``recipe``, as Triton 3.6's raw launch would keep it."""
     recipe.run(operands, param)  # encodes the parameter, as a launch does
-    bits = recipe._last_param[1][0]
+    bits = recipe.last_param[1][0]
     signature, values = _triton_signature(recipe, bits)
     compiled = SimpleNamespace(src=SimpleNamespace(signature=signature))
-    entry = _launch.Entry(compiled=compiled, launcher=None, function=7, packed_metadata=(4, 1, 0),
+    entry = fk_launch.Entry(compiled=compiled, launcher=None, function=7, packed_metadata=(4, 1, 0),
                           grid=(3, 1, 1), tail=recipe.launch_tail, extra=None, head=(0, 0, None, None))
     return entry, signature, values
 
@@ -88,9 +89,9 @@ def _expected_params(signature, values, pointers):
 def test_table_packs_what_tritons_launcher_gets(table):
     x, y = rand((37, 19), torch.float32, DEVICE), rand((37, 19), torch.float32, DEVICE)
     fusedkit.add_relu(x, y, alpha=2.0)
-    recipe = ew._RECIPES[ew._call_key(ADD_RELU, (x, y), 2.0)]
+    recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 2.0)]
     entry, signature, values = _kept(recipe, (x, y), 2.0)
-    assert _native.register(recipe, entry, table) and len(table) == 1
+    assert native.register(recipe, entry, table) and len(table) == 1
 
     out = table.call(id(ADD_RELU), (x, y), 2.0)
     assert out.shape == recipe.shape and out.stride() == recipe.out_strides and out.dtype == torch.float32
@@ -103,16 +104,16 @@ def test_table_packs_what_tritons_launcher_gets(table):
 def test_table_refuses_every_other_call(table):
     x, y = rand((37, 19), torch.float32, DEVICE), rand((37, 19), torch.float32, DEVICE)
     fusedkit.add_relu(x, y)
-    recipe = ew._RECIPES[ew._call_key(ADD_RELU, (x, y), 1)]
+    recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
-    assert _native.register(recipe, entry, table)
+    assert native.register(recipe, entry, table)
     call = lambda *ops, alpha=1: table.call(id(ADD_RELU), ops, alpha)  # noqa: E731
     assert call(x, y) is not None
 
     base = rand((37 * 19 + 1,), torch.float32, DEVICE)
     misaligned = base[1:].view(37, 19)  # same shape and strides, 4 bytes off
     refused = {
-        "another kernel": table.call(id(fusedkit.registry.ADD), (x, y), 1),
+        "another kernel": table.call(id(fusedkit.library.ADD), (x, y), 1),
         "float alpha": call(x, y, alpha=1.0),
         "bool alpha": call(x, y, alpha=True),
         "another alpha": call(x, y, alpha=2),
@@ -140,30 +141,30 @@ class _Sub(torch.Tensor):
 def test_dispatch_consults_the_table_first(table, monkeypatch):
     x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
     fusedkit.add_relu(x, y)
-    recipe = ew._RECIPES[ew._call_key(ADD_RELU, (x, y), 1)]
+    recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
-    assert _native.register(recipe, entry, table)
-    monkeypatch.setattr(_native, "TABLE", table)
+    assert native.register(recipe, entry, table)
+    monkeypatch.setattr(native, "TABLE", table)
     before = table.last_params()
     fusedkit.add_relu(x, y)
     assert table.last_params() != before  # the table took the call (a dry run computes nothing)
     # With a launch hook installed the table steps aside: a profiler must see every launch.
-    monkeypatch.setattr(_launch, "hooks_idle", lambda: False)
+    monkeypatch.setattr(fk_launch, "hooks_idle", lambda: False)
     before = table.last_params()
     assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
     assert table.last_params() == before
 
 
-def test_register_needs_the_opt_in_and_a_plain_launch(table, monkeypatch):
+def test_register_needs_the_opt_in_and_a_plain_launch(fk_settings, table, monkeypatch):
     x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
     fusedkit.add_relu(x, y)
-    recipe = ew._RECIPES[ew._call_key(ADD_RELU, (x, y), 1)]
+    recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
-    assert not _native.register(recipe, entry._replace(head=()), table)  # Triton's Python launcher
-    assert not _native.register(recipe, entry._replace(head=(1, 0, None, None)), table)  # cooperative
-    assert not _native.register(recipe, entry._replace(packed_metadata=(4, 2, 0)), table)  # a cluster
-    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "0")
-    assert not _native.register(recipe, entry, table)
+    assert not native.register(recipe, entry._replace(head=()), table)  # Triton's Python launcher
+    assert not native.register(recipe, entry._replace(head=(1, 0, None, None)), table)  # cooperative
+    assert not native.register(recipe, entry._replace(packed_metadata=(4, 2, 0)), table)  # a cluster
+    fk_settings(native_launch=False)
+    assert not native.register(recipe, entry, table)
     assert len(table) == 0
 
 
@@ -180,20 +181,20 @@ def _gpu_cases():
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
 @pytest.mark.parametrize("case", list(_gpu_cases()))
-def test_native_launches_match_torch(case, monkeypatch):
-    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
+def test_native_launches_match_torch(fk_settings, case, monkeypatch):
+    fk_settings(native_launch=True)
     fusedkit.clear_caches()
     x, y = _gpu_cases()[case]()
     for _ in range(2):  # the first call keeps the recipe, the second the compiled kernel (and the table's entry)
         fusedkit.add_relu(x, y, alpha=0.5)
-    if _native.TABLE is None or len(_native.TABLE) == 0:
+    if native.TABLE is None or len(native.TABLE) == 0:
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
-    assert _native.TABLE.call(id(ADD_RELU), (x, y), 0.5) is not None
+    assert native.TABLE.call(id(ADD_RELU), (x, y), 0.5) is not None
     for _ in range(3):
         x.copy_(rand(x.shape, x.dtype, DEVICE))
         got = fusedkit.add_relu(x, y, alpha=0.5)
-        assert torch.equal(got, torch.relu(torch.add(x, y, alpha=0.5))) and got.stride() == ew._allocate_out(
-            ew._validate(ADD_RELU, (x, y), 0.5, None)).stride()
+        assert torch.equal(got, torch.relu(torch.add(x, y, alpha=0.5))) and got.stride() == ew.allocate_out(
+            ew.validate(ADD_RELU, (x, y), 0.5, None)).stride()
     # Captured in a CUDA graph and replayed: the launch goes to the capturing stream.
     graph, static = torch.cuda.CUDAGraph(), None
     torch.cuda.synchronize()
@@ -206,19 +207,19 @@ def test_native_launches_match_torch(case, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
-def test_native_launch_from_a_new_thread(monkeypatch):
+def test_native_launch_from_a_new_thread(fk_settings, monkeypatch):
     # A thread that never touched the GPU has no current driver context; the table makes one.
     import threading
 
-    monkeypatch.setenv("FUSEDKIT_NATIVE_LAUNCH", "1")
+    fk_settings(native_launch=True)
     fusedkit.clear_caches()
     x, y = rand((1000,), torch.float32, DEVICE), rand((1000,), torch.float32, DEVICE)
     for _ in range(2):
         fusedkit.add_relu(x, y)
-    if _native.TABLE is None or len(_native.TABLE) == 0:
+    if native.TABLE is None or len(native.TABLE) == 0:
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
     results = []
-    worker = threading.Thread(target=lambda: results.append(_native.TABLE.call(id(ADD_RELU), (x, y), 1)))
+    worker = threading.Thread(target=lambda: results.append(native.TABLE.call(id(ADD_RELU), (x, y), 1)))
     worker.start()
     worker.join()
     (got,) = results

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedkit import ncu, registry
+from fusedkit import registry
+from fusedkit.bench import ncu
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A real capture (H200, add_relu at 2^26 fp32 in three layouts, fused and unfused, NVTX ranges),
@@ -56,7 +57,7 @@ def test_ncu_flag_without_ncu_says_so():
 
 def test_parse_the_reports_own_range_names():
     """The names `python -m fusedkit bench --ncu` writes: "<case>|fused" and "<case>|unfused"."""
-    from fusedkit.bench import case_name
+    from fusedkit.bench.cases import case_name
 
     case = case_name("add_relu", "contiguous", torch.float32, 1024)
     head = ('"ID","Process ID","Process Name","Host Name","thread Domain:Push/Pop_Range:PL_Type:PL_Value",'
@@ -93,7 +94,7 @@ def test_measure_passes_the_cache_control(monkeypatch):
 def test_cases_that_fit_in_l2_are_measured_again_warm(monkeypatch, capsys):
     """`bench --ncu`: every size cold (the model check), the sizes with a case inside L2
     warm as well, and those cases' verdict comes from the warm counters."""
-    from fusedkit import bench
+    from fusedkit.bench import report as bench
 
     small, large = 1 << 12, 1 << 24
     rows = [bench.Row("add_relu", "contiguous", "float32", n, str(n), 0, 0, 1.0, 1.0, 1.0)

@@ -21,6 +21,7 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
+from fusedkit import library
 from fusedkit import registry
 from fusedkit.errors import (
     ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, SignatureError,
@@ -98,7 +99,7 @@ def test_builtin_kernels_cannot_be_replaced_and_gradients_hold_their_kernels():
     for name in registry.BUILTIN_NAMES:
         with pytest.raises(ArgumentError, match="cannot be replaced"):
             registry.register(registry.ElementwiseKernel(**{**fake.__dict__, "name": name}), replace=True)
-    assert registry.get("relu_grad") is registry.RELU_GRAD
+    assert registry.get("relu_grad") is library.RELU_GRAD
     x = rand((8,), torch.float32, DEVICE).requires_grad_()
     fusedkit.add_relu(x, -1.0).sum().backward()
     assert torch.equal(x.grad.cpu(), (x.detach().cpu() - 1 > 0).float())

@@ -45,16 +45,16 @@ def test_debug_log_names_the_launch_plan(caplog):
 
 
 def test_clear_caches_forgets_kept_plans_and_launches():
-    from fusedkit import _elementwise as ew
-    from fusedkit import _matmul as mm
+    from fusedkit.runtime import elementwise as ew
+    from fusedkit.runtime import matmul as mm
 
     x = rand((19,), torch.float32, DEVICE)
     a, b = rand((6, 8), torch.float32, DEVICE), rand((8, 5), torch.float32, DEVICE)
     for _ in range(2):  # the second call of a signature keeps its recipe
         fusedkit.add_relu(x, x)
         fusedkit.matmul(a, b)
-    kept = len(ew._RECIPES) + len(mm._RECIPES) + ew.plan_elementwise.cache_info().currsize
+    kept = len(ew.KEPT) + len(mm.KEPT) + ew.plan_elementwise.cache_info().currsize
     assert kept > 0 or fusedkit.backend_for(DEVICE) == "torch"
     fusedkit.clear_caches()
-    assert len(ew._RECIPES) == len(mm._RECIPES) == ew.plan_elementwise.cache_info().currsize == 0
+    assert len(ew.KEPT) == len(mm.KEPT) == ew.plan_elementwise.cache_info().currsize == 0
     torch.testing.assert_close(fusedkit.add_relu(x, x), torch.relu(x + x))  # and calls still work

@@ -12,7 +12,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
-from fusedkit.activations import relu
+from fusedkit.kernels.activations import relu
 from fusedkit.registry import ElementwiseKernel, Traffic, get, register, unregister
 from fusedkit.testing import assert_matches_reference, reference_result
 

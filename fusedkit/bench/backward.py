@@ -19,7 +19,8 @@ import torch
 
 import fusedkit
 
-from . import _progress
+from .cases import timer
+from .progress import bar as progress_bar
 
 __all__ = ["keep_saved_buffers", "run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
            "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
@@ -69,9 +70,7 @@ def _peak_bytes(fn, x, y, g, device) -> int | None:
 
 
 def _time_us(fn, device) -> float:
-    from .bench import _timer  # the report's timer: do_bench medians on a GPU
-
-    return _timer(device)(fn)
+    return timer(device)(fn)  # the report's timer: do_bench medians on a GPU
 
 
 def keep_saved_buffers():
@@ -95,7 +94,7 @@ def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list
 
 def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
     rows = []
-    bar = _progress.bar(len(dtypes) * len(sizes), "add_relu backward")
+    bar = progress_bar(len(dtypes) * len(sizes), "add_relu backward")
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
@@ -125,7 +124,7 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
     """Forward + backward of ``fusedkit.nn.LinearReLU`` against ``nn.Sequential(nn.Linear, nn.ReLU)``
     with the same parameters: gradients of the input, weight and bias."""
     rows = []
-    bar = _progress.bar(len(dtypes) * len(shapes), "LinearReLU training")
+    bar = progress_bar(len(dtypes) * len(shapes), "LinearReLU training")
     for dt in dtypes:
         if not dt.is_floating_point or (device.type == "cuda" and dt == torch.float64):
             continue

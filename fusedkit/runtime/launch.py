@@ -12,14 +12,17 @@ device), so a later call with the same key launches directly and any other call
 takes the ordinary path, which compiles or finds the right kernel.
 
 Under the interpreter there is no ``CompiledKernel``; every call takes the
-ordinary path. ``FUSEDKIT_FAST_LAUNCH=0`` turns the direct path off.
+ordinary path. ``fusedkit.settings``' ``fast_launch=False`` turns the direct path off.
+
+Every process-wide cache of fusedkit's registers here, so :func:`clear_caches` empties
+them all; :class:`CallCache` is the one type of cache of kept eager calls, for both op
+families.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import threading
 from typing import NamedTuple
 
@@ -38,25 +41,26 @@ try:  # Triton 3.5+ keeps launch hooks in a chain that is never None
 except ImportError:  # pragma: no cover - older Triton
     _HookChain = ()
 
-from ._compat import is_interpreted
-from .configs import COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
+from .. import settings
+from ..kernels.helpers import is_interpreted
+from .configs import CALL_CACHE_SIZE, COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
 
 try:  # Triton 3.6's CUDA launcher: the TMA element-type codes its descriptor encoder takes
-    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as _TMA_HOST_TYPE
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as TMA_HOST_TYPE
 except ImportError:  # pragma: no cover - another Triton or no CUDA backend
-    _TMA_HOST_TYPE = None
+    TMA_HOST_TYPE = None
 
 try:  # what Triton's own driver calls for the current stream and device
-    from torch._C import _cuda_getCurrentRawStream as _current_stream
+    from torch._C import _cuda_getCurrentRawStream as current_stream
     from torch._C import _cuda_getDevice as current_device
 except ImportError:  # a PyTorch without CUDA support
-    def _current_stream(index: int) -> int:
+    def current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
     def current_device() -> int:
         return torch.cuda.current_device()
 
-__all__ = ["ALIGNMENT", "CompiledCache", "Entry", "GridRecorder", "clear_caches", "constexpr_names", "current_device",
+__all__ = ["ALIGNMENT", "CallCache", "CompiledCache", "Entry", "GridRecorder", "clear_caches", "constexpr_names", "current_device",
            "enabled", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
 
 
@@ -71,15 +75,15 @@ INTERPRETED = is_interpreted(_probe)
 
 def stream_of(index: int) -> int:
     """The current stream's handle on CUDA device ``index``."""
-    return _current_stream(index)
+    return current_stream(index)
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
 #: Triton releases whose CUDA launcher object we call past (its C ``launch`` takes
 #: cooperative / PDL flags and two scratch buffers after the function handle). The
 #: object's own ``__call__`` only adds those, in Python, on every launch.
-_RAW_LAUNCH_RELEASES = ((3, 6),)
-_RAW_LAUNCH = Version(triton.__version__).release[:2] in _RAW_LAUNCH_RELEASES
+RAW_LAUNCH_RELEASES = ((3, 6),)
+RAW_LAUNCH = Version(triton.__version__).release[:2] in RAW_LAUNCH_RELEASES
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -96,8 +100,8 @@ def serialised():
 
 
 def enabled() -> bool:
-    """The direct path is on unless ``FUSEDKIT_FAST_LAUNCH=0``."""
-    return os.environ.get("FUSEDKIT_FAST_LAUNCH", "1") != "0"
+    """Whether launches are kept (``fusedkit.settings``' ``fast_launch``)."""
+    return settings.current().fast_launch
 
 
 def int_class(value: int) -> bool:
@@ -189,20 +193,20 @@ def _descriptor_launch(launch, metadata):
     names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
     cells = dict(zip(names, getattr(launch, "__closure__", None) or ()))
     metas = getattr(metadata, "tensordesc_meta", None)
-    if "launcher" not in cells or "tensordesc_meta" not in cells or not metas or _TMA_HOST_TYPE is None:
+    if "launcher" not in cells or "tensordesc_meta" not in cells or not metas or TMA_HOST_TYPE is None:
         return None
     if any(m is None or m.get("fp4_padded") for m in metas):
         return None
-    layouts = tuple((m["swizzle"], m["elem_size"], _TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
+    layouts = tuple((m["swizzle"], m["elem_size"], TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
                     for m in metas)
     return cells["launcher"].cell_contents, layouts
 
 
-def _raw_launcher(launcher, metadata=None):
+def raw_launcher(launcher, metadata=None):
     """``(launch, head, layouts)`` for calling Triton's C launch function directly, or None
     when this launcher needs its Python wrapper (scratch buffers to allocate, an unknown
     release). ``layouts``: see :class:`Entry`."""
-    if not _RAW_LAUNCH:
+    if not RAW_LAUNCH:
         return None
     try:
         needs_scratch = launcher.global_scratch_size or launcher.profile_scratch_size
@@ -238,10 +242,10 @@ def clear_caches() -> None:
 #: Encoded TMA descriptors by (address, shape, strides, layout): a CUtensorMap is a pure
 #: function of those, so a repeated operand (a weight; an activation the caching allocator
 #: hands back at the same address) reuses its encoding.
-_TENSOR_MAPS: dict = {}
+TENSOR_MAPS: dict = {}
 
 
-def _encode_tensor_map(*args):
+def encode_tensor_map(*args):
     """Triton's CUtensorMap encoder (``cuTensorMapEncodeTiled``), as its launcher calls it."""
     return triton.runtime.driver.active.utils.fill_tma_descriptor(*args)
 
@@ -251,25 +255,47 @@ def tensor_map_args(address: int, shape: tuple, strides: tuple, layout: tuple) -
     CUtensorMap, then the sizes and strides (as its own wrapper expands a ``TensorDescriptor``
     with zero padding). ``layout``: one of :attr:`Entry.layouts`."""
     key = (address, shape, strides, layout)
-    args = _TENSOR_MAPS.get(key)
+    args = TENSOR_MAPS.get(key)
     if args is None:
         swizzle, elem_size, elem_type, block = layout
-        tensor_map = _encode_tensor_map(address, swizzle, elem_size, elem_type, block, shape, strides, 0)
-        if len(_TENSOR_MAPS) >= TENSOR_MAP_CACHE_SIZE:
-            _TENSOR_MAPS.clear()
-        args = _TENSOR_MAPS[key] = [tensor_map, *shape, *strides]
+        tensor_map = encode_tensor_map(address, swizzle, elem_size, elem_type, block, shape, strides, 0)
+        if len(TENSOR_MAPS) >= TENSOR_MAP_CACHE_SIZE:
+            TENSOR_MAPS.clear()
+        args = TENSOR_MAPS[key] = [tensor_map, *shape, *strides]
     return args
 
 
-register_cache(_TENSOR_MAPS.clear)
+register_cache(TENSOR_MAPS.clear)
+
+
+class CallCache(dict):
+    """Kept eager calls by signature, for either op family: ``get`` (dict's own) is the fast
+    path's one lookup; :meth:`keep` adds, clearing a full cache first (rare: a process
+    cycling through more than ``CALL_CACHE_SIZE`` signatures); :func:`clear_caches` empties it.
+    ``on_clear``: what else to forget with it (the C++ table that holds its entries)."""
+
+    def __init__(self, on_clear=None):
+        super().__init__()
+        self._on_clear = on_clear
+        register_cache(self.clear)
+
+    def clear(self) -> None:
+        super().clear()
+        if self._on_clear is not None:
+            self._on_clear()
+
+    def keep(self, key, value) -> None:
+        if len(self) >= CALL_CACHE_SIZE:
+            self.clear()
+        self[key] = value
 
 
 class CompiledCache:
     """Compiled kernels by a caller-built specialisation key, launched directly.
 
     The caller launches under the right device; the stream is that device's current
-    one, so CUDA-graph capture records the launch. ``FUSEDKIT_FAST_LAUNCH`` is read
-    when an entry is stored. Pointer arguments may be passed as addresses (ints):
+    one, so CUDA-graph capture records the launch. :func:`enabled` is read when an
+    entry is stored. Pointer arguments may be passed as addresses (ints):
     Triton's launcher then skips its own ``data_ptr()`` call and pointer query
     (validation has placed every tensor on the launch's device).
     """
@@ -294,14 +320,14 @@ class CompiledCache:
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        launcher, head, layouts = _raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None)
+        launcher, head, layouts = raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None)
         self._entries[key] = Entry(compiled, launcher, compiled.function, compiled.packed_metadata,
                                    grid, tail, extra, head, layouts)
 
     @staticmethod
     def run(entry: Entry, args: tuple, device_index: int) -> None:
         compiled, launcher, function, packed, grid, tail, _, head, _ = entry
-        stream = _current_stream(device_index)
+        stream = current_stream(device_index)
         enter, exit_ = _hooks()
         # Launch metadata only feeds hooks; Triton builds it on every launch (a lazy dict).
         metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *args, *tail)

@@ -1,6 +1,6 @@
-"""Pure ``@triton.jit`` math shared by the elementwise registry and (later) the
-matmul epilogue. Each function maps compute-dtype values to values; loads,
-stores and casts live elsewhere.
+"""Pure ``@triton.jit`` math: activations (the matmul epilogue's, selected by a
+compile-time code) and the registry entries' math. Each function maps compute-dtype
+values to values; loads, stores and casts live in the kernels.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ def add_scaled(x, y, alpha):
     else:
         result = x + y * alpha
     return result
+
+
+@triton.jit
+def identity(v):
+    """``v``: the math of a copy, whose loads and stores change the layout."""
+    return v
 
 
 @triton.jit

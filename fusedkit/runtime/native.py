@@ -1,4 +1,5 @@
-"""Eager launches in C++ (``fusedkit/csrc/eager.cpp``): opt-in, ``FUSEDKIT_NATIVE_LAUNCH=1``.
+"""Eager launches in C++ (``csrc/eager.cpp``): opt-in, ``fusedkit.settings.set(native_launch=True)``
+(or ``FUSEDKIT_NATIVE_LAUNCH=1``).
 
 From Python a small call's floor is one allocation plus Triton's C launch function,
 already more than ``torch.add``'s whole call on the H200 host (``docs/why-fusion.md``).
@@ -17,10 +18,11 @@ scratch pointers), one CTA per program and no cooperative or PDL launch.
 
 from __future__ import annotations
 
-import os
 import struct
 import warnings
 from pathlib import Path
+
+from .. import settings
 
 __all__ = ["TABLE", "enabled", "clear", "register"]
 
@@ -33,8 +35,9 @@ _OPERAND_POINTERS = ("a_ptr", "b_ptr", "c_ptr")
 
 
 def enabled() -> bool:
-    """Native launches are on when ``FUSEDKIT_NATIVE_LAUNCH=1`` (read when a launch is kept)."""
-    return os.environ.get("FUSEDKIT_NATIVE_LAUNCH", "0") == "1"
+    """Whether kept launches go into the C++ table too (``fusedkit.settings``' ``native_launch``;
+    read when a launch is kept)."""
+    return settings.current().native_launch
 
 
 def build(dry_run: bool = False):
@@ -58,7 +61,7 @@ def _table():
 
 
 def clear() -> None:
-    """Forget every kept native launch (with the recipes they came from)."""
+    """Forget every kept native launch (with the kept launches they came from)."""
     if TABLE is not None:
         TABLE.clear()
 
@@ -74,15 +77,15 @@ def _param_encoding(param) -> tuple[int, int] | None:
     return None  # other number types: the Python path
 
 
-def launch_layout(recipe, entry) -> tuple[str, list[int]] | None:
+def launch_layout(kept, entry) -> tuple[str, list[int]] | None:
     """The table's ``kinds`` and ``values`` for the kernel parameters of a kept launch of
-    ``recipe``, in the order Triton 3.6 passes them (compile-time constants dropped)."""
-    bits, _ = recipe._last_param[1]
-    values = (0, 0, 0, 0, *bits, *recipe.launch_tail)  # the kernel's signature order
+    ``kept``, in the order Triton 3.6 passes them (compile-time constants dropped)."""
+    bits, _ = kept.last_param[1]
+    values = (0, 0, 0, 0, *bits, *kept.launch_tail)  # the kernel's signature order
     signature = entry.compiled.src.signature
     if len(signature) != len(values):
         return None
-    slots = dict(zip(_OPERAND_POINTERS, recipe.tensor_slots))
+    slots = dict(zip(_OPERAND_POINTERS, kept.tensor_slots))
     kinds, kept = [], []
     for (name, ty), value in zip(signature.items(), values):
         if ty == "constexpr":
@@ -99,22 +102,22 @@ def launch_layout(recipe, entry) -> tuple[str, list[int]] | None:
     return "".join(kinds), kept
 
 
-def register(recipe, entry, table=None) -> bool:
-    """Add ``entry`` (a kept launch of ``recipe``, compiled for aligned pointers) to the
+def register(kept, entry, table=None) -> bool:
+    """Add ``entry`` (a kept launch of ``kept``, compiled for aligned pointers) to the
     table; False when it does not qualify or the table is unavailable."""
-    if not enabled() or recipe.operand_signature is None or not entry.head:
+    if not enabled() or kept.operand_signature is None or not entry.head:
         return False
     cooperative, pdl = entry.head[:2]
     num_warps, num_ctas, shared = entry.packed_metadata
-    param = _param_encoding(recipe._last_param[0])
-    layout = launch_layout(recipe, entry) if recipe._last_param[1] is not None else None
+    param = _param_encoding(kept.last_param[0])
+    layout = launch_layout(kept, entry) if kept.last_param[1] is not None else None
     if cooperative or pdl or num_ctas != 1 or param is None or layout is None:
         return False
     table = table if table is not None else _table()
     if table is None:
         return False
-    operands = [(dtype, list(shape), list(strides)) for dtype, shape, strides in recipe.operand_signature]
+    operands = [(dtype, list(shape), list(strides)) for dtype, shape, strides in kept.operand_signature]
     kinds, values = layout
-    table.add(id(recipe.kernel), recipe.device, operands, *param, list(recipe.shape), list(recipe.out_strides),
-              recipe.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values)
+    table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
+              kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values)
     return True

@@ -2,7 +2,7 @@
 
 Kernels see a problem as ``(batch, rows, cols)`` tiles: the host collapses the
 broadcast shape to at most ``MAX_BATCH_DIMS`` leading dimensions plus a 2-D tile
-plane (see ``fusedkit._layout``). A contiguous tensor becomes one row of ``n``
+plane (see ``fusedkit.runtime.layout``). A contiguous tensor becomes one row of ``n``
 columns, so the 1-D fast path is the same code with ``BLOCK_R == 1``.
 
 ``INT64`` is chosen on the host: offsets are 32-bit unless some reachable offset
@@ -14,7 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._compat import is_interpreted
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` (a ``@triton.jit`` object) was built for Triton's interpreter:
+    Triton decides this once, when the decorator runs (``TRITON_INTERPRET=1`` then), so the
+    answer comes from the kernel object and not from the environment now."""
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .configs import TileConfig, elementwise_tile
-from .errors import ShapeError
+from ..errors import ShapeError
 
 #: Leading dims that the kernel unravels per program, besides the 2-D tile plane.
 MAX_BATCH_DIMS = 4

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from . import registry
-from .bench import DTYPE_NAMES, _operands, case_name
-from ._elementwise import elementwise
+from fusedkit import elementwise, registry
+
+from .cases import DTYPE_NAMES, case_name, make_operands
 
 
 def main(argv: list[str]) -> None:
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
             dtype = DTYPE_NAMES[dt_name]
             for n in (int(s) for s in sizes.split(",")):
                 for layout in layouts.split(","):
-                    ops = _operands(spec, layout, n, dtype, device)
+                    ops = make_operands(spec, layout, n, dtype, device)
                     args = ops + ((spec.param_default,) if spec.param else ())
                     runs = {"fused": lambda: elementwise(spec, *ops), "unfused": lambda: spec.reference(*args)}
                     for fn in runs.values():  # warm-up: compile outside the measured ranges

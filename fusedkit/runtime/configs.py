@@ -7,14 +7,11 @@ too.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 from dataclasses import dataclass
 
 import torch
 
-from .errors import ArgumentError
+from .. import settings
 
 #: Elements per program on the contiguous 1-D path.
 BLOCK_1D = 1024
@@ -65,27 +62,14 @@ MATMUL_MAX_M_BUCKET = 8192
 #: Autotune tiles for M buckets above SMALL_M_BUCKET, as (BLOCK_M, BLOCK_N, BLOCK_K,
 #: stages, warps): big square-ish tiles with 3-4 stages feed wgmma; the last fits fp64
 #: operands in shared memory when the others do not (the autotuner skips configs that fail).
-MATMUL_LARGE_M_TILES = (
-    (128, 256, 64, 3, 8),
-    (256, 128, 64, 3, 8),
-    (128, 128, 64, 4, 8),
-    (128, 128, 64, 4, 4),
-    (64, 256, 64, 4, 4),
-    (64, 128, 128, 3, 4),
-    (64, 64, 128, 4, 4),
-    (64, 64, 32, 2, 4),
-)
+MATMUL_LARGE_M_TILES = ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
+                        (64, 256, 64, 4, 4), (64, 128, 128, 3, 4), (64, 64, 128, 4, 4), (64, 64, 32, 2, 4))
 #: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
 #: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
 #: keep each program's loads in flight. The last fits fp64. No 64-row tiles: with them
 #: M = 64, N = K = 4096 bf16 ran 81.6 TFLOP/s against 93.9 without (H200).
-MATMUL_DECODE_TILES = (
-    (16, 32, 256, 4, 4),
-    (16, 64, 256, 4, 4),
-    (32, 64, 128, 4, 4),
-    (16, 128, 128, 4, 4),
-    (16, 32, 32, 2, 4),
-)
+MATMUL_DECODE_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (32, 64, 128, 4, 4), (16, 128, 128, 4, 4),
+                       (16, 32, 32, 2, 4))
 #: Exact fp32 (TF32 off) and fp64 at decode-sized M: ``tl.dot`` without tensor cores is
 #: an FMA loop over at least 16 rows; these tiles multiply and sum over K instead
 #: (``DOT=False``), with as few rows as M needs. Same tuple layout.
@@ -93,27 +77,8 @@ MATMUL_DECODE_TILES = (
 #: into a TF32 ``tl.dot``. The narrow 1-row tiles give N = 4096 128 or 256 programs for
 #: 132 SMs (a 64-wide one gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 takes
 #: 20.2 us against cuBLAS's 26.6 (H200).
-MATMUL_REDUCE_TILES = (
-    (1, 64, 128, 3, 4),
-    (1, 128, 64, 3, 4),
-    (1, 32, 256, 3, 4),
-    (1, 16, 512, 3, 4),
-    (2, 64, 64, 3, 4),
-    (4, 64, 64, 3, 4),
-    (8, 32, 64, 3, 4),
-)
-#: Exact fp32 / fp64 at M buckets of 32 and 64: FMA ``tl.dot`` tiles as tall as M, so
-#: the weight streams once or twice (8-row multiply-and-sum tiles read the 64 MiB weight,
-#: more than the 60 MiB L2, eight times), with 4x4 to 8x4 accumulators per thread. They do
-#: not yet close the gap: fp32 ``linear_relu`` at M = 64, K = N = 4096 (TF32 off) takes
-#: 301.9 us against cuBLAS's 89.7 (H200), no faster than without them.
-MATMUL_EXACT_DECODE_TILES = (
-    (64, 32, 32, 3, 4),
-    (64, 64, 32, 3, 8),
-    (32, 32, 64, 3, 4),
-)
-#: The smallest M bucket that tunes over ``MATMUL_EXACT_DECODE_TILES``.
-EXACT_TALL_M_BUCKET = 32
+MATMUL_REDUCE_TILES = ((1, 64, 128, 3, 4), (1, 128, 64, 3, 4), (1, 32, 256, 3, 4), (1, 16, 512, 3, 4),
+                       (2, 64, 64, 3, 4), (4, 64, 64, 3, 4), (8, 32, 64, 3, 4))
 #: M buckets at or below this tune over the decode-sized tiles; larger M over the
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
@@ -124,51 +89,29 @@ SMALL_M_BUCKET = 64
 #: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs. Decode-sized M; the
 #: last, 64 x 128 x 128 with 8 warps, takes 20.4 us there against 21.3 for the best tile
 #: without it (H200):
-MATMUL_SPLIT_K_TILES = (
-    (16, 64, 128, 4, 4, 4),
-    (32, 64, 128, 4, 4, 4),
-    (64, 64, 64, 4, 4, 4),
-    (64, 128, 64, 4, 4, 4),
-    (64, 64, 128, 3, 4, 2),
-    (64, 128, 128, 3, 8, 4),
-)
-#: Exact fp32 / fp64 at M buckets of 32 and 64: the tall FMA tiles split over K, so the
-#: CUDA cores get 4 to 8 times the warps (128 programs of 4 warps at M = 64, N = 4096).
-MATMUL_EXACT_SPLIT_K_TILES = (
-    (64, 32, 32, 3, 4, 4),
-    (64, 32, 32, 3, 4, 8),
-    (64, 64, 32, 3, 8, 4),
-    (32, 32, 64, 3, 4, 4),
-)
+MATMUL_SPLIT_K_TILES = ((16, 64, 128, 4, 4, 4), (32, 64, 128, 4, 4, 4), (64, 64, 64, 4, 4, 4),
+                        (64, 128, 64, 4, 4, 4), (64, 64, 128, 3, 4, 2), (64, 128, 128, 3, 8, 4))
 #: M buckets above SMALL_M_BUCKET up to this one also try split-K large tiles (M = 512,
 #: N = 4096: 128 tiles of 128 x 128 for 132 SMs; without split-K 0.89x cuBLASLt's epilogue
 #: on the H200).
 SPLIT_K_MAX_M_BUCKET = 512
-MATMUL_MID_M_SPLIT_K_TILES = (
-    (128, 128, 64, 4, 8, 2),
-    (128, 256, 64, 3, 8, 2),
-    (64, 128, 64, 4, 4, 2),
-)
+MATMUL_MID_M_SPLIT_K_TILES = ((128, 128, 64, 4, 8, 2), (128, 256, 64, 3, 8, 2), (64, 128, 64, 4, 4, 2))
 #: float32 at M buckets above SMALL_M_BUCKET (pointer kernel), beside the tiles above:
 #: 32-wide K steps, so three or four stages fit shared memory with 4-byte operands (most
 #: tiles above do not fit fp32 tf32x3 on the H200: OutOfResources). These fit sm_90's
 #: shared memory in the tf32x3 mode (checked at compile time: ``tests/test_codegen.py``);
 #: with them the matmul report's fp32 M = 512 (row-major ``b``) runs 39.7 TFLOP/s against
 #: 26.8 without (H200).
-MATMUL_FP32_TILES = (
-    (128, 128, 32, 3, 8, 1),
-    (128, 128, 32, 4, 8, 1),
-    (128, 128, 32, 3, 8, 2),
-    (64, 128, 32, 4, 4, 1),
-    (128, 64, 32, 4, 4, 1),
-    (64, 256, 32, 3, 8, 1),
-)
+MATMUL_FP32_TILES = ((128, 128, 32, 3, 8, 1), (128, 128, 32, 4, 8, 1), (128, 128, 32, 3, 8, 2),
+                     (64, 128, 32, 4, 4, 1), (128, 64, 32, 4, 4, 1), (64, 256, 32, 3, 8, 1))
 #: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
 #: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
 SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
-_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
-#: The smallest (BLOCK_M, BLOCK_N) of any split-K tile: sizes the arrival counters.
-SPLIT_K_MIN_TILE = tuple(min(t[i] for t in _SPLIT_TILES + MATMUL_FP32_TILES if t[5] > 1) for i in (0, 1))
+_SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
+#: The smallest (BLOCK_M, BLOCK_N) of any tile that may run split-K (the interpreter's too,
+#: which tests split): sizes the arrival counters, one per output tile.
+SPLIT_K_MIN_TILE = tuple(min([t[i] for t in _SPLIT_TILES + MATMUL_FP32_TILES if t[5] > 1] + [MATMUL_INTERPRETER_TILE[k]])
+                         for i, k in ((0, "BLOCK_M"), (1, "BLOCK_N")))
 
 
 def _config(tile, dot: bool = True):
@@ -179,7 +122,7 @@ def _config(tile, dot: bool = True):
                        SPLIT_K=split[0] if split else 1), num_stages=stages, num_warps=warps)
 
 
-def _tile_of(config) -> tuple:
+def tile_of(config) -> tuple:
     """A config as (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SPLIT_K)."""
     kw = config.kwargs
     return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_stages, config.num_warps, kw["SPLIT_K"]
@@ -192,20 +135,17 @@ def _with_split(tiles) -> set:
 def matmul_configs():
     """Autotune candidates for Hopper (H100/H200), bf16/fp16 first: every tile set
     (``prune_matmul_configs`` keeps those for the call's M bucket and precision)."""
-    dot_tiles = (MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + MATMUL_EXACT_DECODE_TILES + _SPLIT_TILES
-                 + MATMUL_FP32_TILES)
+    dot_tiles = MATMUL_LARGE_M_TILES + MATMUL_DECODE_TILES + _SPLIT_TILES + MATMUL_FP32_TILES
     return [_config(t) for t in dot_tiles] + [_config(t, dot=False) for t in MATMUL_REDUCE_TILES]
 
 
-def exact_tiles(precision: str, dtype: torch.dtype) -> tuple[bool, bool]:
-    """(tall, reduce): whether a call at decode-sized M tunes over the tall FMA ``tl.dot``
-    tiles (IEEE fp32 / fp64 only) and over the multiply-and-sum tiles (fp32 / fp64 unless
-    TF32). The latter use no ``tl.dot``, so they are fp32's own math in the tf32x3 mode too,
+def reduce_tiles_apply(precision: str, dtype: torch.dtype) -> bool:
+    """Whether a call at decode-sized M tunes over the multiply-and-sum tiles: fp32 / fp64
+    unless TF32. They use no ``tl.dot``, so they are fp32's own math in the tf32x3 mode too,
     and at M = 1 the faster: fp32 ``linear_relu`` at M = 1, N = K = 4096 takes 20.2 us with
     them against torch's 26.6 on the H200, where tf32x3's 16-row dot tiles alone run at about
     half torch's speed."""
-    wide = dtype in (torch.float32, torch.float64)
-    return wide and precision == "ieee", wide and precision != "tf32"
+    return dtype in (torch.float32, torch.float64) and precision != "tf32"
 
 
 def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[set, set]:
@@ -215,11 +155,8 @@ def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[s
         split = MATMUL_MID_M_SPLIT_K_TILES if mid else ()
         fp32 = tuple(t for t in MATMUL_FP32_TILES if mid or t[5] == 1) if dtype == torch.float32 else ()
         return _with_split(MATMUL_LARGE_M_TILES + split + fp32), set()
-    exact, reduce = exact_tiles(precision, dtype)
-    tall = exact and bucket >= EXACT_TALL_M_BUCKET
-    dot_tiles = MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES + (
-        MATMUL_EXACT_DECODE_TILES + MATMUL_EXACT_SPLIT_K_TILES if tall else ())
-    return _with_split(dot_tiles), _with_split(MATMUL_REDUCE_TILES if reduce else ())
+    reduce = MATMUL_REDUCE_TILES if reduce_tiles_apply(precision, dtype) else ()
+    return _with_split(MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES), _with_split(reduce)
 
 
 def split_k_fits(split: int, m: int, n: int, acc_bytes: int) -> bool:
@@ -236,30 +173,24 @@ def matmul_split_k_max(bucket: int, precision: str, dtype: torch.dtype, m: int, 
 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
     """Autotune pre-filter: for small M the decode-sized tiles, plus, when the operands are
-    fp32 / fp64 without TF32, the multiply-and-sum tiles and, for IEEE ones (from
-    ``EXACT_TALL_M_BUCKET`` rows), the tall FMA tiles (``exact_tiles``); the large-M tiles
-    otherwise; split-K tiles with each set where the launch passes a workspace and it fits."""
+    fp32 / fp64 without TF32, the multiply-and-sum tiles (``reduce_tiles_apply``); the large-M
+    tiles otherwise; split-K tiles with each set where the launch passes a workspace and it fits."""
     a = named_args["a_ptr"]
     dot_tiles, reduce_tiles = _candidate_tiles(named_args["M_BUCKET"], INPUT_PRECISION, a.dtype)
     acc_bytes = 8 if a.dtype == torch.float64 else 4
     m, n = named_args.get("M", 1), named_args.get("N", 1)
     # A launch without a workspace passes the output in its place.
     has_ws = named_args.get("ws_ptr") is not None and named_args.get("ws_ptr") is not named_args.get("c_ptr")
-    kept = [c for c in configs if _tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)
+    kept = [c for c in configs if tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)
             and (c.kwargs["SPLIT_K"] == 1 or has_ws and split_k_fits(c.kwargs["SPLIT_K"], m, n, acc_bytes))]
     return kept or configs
 
 
 #: A tile that fits shared memory for every dtype, fp64 included: the config used
-#: when autotuning is off (``FUSEDKIT_AUTOTUNE=0``), e.g. for deterministic runs and
-#: for test suites that would otherwise tune hundreds of variants.
+#: when autotuning is off (``fusedkit.settings``' ``autotune=False``), e.g. for deterministic
+#: runs and for test suites that would otherwise tune hundreds of variants.
 MATMUL_FIXED_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=MATMUL_GROUP_M, DOT=True, SPLIT_K=1)
 MATMUL_FIXED_STAGES, MATMUL_FIXED_WARPS = 2, 4
-
-
-def autotune_enabled() -> bool:
-    """Autotuning is on unless ``FUSEDKIT_AUTOTUNE=0``."""
-    return os.environ.get("FUSEDKIT_AUTOTUNE", "1") != "0"
 
 
 def matmul_m_bucket(m: int) -> int:
@@ -285,10 +216,9 @@ TENSOR_MAP_CACHE_SIZE = 512
 
 # --- Matmul: the TMA persistent kernel (fusedkit._matmul_tma) -------------------------
 
-#: Which matmul kernel runs where both could: "pointer" (the tiled kernel with
-#: per-thread loads), "tma" (persistent, tensor-descriptor loads; Hopper, aligned
-#: operands) or "auto". Set with FUSEDKIT_MATMUL_KERNEL.
-MATMUL_KERNELS = ("auto", "pointer", "tma")
+# Which matmul kernel runs where both could (``fusedkit.settings``' ``matmul_kernel``):
+# "pointer" (the tiled kernel with per-thread loads), "tma" (persistent, tensor-descriptor
+# loads; Hopper, aligned operands) or "auto", which chooses by these measurements.
 #: "auto" takes the TMA kernel from this many rows of ``a`` up: at M = 512, N = K = 4096,
 #: bf16, b row-major, autotuned, it runs 556.3 TFLOP/s against the pointer kernel's 544.5
 #: (H200, torch 2.11, triton 3.6), and leads for fp16 and for fp32 in nn.Linear's layout too;
@@ -307,56 +237,11 @@ MATMUL_TMA_HALF_M_BUCKET = 64
 MATMUL_TMA_MIN_M_TRANSPOSED = 128
 
 
-def matmul_kernel_setting() -> str:
-    """``FUSEDKIT_MATMUL_KERNEL`` as set ("auto" unless set), validated."""
-    choice = os.environ.get("FUSEDKIT_MATMUL_KERNEL", "auto")
-    if choice not in MATMUL_KERNELS:
-        raise ArgumentError(f"FUSEDKIT_MATMUL_KERNEL={choice!r}; choose from {', '.join(MATMUL_KERNELS)}")
-    return choice
-
-
-#: How float32 matmuls run when PyTorch's setting rules TF32 out (``FUSEDKIT_FP32_MATMUL``):
-#: "tf32x3" (the default: each product as three TF32 tensor-core products, big * big +
-#: big * small + small * big; the split rounds, and truncates where rounding would
-#: overflow: ``_jit.tf32_split``) or "ieee" (fp32 multiply-adds on the CUDA cores, what
-#: torch's "ieee" precision names). The default because its errors measured below torch's
-#: fp32 at every size tried, in less time: fp32 ``linear_relu``, K = N = 4096, TF32 off,
-#: M = 64 to 4096, on the H200: max error / max |ref| 5.3e-7 against torch's 3.1e-6 at
-#: M = 4096. Products in fp32's subnormal range are kept as torch keeps them. TF32 itself,
-#: when PyTorch allows it, takes precedence.
-FP32_MATMUL_DEFAULT = "tf32x3"
-FP32_MATMUL_MODES = ("tf32x3", "ieee")
-
-
-@contextlib.contextmanager
-def settings(**values: str):
-    """Run the block with these environment settings (``FUSEDKIT_MATMUL_KERNEL="tma"``, ...);
-    each is read at every call, and each is put back as it was afterwards."""
-    previous = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-
-
-def fp32_matmul_setting() -> str:
-    """``FUSEDKIT_FP32_MATMUL`` as set (``FP32_MATMUL_DEFAULT`` unless set), validated."""
-    mode = os.environ.get("FUSEDKIT_FP32_MATMUL", FP32_MATMUL_DEFAULT)
-    if mode not in FP32_MATMUL_MODES:
-        raise ArgumentError(f"FUSEDKIT_FP32_MATMUL={mode!r}; choose from {', '.join(FP32_MATMUL_MODES)}")
-    return mode
-
-
 def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -> str:
     """The kernel for ``m`` rows, "pointer" or "tma" (the TMA kernel still needs eligible
     operands); ``transposed``: the TMA kernel would run the transposed product; ``half``:
     2-byte operands."""
-    choice = matmul_kernel_setting()
+    choice = settings.current().matmul_kernel
     if choice == "auto":
         if transposed:
             return "tma" if m >= MATMUL_TMA_MIN_M_TRANSPOSED else "pointer"
@@ -379,7 +264,7 @@ MATMUL_TF32_COPY_MIN_M = 512
 def tf32_copies_b(m: int) -> bool:
     """Whether a TF32 matmul with row-major ``a`` and ``b`` and ``m`` rows copies ``b``
     K-major first (``MATMUL_TF32_COPY_MIN_M``; only when the kernel is chosen by "auto")."""
-    return matmul_kernel_setting() == "auto" and m >= MATMUL_TF32_COPY_MIN_M
+    return settings.current().matmul_kernel == "auto" and m >= MATMUL_TF32_COPY_MIN_M
 
 
 #: TMA tiles tuned for fp32 operands only, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SUBTILE).
@@ -444,7 +329,7 @@ def tma_stage_bytes(config, element_size: int) -> int:
     return config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * element_size
 
 
-def _tma_tile_of(config) -> tuple:
+def tma_tile_of(config) -> tuple:
     k = config.kwargs
     return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_stages, config.num_warps, k["SUBTILE"]
 
@@ -456,7 +341,7 @@ def prune_tma_configs(configs, named_args, **kwargs):
     (``TMA_FP32_TILES``) for narrower operands."""
     size = named_args["a_desc"].base.element_size()
     return [c for c in configs if tma_stage_bytes(c, size) <= HOPPER_SMEM_BYTES
-            and (size >= 4 or _tma_tile_of(c) not in TMA_FP32_TILES)] or configs
+            and (size >= 4 or tma_tile_of(c) not in TMA_FP32_TILES)] or configs
 
 
 #: K step of the fixed TMA config, in bytes: one 128-byte swizzle span per row.

@@ -68,7 +68,7 @@ def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[di
     ax.bar([x - width for x in xs], [r["bytes_fused"] / 1e6 for r in cases], width, label="fused (model)")
     ax.bar(list(xs), [r["bytes_unfused"] / 1e6 for r in cases], width, label="unfused (model)")
     if measured:
-        from .bench import case_name
+        from .cases import case_name
 
         got = [measured.get(case_name(r["kernel"], r["layout"], r["dtype"], r["n"])) for r in cases]
         ax.bar([x + width for x in xs], [(g["ncu_fused_read"] + g["ncu_fused_written"]) / 1e6 if g else 0

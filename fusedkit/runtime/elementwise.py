@@ -1,13 +1,17 @@
-"""The generic elementwise kernel, its launcher and the dispatch that serves
-every entry of :mod:`fusedkit.registry`.
+"""The host side of the elementwise kernel: validation, the PyTorch path, launches and
+the kept launches of repeated eager calls, for every entry of :mod:`fusedkit.registry`.
 
-Layers, by name:
-- ``_elementwise_kernel``: the one ``@triton.jit`` kernel; the op's math is a
-  compile-time argument, so each registry entry compiles its own specialisation.
-- ``launch_elementwise``: validates nothing, plans the layout, computes the grid
-  and launches (on the tensors' device and the current stream).
-- ``elementwise``: the public entry; validates, picks where the call runs
-  (compiled Triton, the Triton interpreter, or PyTorch) and allocates ``out``.
+Read top to bottom:
+- :func:`validate`: a call's operands, parameter and ``out`` checked as PyTorch checks
+  them, into a :class:`Call` (shape, result dtype, device); nothing launched yet.
+- :func:`launch_config` and :func:`launch_elementwise`: plan the layout
+  (:mod:`fusedkit.runtime.layout`), encode host scalars, launch on the tensors'
+  device and current stream.
+- :func:`run_validated`: a validated call on its backend (compiled Triton, Triton's
+  interpreter, or the registry's PyTorch reference), ``out=`` included.
+- Kept launches: :func:`call_key` names an eager call's signature, :data:`KEPT` holds a
+  :class:`KeptLaunch` per signature seen, which allocates and launches without
+  validating again; :func:`run` is an eager call without autograd, kept or not.
 """
 
 from __future__ import annotations
@@ -20,23 +24,24 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-from . import _jit, _launch, _library, _native
-from ._compat import is_interpreted
-from ._layout import (
-    TooManyDims, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, output_strides,
-    plan_elementwise, span_bytes,
-)
-from .configs import CALL_CACHE_SIZE
-from .errors import (
+from ..errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
     ShapeError, SignatureError,
 )
-from .registry import ElementwiseKernel, get, result_dtype
+from ..kernels.elementwise import elementwise_kernel
+from ..kernels.helpers import is_interpreted
+from ..registry import ElementwiseKernel, result_dtype
+from . import launch, native
+from .layout import (
+    TooManyDims, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, output_strides,
+    plan_elementwise, span_bytes,
+)
 
-__all__ = ["elementwise", "dispatch", "launch_elementwise", "launch_config", "backend_for", "BACKENDS"]
+__all__ = ["BACKENDS", "Call", "KEPT", "KeptLaunch", "NEEDS_GRAD", "allocate_out", "backend_for", "call_key",
+           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_validated",
+           "validate"]
 
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
@@ -76,118 +81,8 @@ _COMPUTE_MAX = {
 }
 
 
-@triton.jit
-def _operand(ptr, bits, i0, i1, i2, i3, rows, cols, mask, s0, s1, s2, s3, s_r, s_c,
-             IS_SCALAR: tl.constexpr, UNIT_R: tl.constexpr, UNIT_C: tl.constexpr,
-             INT64: tl.constexpr, RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-             COMPUTE_IS_FLOAT: tl.constexpr):
-    if IS_SCALAR:
-        # A wrapped Python number goes straight to the compute dtype, as torch's CUDA
-        # kernels read it (fp16 x + 2049.0001 is x + 2049.0001f, not x + 2048).
-        value = _jit.scalar_value(bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-    else:
-        offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
-                                       UNIT_R, UNIT_C, INT64)
-        value = _jit.load_operand(ptr, offsets, mask, RESULT_DTYPE, COMPUTE_DTYPE)
-    return value
-
-
-@triton.jit
-def _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits,
-          i0, i1, i2, i3, rows, cols, mask,
-          o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
-          a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-          b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
-          c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-          FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
-          SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
-          RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
-          INT64: tl.constexpr):
-    """Load one tile of every operand, apply ``FN``, store. ``mask`` is None for a full tile."""
-    # Operand k (0 = output, 1..3 = inputs) owns bit k of the masks.
-    a = _operand(a_ptr, a_bits, i0, i1, i2, i3, rows, cols, mask, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-                 (SCALAR_MASK >> 1) & 1, (UNIT_R_MASK >> 1) & 1, (UNIT_C_MASK >> 1) & 1,
-                 INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-    if HAS_PARAM:  # torch converts the parameter straight to the compute dtype
-        p = _jit.scalar_value(param_bits, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-    if NUM_INPUTS >= 2:
-        b = _operand(b_ptr, b_bits, i0, i1, i2, i3, rows, cols, mask, b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
-                     (SCALAR_MASK >> 2) & 1, (UNIT_R_MASK >> 2) & 1, (UNIT_C_MASK >> 2) & 1,
-                     INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-    if NUM_INPUTS == 3:
-        c = _operand(c_ptr, c_bits, i0, i1, i2, i3, rows, cols, mask, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-                     (SCALAR_MASK >> 3) & 1, (UNIT_R_MASK >> 3) & 1, (UNIT_C_MASK >> 3) & 1,
-                     INT64, RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT)
-
-    if NUM_INPUTS == 1:
-        if HAS_PARAM:
-            result = FN(a, p)
-        else:
-            result = FN(a)
-    elif NUM_INPUTS == 2:
-        if HAS_PARAM:
-            result = FN(a, b, p)
-        else:
-            result = FN(a, b)
-    else:
-        if HAS_PARAM:
-            result = FN(a, b, c, p)
-        else:
-            result = FN(a, b, c)
-
-    out_offsets = _jit.strided_offsets(i0, i1, i2, i3, rows, cols, o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
-                                       UNIT_R_MASK & 1, UNIT_C_MASK & 1, INT64)
-    _jit.store_result(out_ptr, out_offsets, result, mask, RESULT_DTYPE)
-
-
-#: Arguments Triton must not specialise on: scalar bit patterns (a new ``alpha``
-#: would otherwise compile a new kernel when its bits happen to be 1 or a multiple
-#: of 16) and the batch sizes and tile counts, which only feed index arithmetic.
-#: Strides and the row / column sizes stay specialised: their divisibility by 16
-#: is what lets Triton prove 16-byte accesses.
-_NOT_SPECIALISED = ("a_bits", "b_bits", "c_bits", "param_bits", "size1", "size2", "size3",
-                    "tiles_c", "tiles_per_batch")
-
-
-@triton.jit(do_not_specialize=_NOT_SPECIALISED)
-def _elementwise_kernel(
-    out_ptr, a_ptr, b_ptr, c_ptr,
-    a_bits, b_bits, c_bits, param_bits,
-    size1, size2, size3, size_r, size_c, tiles_c, tiles_per_batch,
-    o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
-    a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-    b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
-    c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
-    SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
-    RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
-):
-    batch, tile_r, tile_c = _jit.tile_coords(tl.program_id(0), tiles_c, tiles_per_batch)
-    rows = _jit.block_range(tile_r, BLOCK_R, INT64)
-    cols = _jit.block_range(tile_c, BLOCK_C, INT64)
-    i0, i1, i2, i3 = _jit.batch_index(batch, size1, size2, size3)
-    # Interior tiles skip the mask: a bound that is not a multiple of 16 would
-    # otherwise stop Triton from issuing 16-byte accesses for the whole launch
-    # (H200, n = 2**28 + 1 fp32 add_relu: 1013 us masked everywhere vs 738 us at 2**28).
-    full = _jit.block_is_full(tile_r, BLOCK_R, size_r, INT64) & _jit.block_is_full(tile_c, BLOCK_C, size_c, INT64)
-    if full:
-        _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits, i0, i1, i2, i3, rows, cols, None,
-              o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-              b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-              FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
-              RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
-    else:
-        mask = _jit.tile_mask(rows, cols, size_r, size_c)
-        _tile(out_ptr, a_ptr, b_ptr, c_ptr, a_bits, b_bits, c_bits, param_bits, i0, i1, i2, i3, rows, cols, mask,
-              o_s0, o_s1, o_s2, o_s3, o_sr, o_sc, a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
-              b_s0, b_s1, b_s2, b_s3, b_sr, b_sc, c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-              FN, NUM_INPUTS, HAS_PARAM, SCALAR_MASK, UNIT_R_MASK, UNIT_C_MASK,
-              RESULT_DTYPE, COMPUTE_DTYPE, COMPUTE_IS_FLOAT, INT64)
-
-
 #: Whether this process interprets the kernels (decided when Triton decorated them).
-INTERPRETED = is_interpreted(_elementwise_kernel)
+INTERPRETED = is_interpreted(elementwise_kernel)
 
 
 def backend_for(tensor: torch.Tensor | torch.device | str) -> str:
@@ -206,8 +101,8 @@ def backend_for(tensor: torch.Tensor | torch.device | str) -> str:
     return "torch"
 
 
-def _scalar_bits(value, dtype: torch.dtype, what: str) -> int:
-    """Encode a host scalar of a ``dtype`` result for ``_jit.scalar_value``: the float64 bits
+def scalar_bits(value, dtype: torch.dtype, what: str) -> int:
+    """Encode a host scalar of a ``dtype`` result for ``kernels.helpers.scalar_value``: the float64 bits
     of its value, or an int64. An int beyond float64's exact range going into a float32
     computation is rounded to float32 here, once, as torch converts an int64 (through
     float64 it would round twice)."""
@@ -241,7 +136,7 @@ def _int_to_float32(value: int) -> float:
 
 
 @dataclass
-class _Call:
+class Call:
     """A validated call: what the launcher and the PyTorch path both need."""
 
     kernel: ElementwiseKernel
@@ -291,7 +186,7 @@ def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
                         f"got {len(operands)}")
 
 
-def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
+def validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> Call:
     check_arity(kernel, operands)
     for name, value in zip(kernel.arg_names, operands):
         _check_operand(kernel, name, value)
@@ -336,7 +231,7 @@ def _validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> _Call:
         raise NotDifferentiableError(
             f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
             f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
-    return _Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
+    return Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
 
 
 def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
@@ -421,7 +316,7 @@ def _provably_disjoint(t: torch.Tensor, out: torch.Tensor) -> bool:
     return step > 1 and (delta // size) % step != 0
 
 
-def _allocate_out(call: _Call) -> torch.Tensor:
+def allocate_out(call: Call) -> torch.Tensor:
     """The result tensor, laid out as torch's TensorIterator lays out a new output."""
     strides = output_strides(call.shape, [(tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor)
                                           else None for t in call.operands])
@@ -454,11 +349,11 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
             flat_strides.extend(plan.strides[k + 1])
         else:
             ptrs.append(out)  # never read: the slot is a scalar or unused
-            bits.append(0 if value is None else _scalar_bits(value, dtype, kernel.arg_names[k]))
+            bits.append(0 if value is None else scalar_bits(value, dtype, kernel.arg_names[k]))
             flat_strides.extend((0,) * 6)
             if value is not None:
                 scalar_mask |= 1 << (k + 1)
-    param_bits = _scalar_bits(param, dtype, kernel.param) if kernel.param is not None else 0
+    param_bits = scalar_bits(param, dtype, kernel.param) if kernel.param is not None else 0
 
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets", kernel.name,
@@ -493,16 +388,16 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
             launch_elementwise(kernel, part, param, out.select(dim, i), dtype)
         return out
     device = out.device
-    with _launch.serialised():
-        if device.type == "cuda" and device.index != _launch.current_device():
+    with launch.serialised():
+        if device.type == "cuda" and device.index != launch.current_device():
             with torch.cuda.device(device):
-                _elementwise_kernel[grid](*args, **meta)
+                elementwise_kernel[grid](*args, **meta)
         else:
-            _elementwise_kernel[grid](*args, **meta)
+            elementwise_kernel[grid](*args, **meta)
     return out
 
 
-def _run_reference(call: _Call) -> torch.Tensor:
+def _run_reference(call: Call) -> torch.Tensor:
     operands = call.operands
     if call.dtype in (torch.float16, torch.bfloat16):
         # Half types in float32, rounded once at the end: the arithmetic of torch's CUDA
@@ -512,98 +407,13 @@ def _run_reference(call: _Call) -> torch.Tensor:
     args = operands + ((call.param,) if call.kernel.param is not None else ())
     result = call.kernel.reference(*args)
     # Same layout and dtype as the kernel path (and the op's fake implementation).
-    out = call.out if call.out is not None else _allocate_out(call)
+    out = call.out if call.out is not None else allocate_out(call)
     with torch.autograd.grad_mode.no_grad():
         out.copy_(result.to(call.dtype))  # rounded to the result dtype first when ``out`` has another
     return out
 
 
-def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):
-    """Run a registered elementwise kernel: ``elementwise("add_relu", x, y, alpha=2)``.
-
-    ``operands`` are tensors or real numbers that broadcast together; the result
-    has their broadcast shape and PyTorch's promoted dtype. ``param`` is the
-    kernel's one scalar keyword (e.g. ``alpha``), defaulting as registered.
-    ``out`` receives the result when given (it may be one of the inputs).
-    """
-    if not isinstance(kernel, ElementwiseKernel):
-        kernel = get(kernel)  # a name; anything else raises DTypeError
-    if kernel.param is None:
-        if param:
-            raise SignatureError(f"{kernel.name}() takes no keyword {', '.join(param)}")
-        value = None
-    else:
-        value = param.pop(kernel.param, kernel.param_default)  # ``param`` is this call's own dict
-        if param:
-            raise SignatureError(f"{kernel.name}() got unexpected keyword(s) {', '.join(sorted(param))}")
-    return dispatch(kernel, operands, value, out)
-
-
-def dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
-    """:func:`elementwise` with its arguments parsed (``param`` None for a kernel without one):
-    the public ops call this directly. Under ``torch.profiler`` each call is a
-    ``fusedkit::<kernel name>`` range."""
-    key = None
-    # The eager fast path: no out=, no tracing, no Python dispatch mode, no torch.func
-    # transform, no profiler (four C-level flags, about 50 ns each).
-    if out is None and not _is_compiling() and not _dispatch_stack() and not _functorch() and not _profiling():
-        native = _native.TABLE
-        if native is not None and _launch.hooks_idle():
-            # A kept launch in C++ (FUSEDKIT_NATIVE_LAUNCH=1): None when it does not apply.
-            result = native.call(id(kernel), operands, param)
-            if result is not None:
-                return result
-        # A signature seen before launches its kept recipe.
-        key = _call_key(kernel, operands, param)
-        if key is NEEDS_GRAD:
-            key = None
-            if kernel.backward is not None:  # (without one, validation below raises)
-                return _library.call_autograd(kernel, operands, param)
-        elif key is not None:
-            recipe = _RECIPES.get(key)
-            if recipe is not None:
-                result = recipe.run(operands, param)
-                if result is not None:
-                    return result
-    elif not _is_compiling() and _profiling():
-        with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
-            return _dispatch(kernel, operands, param, out, None)
-    return _dispatch(kernel, operands, param, out, key)
-
-
-_is_compiling = torch.compiler.is_compiling
-_dispatch_stack = _library.dispatch_mode_active
-_functorch = _library.functorch_active
-#: Whether a profiler is recording: ranges cost host time only then.
-_profiling = torch._C._autograd._profiler_enabled
-
-
-def _dispatch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None, key) -> torch.Tensor:
-    """Every call the fast path did not finish; ``key``: its signature, to keep a recipe for."""
-    if _library.functorch_active() and not torch.compiler.is_compiling():
-        if out is None:
-            _validate(kernel, operands, param, None)  # errors before anything runs, on the wrapped tensors
-            return _library.call_functorch(kernel, operands, param)
-        # (inside a transform ``requires_grad`` says whether it differentiates through a tensor)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*operands, out) if isinstance(t, torch.Tensor)):
-            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, but a "
-                                "torch.func transform tracks the gradient of an argument")
-        # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
-        return _library.call_op(kernel, operands, param, out)
-    if _library.tracing(operands, out):
-        # Traced code goes straight to the registered op: its fake implementation
-        # validates and infers the result on fake tensors, outside Dynamo's tracing.
-        return _library.call_op(kernel, operands, param, out)
-    validated = _validate(kernel, operands, param, out)
-    if validated.needs_grad:
-        return _library.call_autograd(kernel, operands, param)
-    result = run_validated(validated)
-    if key is not None:
-        _remember(key, validated, result)
-    return result
-
-
-def run_validated(call: _Call) -> torch.Tensor:
+def run_validated(call: Call) -> torch.Tensor:
     """The eager path of a validated call: no dispatcher, straight to the launcher.
 
     ``out`` is written in place of the kernel's own output (its dtype may be any that
@@ -613,7 +423,7 @@ def run_validated(call: _Call) -> torch.Tensor:
     if out is not None and not call.direct:
         # A lazily negated ``out``, or one that may share elements with an input:
         # compute into a new tensor and let ``copy_`` write it as torch would.
-        result = run_validated(_Call(call.kernel, call.operands, call.param, call.shape, call.dtype, call.device,
+        result = run_validated(Call(call.kernel, call.operands, call.param, call.shape, call.dtype, call.device,
                                      None))
         with torch.autograd.grad_mode.no_grad():
             out.copy_(result)
@@ -621,7 +431,7 @@ def run_validated(call: _Call) -> torch.Tensor:
     if backend_for(call.device) == "torch":
         result = _run_reference(call)
     else:
-        result = out if out is not None else _allocate_out(call)
+        result = out if out is not None else allocate_out(call)
         # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
         operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
                          for t in call.operands)
@@ -640,28 +450,27 @@ def run_validated(call: _Call) -> torch.Tensor:
 # A call whose signature (kernel, operand types, dtypes, devices, shapes, strides)
 # was validated once reuses that validation, the layout plan, the grid and the
 # compiled kernel: per call it only allocates the result, reads the pointers and
-# scalars, and launches (see fusedkit._launch). Everything validation reads is in
+# scalars, and launches (see fusedkit.runtime.launch). Everything validation reads is in
 # the key or re-checked per call (an integral alpha's range, scalars' range), so a
 # call that differs in any of it takes the full path above.
 
-_CONSTEXPR_NAMES = _launch.constexpr_names(_elementwise_kernel)
+CONSTEXPR_NAMES = launch.constexpr_names(elementwise_kernel)
 #: Kernel arguments before the planned sizes and strides: out, three operand slots,
 #: three scalar bit patterns and the parameter's.
 _PER_CALL_ARGS = 8
-_RECIPES: dict = {}
-_launch.register_cache(_RECIPES.clear)
-_launch.register_cache(_native.clear)
-_launch.register_cache(plan_elementwise.cache_clear)
+#: Kept launches by call signature (a full cache is cleared, the C++ table's with it).
+KEPT = launch.CallCache(native.clear)
+launch.register_cache(plan_elementwise.cache_clear)
 
 
-#: What ``_call_key`` returns for plain tensors of which one requires a gradient.
+#: What :func:`call_key` returns for plain tensors of which one requires a gradient.
 NEEDS_GRAD = object()
 
 
-def _call_key(kernel: ElementwiseKernel, operands: tuple, param):
+def call_key(kernel: ElementwiseKernel, operands: tuple, param):
     """The signature of an eager ``out=None`` call; None when it cannot take the fast path,
     :data:`NEEDS_GRAD` when it is an eager call that autograd must record."""
-    # id(): the recipe holds the kernel, so the id stays its own while the entry lives
+    # id(): the kept launch holds the kernel, so the id stays its own while the entry lives
     # (and a kernel spec need not be hashable).
     key = [id(kernel), type(param)]
     grad = None
@@ -682,12 +491,12 @@ def _call_key(kernel: ElementwiseKernel, operands: tuple, param):
     return NEEDS_GRAD if grad else tuple(key)
 
 
-class _Recipe:
+class KeptLaunch:
     """The prepared launch of one validated call signature."""
 
     __slots__ = ("kernel", "shape", "out_strides", "dtype", "device", "index", "slots", "tensor_slots",
                  "host_numbers", "operand_signature", "like", "static_args", "constexprs", "launch_tail", "meta",
-                 "grid", "compiled", "_last_param")
+                 "grid", "compiled", "last_param")
 
     def __init__(self, kernel: ElementwiseKernel, result: torch.Tensor, operands: tuple, slots: tuple,
                  static_args: tuple, constexprs: tuple, meta: dict, grid: tuple[int, int, int] | None):
@@ -712,15 +521,15 @@ class _Recipe:
         self.launch_tail = static_args + constexprs
         self.meta = meta
         self.grid = grid                # None: an empty result
-        self.compiled = _launch.CompiledCache()
+        self.compiled = launch.CompiledCache()
         #: (param, its bit patterns and their int classes) of the last call: the default
         #: ``alpha`` is one object, so an identity check skips re-encoding it.
-        self._last_param = (object(), None)
+        self.last_param = (object(), None)
 
     def _bits(self, operands: tuple, param) -> tuple | None:
         """The scalar bit patterns (three slots, then the parameter) and what Triton keys
         them on; None sends the call down the full path (an int outside int64)."""
-        last = self._last_param
+        last = self.last_param
         if last[0] is param and not self.host_numbers:
             return last[1]
         kernel = self.kernel
@@ -735,11 +544,11 @@ class _Recipe:
             # Python ints outside int64 take the full path, which raises as torch does.
             if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
                 return None
-            bits.append(_scalar_bits(value, self.dtype, kernel.arg_names[~slot]))
-        bits.append(_scalar_bits(param, self.dtype, kernel.param) if kernel.param is not None else 0)
+            bits.append(scalar_bits(value, self.dtype, kernel.arg_names[~slot]))
+        bits.append(scalar_bits(param, self.dtype, kernel.param) if kernel.param is not None else 0)
         # Triton specialises on whether an unspecialised int fits in 32 bits.
-        encoded = (tuple(bits), tuple(map(_launch.int_class, bits)))
-        self._last_param = (param, encoded)  # with host numbers, only the check is reused
+        encoded = (tuple(bits), tuple(map(launch.int_class, bits)))
+        self.last_param = (param, encoded)  # with host numbers, only the check is reused
         return encoded
 
     def run(self, operands: tuple, param) -> torch.Tensor | None:
@@ -761,13 +570,13 @@ class _Recipe:
         for s in self.tensor_slots:
             p = o if s is None else operands[s].data_ptr()
             ptrs.append(p)
-            misaligned = (misaligned << 1) | (p % _launch.ALIGNMENT != 0)
+            misaligned = (misaligned << 1) | (p % launch.ALIGNMENT != 0)
         bits, classes = encoded
-        spec = (misaligned | (o % _launch.ALIGNMENT != 0) << len(self.tensor_slots), classes)
+        spec = (misaligned | (o % launch.ALIGNMENT != 0) << len(self.tensor_slots), classes)
         entry = self.compiled.get(spec)
         index = self.index
-        if entry is not None and index == _launch.current_device():
-            _launch.CompiledCache.run(entry, (*ptrs, *bits), index)
+        if entry is not None and index == launch.current_device():
+            launch.CompiledCache.run(entry, (*ptrs, *bits), index)
             return out
         tensors = [out] + [out if s is None else operands[s] for s in self.tensor_slots]
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
@@ -777,17 +586,17 @@ class _Recipe:
     def _launch(self, spec, per_call: tuple, index):
         entry = self.compiled.get(spec)
         if entry is not None:
-            _launch.CompiledCache.run(entry, per_call, index)
+            launch.CompiledCache.run(entry, per_call, index)
         else:
-            with _launch.serialised():
-                compiled = _elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
+            with launch.serialised():
+                compiled = elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
             self.compiled.put(spec, compiled, self.grid, self.launch_tail)
             entry = self.compiled.get(spec)
             if entry is not None and spec[0] == 0:  # compiled for aligned pointers: C++ may launch it
-                _native.register(self, entry)
+                native.register(self, entry)
 
 
-def _make_recipe(kernel: ElementwiseKernel, operands: tuple, param, result: torch.Tensor) -> _Recipe | None:
+def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.Tensor) -> KeptLaunch | None:
     """The kept launch of validated ``operands`` into results laid out as ``result``; None for
     a host 0-d tensor operand (read with ``.item()`` per call, so not kept)."""
     slots = []
@@ -807,28 +616,39 @@ def _make_recipe(kernel: ElementwiseKernel, operands: tuple, param, result: torc
             return None
         grid = (grid_1d[0], 1, 1)
         static_args = args[_PER_CALL_ARGS:]
-        constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
-    return _Recipe(kernel, result, operands, tuple(slots), static_args, constexprs, meta, grid)
+        constexprs = tuple(meta[name] for name in CONSTEXPR_NAMES)
+    return KeptLaunch(kernel, result, operands, tuple(slots), static_args, constexprs, meta, grid)
 
 
-def _remember(key: tuple, call: _Call, result: torch.Tensor) -> None:
+def remember(key: tuple, call: Call, result: torch.Tensor) -> None:
     """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.out is not None or backend_for(call.device) == "torch" or not _launch.enabled():
+    if call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
         return
-    recipe = _make_recipe(call.kernel, call.operands, call.param, result)
-    if recipe is None:
-        return
-    if len(_RECIPES) >= CALL_CACHE_SIZE:
-        _RECIPES.clear()
-        _native.clear()
-    _RECIPES[key] = recipe
+    kept = _make_kept(call.kernel, call.operands, call.param, result)
+    if kept is not None:
+        KEPT.keep(key, kept)
 
 
-def kept_launch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor) -> _Recipe | None:
+def kept_launch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor) -> KeptLaunch | None:
     """A kept launch of ``kernel`` for operands with these dtypes, shapes and strides (tensors
     on ``out``'s device, or numbers; validated by the caller), whose results are laid out as
-    ``out`` is: ``recipe.run(operands, param)`` allocates one and launches, or returns None
+    ``out`` is: ``kept.run(operands, param)`` allocates one and launches, or returns None
     for the caller to take :func:`launch_elementwise`. None where launches are not kept."""
-    if backend_for(out.device) == "torch" or not _launch.enabled():
+    if backend_for(out.device) == "torch" or not launch.enabled():
         return None
-    return _make_recipe(kernel, operands, param, out)
+    return _make_kept(kernel, operands, param, out)
+
+
+def run(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
+    """An eager call without ``out=`` that autograd does not record (the caller rules out
+    tracing, ``torch.func`` and gradients): its kept launch when the signature was seen,
+    else validated, launched and kept."""
+    key = call_key(kernel, operands, param)
+    kept = None if key is NEEDS_GRAD else KEPT.get(key)
+    result = None if kept is None else kept.run(operands, param)
+    if result is None:
+        call = validate(kernel, operands, param, None)
+        result = run_validated(call)
+        if key is not None and key is not NEEDS_GRAD:
+            remember(key, call, result)
+    return result

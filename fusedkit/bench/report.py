@@ -18,28 +18,23 @@ import csv
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import triton
 
-from . import __version__, _elementwise, _progress, registry
-from ._elementwise import backend_for, elementwise
-from .bench_peers import supports_tutorial, tutorial
+import fusedkit
+from fusedkit import backend_for, elementwise, registry, settings
+from fusedkit.runtime.elementwise import INTERPRETED
 
-LAYOUTS = ("contiguous", "bias", "transposed")
-#: Columns of a ``bias`` layout: a typical hidden size.
-BIAS_COLS = 4096
+from .cases import BIAS_COLS, DTYPE_NAMES, LAYOUTS, case_name, make_operands, timer
+from .peers import supports_tutorial, tutorial
+from .progress import bar as progress_bar
+
 GPU_SIZES = (2**20, 2**24, 2**28)
 CPU_SIZES = (2**10, 2**12)
-#: do_bench budget in milliseconds (it repeats until this much time is spent).
-WARMUP_MS, REP_MS = 25, 100
-CPU_REPEATS = 5
-DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
@@ -75,52 +70,11 @@ class Row:
         return d
 
 
-def _operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, device,
-              bias_cols: int = BIAS_COLS) -> tuple:
-    def rnd(*shape):
-        return torch.randn(shape, device=device, dtype=torch.float32).to(dtype) if dtype.is_floating_point \
-            else torch.randint(-100, 100, shape, device=device, dtype=dtype)
-
-    if layout == "contiguous":
-        ops = [rnd(n) for _ in range(kernel.arity)]
-    elif layout == "bias":
-        cols = min(bias_cols, n)
-        ops = [rnd(n // cols, cols)] + [rnd(cols) for _ in range(kernel.arity - 1)]
-    elif layout == "transposed":
-        side = 1 << (max(n.bit_length() - 1, 0) // 2)
-        rows = n // side
-        ops = [rnd(side, rows).t()] + [rnd(rows, side) for _ in range(kernel.arity - 1)]
-    else:
-        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
-    return tuple(ops)
-
-
-def case_name(kernel: str, layout: str, dtype, n: int) -> str:
-    """A case's label, as NVTX ranges and reports spell it."""
-    return f"{kernel}-{layout}-{str(dtype).removeprefix('torch.')}-{n}"
-
-
-def _timer(device) -> Callable[[Callable[[], object]], float]:
-    """Median time of ``fn`` in microseconds."""
-    if device.type == "cuda":
-        return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-
-    def cpu(fn):
-        fn()
-        times = []
-        for _ in range(CPU_REPEATS):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e6 * statistics.median(times)
-    return cpu
-
-
 def copy_roof_gbps(dtype, device, n: int) -> float:
     """Bandwidth of ``dst.copy_(src)``, counting bytes read plus written: the roof."""
     src = torch.randn(n, device=device).to(dtype)
     dst = torch.empty_like(src)
-    us = _timer(device)(lambda: dst.copy_(src))
+    us = timer(device)(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
@@ -131,20 +85,20 @@ def _compiled(fn):
 
 def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=True,
         bias_cols: int = BIAS_COLS) -> list[Row]:
-    timer = _timer(device)
+    time_us = timer(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
     # The copy roof means something on a GPU only; the interpreter's copy is a numpy memcpy.
     roofs = {dt: copy_roof_gbps(dt, device, max(sizes)) if device.type == "cuda" else None for dt in dtypes}
     rows = []
     total = sum(dt in k.dtypes for k in kernels for dt in dtypes) * len(sizes) * len(layouts)
-    bar = _progress.bar(total, "elementwise", progress)
+    bar = progress_bar(total, "elementwise", progress)
     for spec in kernels:
         for dt in dtypes:
             if dt not in spec.dtypes:
                 continue
             for n in sizes:
                 for layout in layouts:
-                    ops = _operands(spec, layout, n, dt, device, bias_cols)
+                    ops = make_operands(spec, layout, n, dt, device, bias_cols)
                     args = ops + ((spec.param_default,) if spec.param else ())
                     fused = lambda: elementwise(spec, *ops)  # noqa: E731
                     unfused = lambda: spec.reference(*args)  # noqa: E731
@@ -152,12 +106,12 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                     row = Row(spec.name, layout, str(dt).removeprefix("torch."), n,
                               "x".join(str(s) for s in ops[0].shape),
                               spec.bytes_fused(*ops).total, spec.bytes_unfused(*ops).total,
-                              timer(fused), timer(unfused), timer(torch_add), roof_gbps=roofs[dt])
+                              time_us(fused), time_us(unfused), time_us(torch_add), roof_gbps=roofs[dt])
                     if use_compile:
                         compiled = _compiled(spec.reference)
-                        row.compiled_us = timer(lambda: compiled(*args))
+                        row.compiled_us = time_us(lambda: compiled(*args))
                     if supports_tutorial(spec, dt):
-                        row.tutorial_us = timer(lambda: tutorial(spec, ops[0], ops[1], spec.param_default))
+                        row.tutorial_us = time_us(lambda: tutorial(spec, ops[0], ops[1], spec.param_default))
                     if l2 is not None:
                         row.fits_l2 = row.bytes_fused <= l2
                     rows.append(row)
@@ -178,18 +132,17 @@ CPU_MATMUL_SHAPES = ((64, 48, 40), (7, 33, 65))
 
 def _matmul_kernel(choice: str | None):
     """A block with FUSEDKIT_MATMUL_KERNEL=choice (None: left as it is)."""
-    from .configs import settings
 
-    return contextlib.nullcontext() if choice is None else settings(FUSEDKIT_MATMUL_KERNEL=choice)
+    return contextlib.nullcontext() if choice is None else settings.override(matmul_kernel=choice)
 
 
 def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict]:
     """relu(a @ b + bias): fusedkit against cuBLASLt's fused epilogue, eager addmm + relu, and a bare matmul."""
-    from ._matmul import matmul_relu
+    from fusedkit import matmul_relu
 
-    timer = _timer(device)
+    time_us = timer(device)
     rows = []
-    bar = _progress.bar(len(dtypes) * len(shapes), "matmul", progress)
+    bar = progress_bar(len(dtypes) * len(shapes), "matmul", progress)
     for dt in dtypes:
         for m, n, k in shapes:
             a = torch.randn(m, k, device=device, dtype=dt)
@@ -207,7 +160,7 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
             row = {"m": m, "n": n, "k": k, "dtype": str(dt).removeprefix("torch.")}
             for name, fn in cases.items():
                 with _matmul_kernel(name.removeprefix("fusedkit_") if name.startswith("fusedkit_") else None):
-                    us = timer(fn)
+                    us = time_us(fn)
                 row[f"{name}_us"] = us
                 row[f"{name}_tflops"] = flops / us / 1e6
             rows.append(row)
@@ -285,13 +238,12 @@ def _commit() -> str | None:
 
 
 def environment(device) -> dict:
-    from . import _native
 
-    env = {"fusedkit": __version__, "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
+    env = {"fusedkit": fusedkit.__version__, "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
            "python": sys.version.split()[0], "device": str(device),
-           "backend": backend_for(device), "native_launch": _native.enabled(),
+           "backend": backend_for(device), "native_launch": settings.current().native_launch,
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    from ._matmul import fp32_precision
+    from fusedkit.runtime.matmul import fp32_precision
 
     env["fp32_matmul"] = fp32_precision()  # "tf32" (both sides) where PyTorch allows it, else fusedkit's mode
     if device.type == "cuda":
@@ -323,7 +275,7 @@ def run_ncu(rows, kernels, dtypes, sizes, layouts, device, env) -> list[dict] | 
     models = {}
     for r in rows:
         spec = registry.get(r.kernel)
-        ops = _operands(spec, r.layout, r.n, DTYPE_NAMES[_short(r.dtype)], "meta")
+        ops = make_operands(spec, r.layout, r.n, DTYPE_NAMES[_short(r.dtype)], "meta")
         models[id(r)] = spec.bytes_fused(*ops), spec.bytes_unfused(*ops)
     cold = measure(sizes, ncu.CACHE_COLD)
     # Sizes with a case that fits in L2 also run warm: cold caches would hide the L2 saving.
@@ -407,12 +359,12 @@ def run_command(args) -> int:
     progress = not args.no_progress
     env = environment(device)
     if not gpu:
-        where = "Triton's interpreter" if _elementwise.INTERPRETED else "PyTorch"
+        where = "Triton's interpreter" if INTERPRETED else "PyTorch"
         print(f"No CUDA GPU: the kernels run in {where} on the CPU. These times check the harness; "
               "they are NOT GPU times.\n")
 
     if args.backward:
-        from . import bench_backward as bb
+        from . import backward as bb
 
         default = bb.BACKWARD_SIZES if gpu else bb.CPU_BACKWARD_SIZES
         brows = bb.run_backward(dtypes, device, args.sizes or default, use_compile=use_compile)

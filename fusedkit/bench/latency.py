@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 import fusedkit
 
-from . import _library, _progress
-from .registry import ADD_RELU
+from fusedkit import autograd
+from fusedkit.library import ADD_RELU
+
+from .progress import bar as progress_bar
 
 __all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES"]
 
@@ -76,7 +78,7 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
                 progress=True) -> dict:
     rows, linear = [], []
     floats = [dt for dt in dtypes if dt.is_floating_point and dt != torch.float64]
-    bar = _progress.bar(len(dtypes) * len(sizes) + len(floats) * len(linear_shapes), "latency", progress)
+    bar = progress_bar(len(dtypes) * len(sizes) + len(floats) * len(linear_shapes), "latency", progress)
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
@@ -85,7 +87,7 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
                 "relu(x + y)": lambda: torch.relu(x + y),
                 "fusedkit.add": lambda: fusedkit.add(x, y),
                 "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y),
-                "add_relu via op": lambda: _library.call_op(ADD_RELU, (x, y), 1, None),
+                "add_relu via op": lambda: autograd.call_op(ADD_RELU, (x, y), 1, None),
             }
             if dt.is_floating_point:
                 # Training-mode calls: the inputs need a gradient, so autograd records each call.

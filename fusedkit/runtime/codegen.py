@@ -12,8 +12,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
-from ._elementwise import _elementwise_kernel, launch_config
-from .registry import ElementwiseKernel
+from ..kernels import activations
+from ..kernels.elementwise import elementwise_kernel
+from ..kernels.matmul import matmul_kernel
+from ..kernels.matmul_tma import matmul_tma_kernel
+from ..registry import ElementwiseKernel
+from .elementwise import launch_config
+from .matmul import launch_config as matmul_config
 
 #: Hopper (H100, H200): compute capability 9.0, 32-thread warps.
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -62,11 +67,9 @@ def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_st
 def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torch.Tensor,
                    tile: dict, num_warps: int = 4, num_stages: int = 3, target: GPUTarget = HOPPER):
     """Compile the matmul launch for ``out = act(a @ b + bias)`` with one tile config (meta tensors work)."""
-    from ._matmul import _matmul_kernel, launch_config as matmul_config
-
     args, meta = matmul_config(a, b, bias, activation, out)
     meta = {**meta, "SPLIT_K": 1, **tile, "EVEN_K": a.shape[1] % tile["BLOCK_K"] == 0}  # SPLIT_K: the kernel's default
-    return _compile(_matmul_kernel, args, meta, num_warps, target, num_stages)
+    return _compile(matmul_kernel, args, meta, num_warps, target, num_stages)
 
 
 def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stages: int, *, a_mmajor: bool = False,
@@ -76,9 +79,6 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
     carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
     precision (default "tf32" for float32, else "ieee")."""
-    from . import activations as act
-    from ._matmul_tma import _matmul_tma_kernel
-
     ty = _TRITON_TYPE[dtype]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
@@ -89,11 +89,11 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
         "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>", "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "bias_ptr": "*" + ty, "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_bias": "i32",
     }
-    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=act.ACTIVATIONS[activation], STORE_PRE=store_pre,
+    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activations.ACTIVATIONS[activation], STORE_PRE=store_pre,
                       A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),
                       UPCAST_OPERANDS=False, NUM_SMS=132, **tile)
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(_matmul_tma_kernel, signature, constexprs=constexprs, attrs={})
+    source = ASTSource(matmul_tma_kernel, signature, constexprs=constexprs, attrs={})
     return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -107,5 +107,5 @@ def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.T
     """
     _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out)
     num_warps = meta.pop("num_warps")
-    return _compile(_elementwise_kernel, args, meta, num_warps, target)
+    return _compile(elementwise_kernel, args, meta, num_warps, target)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import ElementwiseKernel
+from fusedkit.registry import ElementwiseKernel
 
 __all__ = ["tutorial", "supports_tutorial", "TUTORIAL_BLOCK"]
 

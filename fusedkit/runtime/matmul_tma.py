@@ -1,34 +1,10 @@
-"""The Hopper matmul: persistent programs fed by the tensor-memory accelerator.
+"""The host side of the Hopper TMA matmul (:mod:`fusedkit.kernels.matmul_tma`).
 
-A second data-movement algorithm for the same ``act(a @ b + bias)`` as
-``_matmul._matmul_kernel`` (whose epilogue it shares):
-- operands arrive through TMA tensor descriptors (``triton.tools.tensor_descriptor``):
-  one bulk copy per tile instead of per-thread address arithmetic, with
-  out-of-range rows, columns and the K tail zero-filled by the hardware, so the
-  loop carries no masks;
-- ``NUM_SMS`` persistent programs walk the output tiles in grouped order, so the
-  next tile's loads overlap this tile's epilogue;
-- ``b`` is read in the layout it has: (K, N) row-major, or an ``nn.Linear``
-  weight (N, K) row-major through ``b = weight.t()`` (``B_KMAJOR``), transposed
-  in shared memory for the tensor cores, never copied; likewise ``a`` (M, K)
-  row-major, or column-major (``A_MMAJOR``: ``x.t()`` of a row-major ``x``, as in
-  the weight gradient ``x.t() @ grad`` of a backward pass);
-- float32 on TF32 tensor cores (TF32 or tf32x3) with row-major ``a`` and ``b``
-  computes the transposed product ``(b^T a^T)^T``, ``b^T`` rounded to TF32 in
-  registers: TRANSPOSED_PRODUCT below.
-
-TRANSPOSED_PRODUCT: TF32 ``wgmma`` reads its shared-memory operands K-major only, and a
-row-major ``b`` is N-major, so Triton transposes it on a shared-memory store each K step.
-As the register operand of ``b^T a^T`` it may have any layout: at M = K = N = 4096, TF32,
-128 x 128 x 32 tiles, 3 stages, 8 warps, it runs 257.0 TFLOP/s against 71.0 for ``a @ b``
-(H200, torch 2.11, triton 3.6), and rounding ``b`` to nearest in registers also halves the
-max error / max |ref|.
-
-TMA needs 16-byte-aligned bases and row strides and unit inner strides;
+TMA needs 16-byte-aligned bases and row strides and unit inner strides:
 :func:`layout_ok` checks dtype, device and strides, the launcher the bases per call;
-anything else runs the pointer kernel.
-Layers: ``_matmul_tma_kernel``; ``layout_ok`` and ``launch_tma`` (the launcher);
-the public functions live in ``_matmul``.
+anything else runs the pointer kernel. :func:`descriptors` and :func:`encoded_args`
+build the tensor descriptors (as objects for Triton's launch, or encoded for a kept
+launch); :func:`launch_tma` tunes or launches.
 """
 
 from __future__ import annotations
@@ -37,10 +13,10 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import _jit, _launch, activations as act
+from ..kernels.matmul_tma import matmul_tma_kernel
+from . import launch
 from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs, prune_tma_configs
 
 __all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "transposed_product",
@@ -50,79 +26,6 @@ __all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "t
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TMA_ALIGN_BYTES = 16
 
-
-@triton.jit
-def _store_tile(desc, acc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr):
-    """Store a (BLOCK_M, BLOCK_N) tile; SUBTILE stores it as two halves (less shared memory)."""
-    dtype = desc.dtype
-    if SUBTILE:
-        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
-        desc.store([off_m, off_n], left.to(dtype))
-        desc.store([off_m, off_n + BLOCK_N // 2], right.to(dtype))
-    else:
-        desc.store([off_m, off_n], acc.to(dtype))
-
-
-@triton.jit
-def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, pre_desc, bias_ptr,
-    M, N, K, M_BUCKET, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, A_MMAJOR: tl.constexpr,
-    B_KMAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SUBTILE: tl.constexpr,
-):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-    # TF32 tensor cores read a shared-memory operand only K-major; a row-major b (N-major)
-    # gets there through a transposing shared store. The transposed product b^T a^T instead
-    # takes b^T from registers (any layout): see TRANSPOSED_PRODUCT.
-    # (``transposed_product`` asks the same on the host.)
-    TRANSPOSE: tl.constexpr = (a_desc.dtype == tl.float32 and INPUT_PRECISION != "ieee"
-                               and not A_MMAJOR and not B_KMAJOR)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _jit.grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if TRANSPOSE:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            if A_MMAJOR:
-                a = a_desc.load([off_k, off_m]).T
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_KMAJOR:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            if UPCAST_OPERANDS:  # the interpreter's bf16 dot (see _matmul.launch_config)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if TRANSPOSE:
-                bt = b.T
-                if INPUT_PRECISION == "tf32":  # rounded in registers, so wgmma reads it there
-                    bt = _jit.tf32_big(bt)
-                acc = _jit.dot(bt, a.T, acc, INPUT_PRECISION, tl.float32)
-            else:
-                acc = _jit.dot(a, b, acc, INPUT_PRECISION, tl.float32)
-        if TRANSPOSE:
-            acc = acc.T
-        # Epilogue on the accumulator, as in the pointer kernel.
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
-            acc = acc + bias[None, :].to(tl.float32)
-        if STORE_PRE:
-            _store_tile(pre_desc, acc, off_m, off_n, BLOCK_N, SUBTILE)
-        acc = act.apply_activation(acc, ACTIVATION)
-        _store_tile(c_desc, acc, off_m, off_n, BLOCK_N, SUBTILE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,7 +106,7 @@ def descriptors(a, b, out, pre, tile: dict):
     return a_desc, b_desc, c_desc, pre_desc
 
 
-def _row_major(t: torch.Tensor, flip: bool) -> tuple:
+def row_major(t: torch.Tensor, flip: bool) -> tuple:
     """(address, sizes, strides) of the row-major 2-D view a descriptor reads: ``t`` itself,
     or with ``flip`` its transpose (as ``descriptors`` builds, without making the view)."""
     (rows, cols), (s0, s1) = t.shape, t.stride()
@@ -212,14 +115,14 @@ def _row_major(t: torch.Tensor, flip: bool) -> tuple:
 
 def encoded_args(a, b, out, pre, layouts: tuple) -> list:
     """The four descriptor parameters as Triton's C launcher takes them (see
-    ``_launch.tensor_map_args``): the same views as :func:`descriptors`, with the block
+    ``launch.tensor_map_args``): the same views as :func:`descriptors`, with the block
     shapes and swizzles the compiled kernel recorded (``layouts``), encoded once per
     address, shape and strides."""
-    views = (_row_major(a, a_mmajor(a)), _row_major(b, b_kmajor(b)), _row_major(out, False),
-             _row_major(pre if pre is not None else out, False))
+    views = (row_major(a, a_mmajor(a)), row_major(b, b_kmajor(b)), row_major(out, False),
+             row_major(pre if pre is not None else out, False))
     args = []
     for (address, shape, strides), layout in zip(views, layouts):
-        args += _launch.tensor_map_args(address, shape, strides, layout)
+        args += launch.tensor_map_args(address, shape, strides, layout)
     return args
 
 
@@ -236,10 +139,10 @@ def _set_block_shapes(nargs):
 # INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (on the
 # H200 a TF32 tuning result reused with TF32 off raises OutOfResources).
 # The dtype is in the key through bias_ptr, the only tensor argument.
-_matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
+matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
                                     key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
                                     prune_configs_by={"early_config_prune": prune_tma_configs})(
-    _matmul_tma_kernel)
+    matmul_tma_kernel)
 
 
 def grid_for(M: int, N: int, tile: dict, sms: int) -> int:
@@ -257,13 +160,13 @@ def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcas
     majors = dict(A_MMAJOR=a_mmajor(a), B_KMAJOR=b_kmajor(b))
     if tuned and not interpreted:
         descs = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
-        recorder = _launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
-        compiled = _matmul_tma_tuned[recorder](*descs, *tail, **meta, **majors)
+        recorder = launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
+        compiled = matmul_tma_tuned[recorder](*descs, *tail, **meta, **majors)
         tile = {name: recorder.meta[name] for name in fixed_tile}
         return compiled, tile, grid_for(M, N, tile, sms)
     tile = MATMUL_TMA_INTERPRETER_TILE if interpreted else fixed_tile
     descs = descriptors(a, b, out, pre, tile)
     grid = grid_for(M, N, tile, sms)
     options = {} if interpreted else fixed_options
-    compiled = _matmul_tma_kernel[(grid,)](*descs, *tail, **meta, **majors, **tile, **options)
+    compiled = matmul_tma_kernel[(grid,)](*descs, *tail, **meta, **majors, **tile, **options)
     return compiled, tile, grid

@@ -1,0 +1,403 @@
+"""fusedkit's ops for autograd, ``torch.func`` and tracing.
+
+- Custom ops (``torch.library``): ``fusedkit::elementwise`` (one op serves every registry
+  kernel, so one a user registers is differentiable and compiles with
+  ``torch.compile(fullgraph=True)`` too), ``fusedkit::elementwise_out`` for ``out=``, and
+  ``fusedkit::matmul``. Traced code calls them; each has a fake implementation (shape,
+  dtype and layout without data), a vmap rule and autograd.
+- :class:`EagerElementwise` and :class:`EagerMatmul`: eager calls that need a gradient,
+  the custom ops' saved tensors and backward without the dispatcher (a call through a
+  registered op costs 110-190 us of host time on the H200 host, against 13-22 us for a
+  kept eager launch; ``python -m fusedkit bench --latency``).
+- :class:`FuncElementwise` and :class:`FuncMatmul`: calls under a ``torch.func`` transform,
+  with the ``setup_context`` and vmap rule those need.
+
+Forwards run the runtime (:mod:`fusedkit.runtime`). Backwards compute with the derivative
+each op declares: a registry entry's ``backward``, and the matmul's, given by
+:func:`register_matmul_backward` (:mod:`fusedkit.library`); both call the public ops, so a
+gradient of a gradient is recorded, transformed or traced as any call is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ArgumentError, NotDifferentiableError, UnknownKernelError
+from .registry import get, result_dtype
+from .runtime import elementwise, matmul
+
+__all__ = ["EagerElementwise", "EagerMatmul", "FuncElementwise", "FuncMatmul", "call_autograd", "call_functorch",
+           "call_op", "elementwise_op", "elementwise_out_op", "functorch_active", "matmul_functorch", "matmul_op",
+           "matmul_setup_context", "record_matmul", "register_matmul_backward"]
+
+#: Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active; a C call. Its
+#: wrapped tensors have no storage, so a launch waits until none is.
+functorch_active = torch._C._are_functorch_transforms_active
+
+
+#: torch.library's own spelling of a "Scalar" argument (int, float or bool), so the schema
+#: inference of every torch version recognises it.
+Scalar = torch.types.Number
+
+
+def _assemble(arity: int, tensors, tensor_slots, scalars) -> tuple:
+    operands: list = [None] * arity
+    for slot, t in zip(tensor_slots, tensors):
+        operands[slot] = t
+    it = iter(scalars)
+    return tuple(next(it) if v is None else v for v in operands)
+
+
+def _split(operands) -> tuple[list, list, list]:
+    tensors = [v for v in operands if isinstance(v, torch.Tensor)]
+    slots = [i for i, v in enumerate(operands) if isinstance(v, torch.Tensor)]
+    scalars = [v for v in operands if not isinstance(v, torch.Tensor)]
+    return tensors, slots, scalars
+
+
+def _param(kernel, param):
+    return param if kernel.param is not None else None
+
+
+@torch.library.custom_op("fusedkit::elementwise", mutates_args=())
+def elementwise_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int], scalars: list[Scalar],
+                   param: Scalar) -> torch.Tensor:
+    kernel = get(name)
+    operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
+    call = elementwise.validate(kernel, operands, _param(kernel, param), None)
+    call.needs_grad = False
+    return elementwise.run_validated(call)
+
+
+@elementwise_op.register_fake
+def _(name, tensors, tensor_slots, scalars, param):
+    kernel = get(name)
+    operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
+    with torch.no_grad():
+        call = elementwise.validate(kernel, operands, _param(kernel, param), None)
+    return elementwise.allocate_out(call)
+
+
+def _save(ctx, kernel, param, tensor_slots, scalars, tensors, output) -> None:
+    """What a backward needs, kept on ``ctx`` (the registered op's and the eager Function's)."""
+    ctx.kernel = kernel
+    ctx.param = param
+    ctx.slots = tensor_slots
+    ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+    ctx.scalars = scalars
+    if kernel.saves == "output":
+        ctx.save_for_backward(output)
+    elif kernel.saves == "inputs":
+        ctx.save_for_backward(*tensors)
+
+
+def _reduce_to(grad: torch.Tensor, shape, dtype, device) -> torch.Tensor:
+    """Sum a gradient of the broadcast shape back to an operand's shape and dtype."""
+    if grad.shape != shape:
+        grad = grad.sum_to_size(shape) if len(shape) else grad.sum()
+    return grad.to(device=device, dtype=dtype)
+
+
+def _input_grads(ctx, grad) -> list:
+    """The gradient of each tensor operand (None where none flows), from what ``_save`` kept."""
+    kernel = ctx.kernel
+    if kernel.saves == "output":
+        saved = ctx.saved_tensors[0]
+    elif kernel.saves == "inputs":
+        saved = _assemble(kernel.arity, ctx.saved_tensors, ctx.slots, ctx.scalars)
+    else:
+        saved = None
+    grads = kernel.backward(grad, saved, _param(kernel, ctx.param))
+    out = []
+    for slot, (shape, dtype, device) in zip(ctx.slots, ctx.meta):
+        g = grads[slot]
+        out.append(None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device))
+    return out
+
+
+def _elementwise_setup_context(ctx, inputs, output):
+    name, tensors, tensor_slots, scalars, param = inputs
+    ctx.n_slots = len(tensor_slots)
+    _save(ctx, get(name), param, tensor_slots, scalars, tensors, output)
+
+
+def _elementwise_backward(ctx, grad):
+    out = _input_grads(ctx, grad)
+    # The inputs' structure as torch.library sees it: a non-empty list of numbers is
+    # one leaf (its gradient None), an empty list stays an empty list.
+    return None, out, None if ctx.n_slots else [], None if ctx.scalars else [], None
+
+
+elementwise_op.register_autograd(_elementwise_backward, setup_context=_elementwise_setup_context)
+
+
+def _batch_first(kernel, tensors, tensor_slots, scalars, in_dims) -> list:
+    """vmap's batched operands with the batch dim moved to the front and size-1 dims
+    after it, so every operand broadcasts as its per-example self does; unbatched
+    operands as they are. A batched operand that is 0-d per example is converted to the
+    per-example result dtype first: gaining dims, it would otherwise promote as a tensor
+    with dims (an fp32 0-d beside fp16 gives fp16 in torch, fp32 with dims)."""
+    per_example = [torch.empty((1,) * (t.dim() - (d is not None)), dtype=t.dtype, device="meta")
+                   for t, d in zip(tensors, in_dims)]
+    rank = max(t.dim() for t in per_example)
+    dtype = result_dtype(_assemble(kernel.arity, per_example, tensor_slots, scalars))
+    moved = []
+    for t, d, example in zip(tensors, in_dims, per_example):
+        if d is not None:
+            t = t.movedim(d, 0)
+            if example.dim() == 0 and t.dtype != dtype:
+                t = t.to(dtype)
+            t = t.reshape(t.shape[0], *(1,) * (rank - example.dim()), *t.shape[1:])  # a view
+        moved.append(t)
+    return moved
+
+
+def _elementwise_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param):
+    # (the other arguments are not tensors)
+    return elementwise_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, in_dims[1]), tensor_slots,
+                          scalars, param), 0
+
+
+torch.library.register_vmap(elementwise_op, _elementwise_vmap)
+
+
+@torch.library.custom_op("fusedkit::elementwise_out", mutates_args=("out",))
+def elementwise_out_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int], scalars: list[Scalar],
+                       param: Scalar, out: torch.Tensor) -> None:
+    kernel = get(name)
+    operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
+    elementwise.run_validated(elementwise.validate(kernel, operands, _param(kernel, param), out))
+
+
+@elementwise_out_op.register_fake
+def _(name, tensors, tensor_slots, scalars, param, out):
+    return None
+
+
+def _elementwise_out_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param, out):
+    tensor_dims, out_dim = in_dims[1], in_dims[5]
+    if out_dim is None:
+        # torch's rule for in-place ops under vmap: the written tensor must be batched.
+        raise ArgumentError("fusedkit: vmap over an out= call needs out to be batched when an input is")
+    rank = max(t.dim() - (d is not None) for t, d in zip(tensors, tensor_dims))
+    out = out.movedim(out_dim, 0)
+    out = out.reshape(out.shape[0], *(1,) * (rank - out.dim() + 1), *out.shape[1:])
+    elementwise_out_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), tensor_slots,
+                       scalars, param, out)
+    return None, None
+
+
+torch.library.register_vmap(elementwise_out_op, _elementwise_out_vmap)
+
+
+def _check_registered(kernel) -> None:
+    if get(kernel.name) is not kernel:
+        raise UnknownKernelError(f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
+                                 "fusedkit.registry.register() it first")
+
+
+def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
+    """Call ``kernel`` through the registered op (autograd records it; Dynamo traces it)."""
+    _check_registered(kernel)
+    tensors, slots, scalars = _split(operands)
+    param = param if param is not None else 0
+    if out is not None:
+        elementwise_out_op(kernel.name, tensors, slots, scalars, param, out)
+        return out
+    return elementwise_op(kernel.name, tensors, slots, scalars, param)
+
+
+class EagerElementwise(torch.autograd.Function):
+    """An eager call that needs a gradient: the registered op's autograd without the
+    dispatcher. ``forward`` runs with grad off: a kept launch when the signature repeats.
+
+    ``forward`` takes ``ctx`` (no ``setup_context``): with a ``setup_context``, every
+    ``apply`` binds its arguments through ``inspect.signature``, 40% of this path's
+    host time on a CPU host. ``torch.func`` transforms need one: they get
+    :class:`FuncElementwise`."""
+
+    @staticmethod
+    def forward(ctx, kernel, param, tensor_slots, scalars, *tensors):
+        output = elementwise.run(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), param)
+        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, None, *_input_grads(ctx, grad))
+
+
+class FuncElementwise(torch.autograd.Function):
+    """A call under a ``torch.func`` transform (vmap, grad, jacrev, ...): the same saved
+    tensors and backward, with the ``setup_context`` and the vmap rule those transforms
+    need (the registered op's generated autograd has no ``setup_context``). Its forward
+    and vmap rule come back here while a transform is still active (:func:`_inner`)."""
+
+    @staticmethod
+    def forward(kernel, param, tensor_slots, scalars, *tensors):
+        return _inner(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), param)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        kernel, param, tensor_slots, scalars, *tensors = inputs
+        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, None, *_input_grads(ctx, grad))
+
+    @staticmethod
+    def vmap(info, in_dims, kernel, param, tensor_slots, scalars, *tensors):
+        moved = _batch_first(kernel, tensors, tensor_slots, scalars, in_dims[4:])
+        return _inner(kernel, _assemble(kernel.arity, moved, tensor_slots, scalars), param), 0
+
+
+def call_functorch(kernel, operands: tuple, param) -> torch.Tensor:
+    """A call of ``kernel`` under a ``torch.func`` transform, validated on the wrapped
+    tensors before anything runs."""
+    elementwise.validate(kernel, operands, param, None)
+    tensors, slots, scalars = _split(operands)
+    return FuncElementwise.apply(kernel, param, slots, scalars, *tensors)
+
+
+def call_autograd(kernel, operands: tuple, param) -> torch.Tensor:
+    """An eager call of ``kernel`` that autograd records (validated inside the Function)."""
+    if kernel.backward is None:
+        elementwise.validate(kernel, operands, param, None)  # raises: no backward (or what comes first)
+    elementwise.check_arity(kernel, operands)
+    _check_registered(kernel)
+    tensors, slots, scalars = _split(operands)
+    return EagerElementwise.apply(kernel, param, slots, scalars, *tensors)
+
+
+def _inner(kernel, operands: tuple, param) -> torch.Tensor:
+    """A call from a :class:`FuncElementwise` forward or vmap rule: the transform below this
+    one runs its rule next; with none left, autograd records the call where it must
+    (``torch.func.vmap`` over tensors that require grad), else it runs."""
+    if functorch_active():
+        return call_functorch(kernel, operands, param)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands):
+        return call_autograd(kernel, operands, param)
+    return elementwise.run(kernel, operands, param)
+
+
+@torch.library.custom_op("fusedkit::matmul", mutates_args=())
+def matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              store_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``act(a @ b + bias)`` and, when ``store_pre``, the pre-activation (else an empty tensor)."""
+    out, pre = matmul.forward(a, b, bias, activation, store_pre)
+    return out, pre if pre is not None else out.new_empty(0)
+
+
+@matmul_op.register_fake
+def _(a, b, bias, activation, store_pre):
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    return out, a.new_empty(out.shape if store_pre else (0,))
+
+
+def matmul_setup_context(ctx, inputs, output):
+    """What a matmul's backward reads: a, b, the activation, whether there is a bias, and the
+    output (ReLU) or the pre-activation (GELU, SiLU), in the input dtype."""
+    a, b, bias, activation, store_pre = inputs
+    out, pre = output
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+    # ReLU's backward needs only the output; GELU/SiLU need the pre-activation,
+    # saved in the input dtype (never an fp32 copy); no activation needs neither.
+    saved = pre if activation in matmul.NEEDS_PRE else out if activation == "relu" else None
+    ctx.save_for_backward(a, b, saved)
+
+
+#: The matmul's gradient, ``backward(ctx, grad_out) -> (grad_a, grad_b, grad_bias)`` from what
+#: :func:`matmul_setup_context` kept: registered by :mod:`fusedkit.library` (it calls the public
+#: ops, which sit above this module).
+_matmul_backward = None
+
+
+def register_matmul_backward(backward) -> None:
+    """Give the matmul (the custom op and the Functions below) its gradient formula."""
+    global _matmul_backward
+    _matmul_backward = backward
+
+
+def _op_backward(ctx, grad_out, _grad_pre):
+    return (*_matmul_backward(ctx, grad_out), None, None)
+
+
+matmul_op.register_autograd(_op_backward, setup_context=matmul_setup_context)
+
+
+
+class EagerMatmul(torch.autograd.Function):
+    """An eager matmul that needs a gradient: the registered op's autograd (same saved
+    tensors, same backward) without the dispatcher and its host time. Only ``out`` is an
+    output; the pre-activation, when kept, is saved as an intermediate."""
+
+    @staticmethod
+    def forward(ctx, a2, b, bias, activation, store_pre, kept=None):
+        if store_pre:
+            out, pre = matmul.forward(a2, b, bias, activation, store_pre)
+        elif kept is not None:  # a repeated signature's kept plan
+            out, pre = kept.launch(a2, b, bias), None
+        else:  # grad is off in here: a repeated call is kept
+            out, pre = matmul.run(a2, b, bias, activation), None
+        matmul_setup_context(ctx, (a2, b, bias, activation, store_pre), (out, pre))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled() and ctx.activation in matmul.NEEDS_PRE:
+            # The saved pre-activation carries no graph, so a second derivative would
+            # silently miss its term.
+            raise NotDifferentiableError(f"matmul(): double backward through activation={ctx.activation!r} is not "
+                                      "supported (None and 'relu' are)")
+        return (*_matmul_backward(ctx, grad_out), None, None, None)
+
+
+class FuncMatmul(torch.autograd.Function):
+    """A 2-D matmul under a ``torch.func`` transform: the registered op's saved tensors and
+    backward, with the ``setup_context`` and vmap rule the transforms need. Returns
+    ``(out, pre)`` as the op does (``pre`` empty unless kept)."""
+
+    @staticmethod
+    def forward(a2, b, bias, activation, store_pre):
+        if functorch_active():  # a transform below this one (vmap inside grad): its rule runs next
+            return FuncMatmul.apply(a2, b, bias, activation, store_pre)
+        out, pre = matmul.forward(a2, b, bias, activation, store_pre)
+        return out, pre if pre is not None else out.new_empty(0)
+
+    setup_context = staticmethod(matmul_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_pre):
+        return (*_matmul_backward(ctx, grad_out), None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, a2, b, bias, activation, store_pre):
+        a_dim, b_dim, bias_dim = in_dims[:3]
+        if b_dim is None and bias_dim is None:
+            # Only ``a`` is batched: the batch joins its rows, one launch.
+            a3 = a2.movedim(a_dim, 0)
+            batch, m = a3.shape[0], a3.shape[1]
+            out, pre = FuncMatmul.apply(a3.reshape(batch * m, a3.shape[2]), b, bias, activation, store_pre)
+            out = out.view(batch, m, out.shape[1])
+            return (out, pre.view(batch, m, -1) if store_pre else pre), (0, 0 if store_pre else None)
+        parts = []
+        for i in range(info.batch_size):
+            pick = [t if d is None else t.select(d, i) for t, d in ((a2, a_dim), (b, b_dim), (bias, bias_dim))]
+            parts.append(FuncMatmul.apply(*pick, activation, store_pre))
+        out = torch.stack([p[0] for p in parts])
+        pre = torch.stack([p[1] for p in parts]) if store_pre else parts[0][1]
+        return (out, pre), (0, 0 if store_pre else None)
+
+
+
+def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:
+    """An eager 2-D matmul that autograd records; ``kept``: the signature's kept plan."""
+    store_pre = activation in matmul.NEEDS_PRE
+    return EagerMatmul.apply(a2, b, bias, activation, store_pre, None if store_pre else kept)
+
+
+def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:
+    """A 2-D matmul under a ``torch.func`` transform."""
+    return FuncMatmul.apply(a2, b, bias, activation, activation in matmul.NEEDS_PRE)[0]

@@ -1,0 +1,155 @@
+"""The one decision every fused call takes: where it runs.
+
+For an elementwise call (:func:`elementwise`) and a matmul (:func:`matmul`), in this order:
+1. **Eager and seen before**: no ``out=``, no tracing, no Python dispatch mode, no
+   ``torch.func`` transform, no profiler (four C-level flags, about 50 ns each): the
+   signature's kept launch runs (:mod:`fusedkit.runtime`), or autograd records the call
+   (:mod:`fusedkit.autograd`) when a tensor requires grad.
+2. **Under a profiler**: the same call inside a ``fusedkit::<name>`` range.
+3. **Under a ``torch.func`` transform**: the transform's Function, validated first.
+4. **Traced** (``torch.compile``, a dispatch mode, a tensor subclass such as a FakeTensor):
+   the registered custom op, whose fake implementation validates and infers the result.
+5. **Eager, first time**: validated, launched (or recorded by autograd), and kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import autograd
+from .errors import FusedkitError
+from .registry import ElementwiseKernel
+from .runtime import elementwise as ew
+from .runtime import matmul as mm
+from .runtime import launch, native
+
+__all__ = ["elementwise", "matmul", "tracing"]
+
+_is_compiling = torch.compiler.is_compiling
+#: Python dispatch modes (``TorchDispatchMode``: make_fx, FlopCounterMode, selective
+#: activation checkpointing, op loggers) on the stack; a C call of ~50 ns.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch = autograd.functorch_active
+#: Whether a profiler is recording: ranges cost host time only then.
+_profiling = torch._C._autograd._profiler_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_KEPT = ew.KEPT
+_NEEDS_GRAD = ew.NEEDS_GRAD
+
+
+def tracing(tensors, out=None) -> bool:
+    """True while Dynamo traces, while a Python dispatch mode or a ``torch.func`` transform
+    is active, or when a tensor is a subclass (a FakeTensor or FunctionalTensor during AOT
+    tracing, for instance): such calls go through the registered op, which they can see."""
+    if _is_compiling() or _dispatch_modes() or _functorch():
+        return True
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
+            return True
+    return isinstance(out, torch.Tensor) and type(out) not in _PLAIN
+
+
+def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
+    """Run ``kernel`` on parsed arguments (``param`` None for a kernel without one)."""
+    key = None
+    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch() and not _profiling():
+        table = native.TABLE
+        if table is not None and launch.hooks_idle():
+            # A kept launch in C++ (``native_launch``): None when it does not apply.
+            result = table.call(id(kernel), operands, param)
+            if result is not None:
+                return result
+        key = ew.call_key(kernel, operands, param)
+        if key is _NEEDS_GRAD:
+            key = None
+            if kernel.backward is not None:  # (without one, validation below raises)
+                return autograd.call_autograd(kernel, operands, param)
+        elif key is not None:
+            kept = _KEPT.get(key)
+            if kept is not None:
+                result = kept.run(operands, param)
+                if result is not None:
+                    return result
+    elif not _is_compiling() and _profiling():
+        with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
+            return _elementwise(kernel, operands, param, out, None)
+    return _elementwise(kernel, operands, param, out, key)
+
+
+def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None, key) -> torch.Tensor:
+    """Every call the kept launches did not finish; ``key``: its signature, to keep one for."""
+    if _functorch() and not _is_compiling():
+        if out is None:
+            return autograd.call_functorch(kernel, operands, param)
+        # (inside a transform ``requires_grad`` says whether it differentiates through a tensor)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*operands, out) if isinstance(t, torch.Tensor)):
+            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, but a "
+                                "torch.func transform tracks the gradient of an argument")
+        # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
+        return autograd.call_op(kernel, operands, param, out)
+    if tracing(operands, out):
+        return autograd.call_op(kernel, operands, param, out)
+    call = ew.validate(kernel, operands, param, out)
+    if call.needs_grad:
+        return autograd.call_autograd(kernel, operands, param)
+    result = ew.run_validated(call)
+    if key is not None:
+        ew.remember(key, call, result)
+    return result
+
+
+#: Device types whose autocast state :func:`matmul` follows.
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def autocast(device_type: str, *tensors):
+    """The tensors as autocast's lower-precision policy (``F.linear``'s) casts them: floating
+    tensors other than float64 to the autocast dtype; anything else as it is."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
+
+
+def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
+    """``act(a @ b + bias)`` (see :func:`fusedkit.matmul`)."""
+    if not _is_compiling() and _profiling():
+        with torch.profiler.record_function("fusedkit::matmul"):
+            return _matmul(a, b, bias, activation)
+    return _matmul(a, b, bias, activation)
+
+
+def _matmul(a, b, bias, activation):
+    if isinstance(a, torch.Tensor) and a.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
+        a, b, bias = autocast(a.device.type, a, b, bias)
+    key = None
+    if not _is_compiling() and not _dispatch_modes() and not _functorch():
+        key = mm.call_key(a, b, bias, activation)
+        if key is not None:
+            kept = mm.KEPT.get(key)
+            if kept is not None:
+                if kept.grad:
+                    return mm.with_lead(autograd.record_matmul(kept.a2(a), b, bias, activation, kept), kept.lead)
+                return kept.run(a, b, bias)
+    mm.validate(a, b, bias, activation, "matmul")
+    if not _is_compiling():
+        a, b, bias = mm.resolve_neg(a), mm.resolve_neg(b), mm.resolve_neg(bias)
+    lead = a.shape[:-1]
+    a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias))
+    out = _matmul_2d(a2, b, bias, activation, needs_grad)
+    if key is not None:
+        mm.remember(key, a2, b, bias, activation, lead, out, needs_grad)
+    return mm.with_lead(out, lead)
+
+
+def _matmul_2d(a2, b, bias, activation, needs_grad: bool):
+    """One validated 2-D matmul on the path its tensors and mode call for."""
+    if ew.backend_for(a2.device) == "torch":
+        return mm.matmul_reference(a2, b, bias, activation)
+    if _functorch() and not _is_compiling():
+        return autograd.matmul_functorch(a2, b, bias, activation)
+    if tracing((a2, b, bias)):
+        return autograd.matmul_op(a2, b, bias, activation, needs_grad and activation in mm.NEEDS_PRE)[0]
+    if needs_grad:
+        return autograd.record_matmul(a2, b, bias, activation)
+    return mm.forward(a2, b, bias, activation, store_pre=False)[0]

@@ -1,0 +1,119 @@
+"""The tiled matmul kernel and the epilogue every matmul kernel shares.
+
+``act(a @ b + bias)`` in one kernel: bias and activation run on the fp32 (fp64)
+accumulator while it is in registers (:func:`epilogue`), and the output is written
+once. Compile-time switches choose bias, activation, a stored pre-activation for the
+backward pass, the ``tl.dot`` precision, 64-bit offsets and split-K.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import activations, helpers
+
+__all__ = ["epilogue", "matmul_kernel"]
+
+
+@triton.jit
+def epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Every matmul kernel's epilogue, on the accumulator tile of output columns ``cols`` while
+    it is in registers: returns ``(pre, out)``, the pre-activation ``acc + bias`` and its
+    activation. The caller stores ``out`` (and ``pre`` when a backward needs it)."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+        acc = acc + helpers.widen(bias[None, :], acc.dtype)
+    return acc, activations.apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
+def _store(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+           HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr):
+    """The epilogue, then the pre-activation (when kept) and the result stored through pointers."""
+    pre, out = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+    c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    # ``helpers.convert``: bf16 rounded to nearest even in the interpreter too (compiled: a plain cast).
+    if STORE_PRE:
+        tl.store(pre_ptr + c_offsets, helpers.convert(pre, pre_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptr + c_offsets, helpers.convert(out, c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr,
+    M, N, K, M_BUCKET,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
+):
+    pid_m, pid_n = helpers.grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
+    # Row and column masks are constant along K, so A and B loads stay 16 bytes wide.
+    # (Wrapping indices with ``% M`` instead, as Triton's tutorial does, breaks the
+    # alignment its hints promise: a misaligned-address fault for fp16 with K = 33.)
+    row_ok = (rows < M)[:, None]
+    col_ok = (cols < N)[None, :]
+    # Split-K: program (tile, s) sums K steps [k_lo, k_hi) of its tile.
+    k_lo = 0
+    k_hi = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_hi, SPLIT_K)
+        k_lo = tl.program_id(1) * per_split
+        k_hi = tl.minimum(k_hi, k_lo + per_split)
+        if INT64:
+            k_lo = k_lo.to(tl.int64)
+    k_offs = tl.arange(0, BLOCK_K)
+    ks = k_lo * BLOCK_K + k_offs
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    for k in range(k_lo, k_hi):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok & (k_offs[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
+        if UPCAST_OPERANDS or (helpers.INTERPRETED and a.dtype == tl.bfloat16):
+            # (the interpreter's own bf16 -> fp32 conversion flushes subnormals; widen is exact)
+            a = helpers.widen(a, tl.float32)
+            b = helpers.widen(b, tl.float32)
+        if DOT:
+            acc = helpers.dot(a, b, acc, INPUT_PRECISION, ACC_DTYPE)
+        else:
+            acc += helpers.outer_sum(a, b, ACC_DTYPE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = row_ok & col_ok
+    if SPLIT_K == 1:
+        _store(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+               HAS_BIAS, ACTIVATION, STORE_PRE)
+    else:
+        # Each split writes its partial tile to the (SPLIT_K, M, N) workspace and counts
+        # itself in; the last to arrive sums the partials in split order (so the result
+        # does not depend on which split finished last), applies the epilogue and
+        # resets the tile's counter to zero for the next launch on this stream.
+        ws = ws_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(ws + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the count is released
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
+            _store(total, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
+                   HAS_BIAS, ACTIVATION, STORE_PRE)
+
+

@@ -1,0 +1,499 @@
+"""The host side of the matmul with a fused epilogue, ``act(a @ b + bias)``.
+
+Read top to bottom:
+- :func:`fp32_precision`: how a float32 product runs (PyTorch's TF32 flag, then
+  ``fusedkit.settings``);
+- :func:`launch_config` and :func:`plan_matmul`: arguments, compile-time switches and the
+  kernel choice (the tiled pointer kernel or the Hopper TMA kernel,
+  :mod:`fusedkit.runtime.configs` says why), 32- or 64-bit offsets, split-K;
+- :func:`launch_matmul`: autotunes or launches a kept kernel for validated 2-D operands;
+- :func:`validate` and :func:`forward`: a call's checks, and its (M, N) result (and
+  pre-activation) for a 2-D ``a``;
+- kept calls: :func:`call_key`, :data:`KEPT`, :class:`KeptMatmul` and :func:`run`, as
+  for the elementwise ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .. import settings
+from ..errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from ..kernels import activations
+from ..kernels.helpers import is_interpreted
+from ..kernels.matmul import matmul_kernel
+from ..kernels.matmul_tma import matmul_tma_kernel
+from ..registry import ElementwiseKernel
+from . import launch, matmul_tma
+from .configs import (
+    MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, MATMUL_TMA_FIXED_OPTIONS,
+    SPLIT_K_MIN_TILE, matmul_configs, matmul_kernel_choice, matmul_m_bucket, matmul_split_k_max,
+    matmul_tma_fixed_tile, prune_matmul_configs, tf32_copies_b,
+)
+from .elementwise import backend_for, kept_launch, launch_elementwise
+
+__all__ = ["ACTIVATION_NAMES", "KEPT", "KeptMatmul", "MATMUL_DTYPES", "NEEDS_PRE", "Plan", "call_key", "forward",
+           "fp32_precision", "kmajor_copy", "kmajor_copy_launch", "launch_config", "launch_matmul",
+           "matmul_reference", "plan_matmul", "remember", "resolve_neg", "run", "split_k_buffers", "tf32_enabled",
+           "torch_activation", "validate", "with_lead"]
+
+_log = logging.getLogger("fusedkit")
+MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu")
+_INT32_MAX = 2**31 - 1
+#: Activations whose derivative needs the pre-activation (ReLU's needs only the output).
+NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
+
+
+_matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(matmul_kernel)
+matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
+                                prune_configs_by={"early_config_prune": prune_matmul_configs})(_matmul_even_k)
+INTERPRETED = is_interpreted(matmul_kernel)
+_CONSTEXPR_NAMES = launch.constexpr_names(matmul_kernel)
+_TMA_CONSTEXPR_NAMES = launch.constexpr_names(matmul_tma_kernel)
+#: Direct launches of eager matmuls (fusedkit.runtime.launch); TMA entries carry their tile.
+LAUNCHES = launch.CompiledCache()
+TMA_LAUNCHES = launch.CompiledCache()
+launch.register_cache(LAUNCHES.clear)
+launch.register_cache(TMA_LAUNCHES.clear)
+
+_ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
+              torch.float64: tl.float64}
+#: Split-K workspaces and arrival counters by (device index, stream): kept, like cuBLAS's
+#: workspace, so a repeated call allocates only its output; per stream, because two
+#: launches sharing counters must not overlap (one stream runs its kernels in order).
+#: The counters start at zero and every launch leaves them at zero.
+SPLIT_K_BUFFERS: dict = {}
+launch.register_cache(SPLIT_K_BUFFERS.clear)
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls may use TF32, by PyTorch's setting.
+
+    Newer PyTorch spells it ``fp32_precision`` and raises on reading the old
+    ``allow_tf32`` once the new one was set; setting the old flag updates the new one.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
+def fp32_precision() -> str:
+    """The ``tl.dot`` precision of a float32 matmul: "tf32" where PyTorch allows TF32, else
+    ``fusedkit.settings``' ``fp32_precision`` ("tf32x3" or "ieee")."""
+    return "tf32" if tf32_enabled() else settings.current().fp32_precision
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  out: torch.Tensor, pre: torch.Tensor | None = None,
+                  split_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+    """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``.
+
+    ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
+    tuning tries no split-K config. Works on meta tensors, so the code a call would
+    compile can be inspected anywhere.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    code = activations.ACTIVATIONS[activation]
+    int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
+    precision = fp32_precision() if a.dtype == torch.float32 else "ieee"
+    ws, arrivals = split_k if split_k is not None else (out, out)  # out: "no workspace" to the pruner
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals,
+            M, N, K, matmul_m_bucket(M),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=code, STORE_PRE=pre is not None,
+                ACC_DTYPE=_ACC_DTYPE[a.dtype], INPUT_PRECISION=precision, INT64=int64,
+                # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies
+                # those integers; products of exactly widened values are the same math.
+                UPCAST_OPERANDS=INTERPRETED and a.dtype == torch.bfloat16)
+    return args, meta
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a launch of ``act(a @ b + bias)`` needs besides the tensors: fixed for given
+    shapes, strides, dtype, switches and settings, so an eager call signature keeps one."""
+
+    ints: tuple  # the kernel's integer arguments
+    meta: dict   # compile-time switches, no tile
+    tma_ok: bool  # the TMA kernel is chosen and the layout allows it (base alignment aside)
+    tuned: bool
+    split_k: int  # the widest split-K the pointer kernel may launch with (1: none, no workspace)
+    ws_dtype: torch.dtype
+    prefix: tuple  # the launch-cache key, less pointer alignment and the kernel choice
+    #: fp32 on TF32 with row-major a and b, from ``MATMUL_TF32_COPY_MIN_M`` rows: the launch
+    #: runs on a K-major copy of b (``kmajor_copy``), and the plan is that copy's.
+    copy_b: bool
+    copy_launch: object = None  # its kept launch (``kmajor_copy_launch``), where kept
+    #: Kept launches by (kernel choice, pointer alignment): found once in the shared
+    #: cache, so a repeated call skips hashing the ~35-item key.
+    launches: dict = field(default_factory=dict, compare=False)
+
+
+def _split_k_max(a, meta, tuned: bool, n: int, ws_dtype: torch.dtype) -> int:
+    """The widest split the pointer kernel may run with for this call (1: no workspace)."""
+    if INTERPRETED:
+        return MATMUL_INTERPRETER_TILE["SPLIT_K"]
+    if not tuned:
+        return MATMUL_FIXED_TILE["SPLIT_K"]
+    m = a.shape[0]
+    return matmul_split_k_max(matmul_m_bucket(m), meta["INPUT_PRECISION"], a.dtype, m, n, ws_dtype.itemsize)
+
+
+def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: torch.dtype):
+    """This stream's split-K workspace (at least ``split * m * n`` accumulators of ``dtype``)
+    and arrival counters (one per tile of the smallest split-K tile), grown as needed."""
+    index = device.index if device.type == "cuda" else None
+    key = (index, dtype, 0 if index is None else launch.stream_of(index))
+    ws, arrivals = SPLIT_K_BUFFERS.get(key, (None, None))
+    tiles = triton.cdiv(m, SPLIT_K_MIN_TILE[0]) * triton.cdiv(n, SPLIT_K_MIN_TILE[1])
+    if ws is None or ws.numel() < split * m * n or arrivals.numel() < tiles:
+        # A grown pair replaces the old; kernels still queued on this stream with the old
+        # pair run before anything that reuses its memory (the allocator is stream-ordered).
+        ws = torch.empty(split * m * n, dtype=dtype, device=device)
+        arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
+        SPLIT_K_BUFFERS[key] = (ws, arrivals)
+    return ws, arrivals
+
+
+#: The copy :func:`kmajor_copy` runs: fusedkit's elementwise kernel with the identity as its
+#: math (an unregistered entry), so it reads ``b`` in its layout and writes any other.
+_COPY = ElementwiseKernel(name="kmajor_copy", math=activations.identity, reference=torch.clone, arg_names=("x",),
+                          param=None, formula="x", unfused=("torch.Tensor.contiguous",))
+
+
+def _kmajor_empty(b: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialised tensor of ``b``'s shape and dtype on ``device``, K-major (strides (1, K))."""
+    return torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b.dtype, device=device)
+
+
+def kmajor_copy(b: torch.Tensor, kept=None) -> torch.Tensor:
+    """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
+    fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
+    square tiles. ``kept``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
+    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` takes 38.6 us (about 3.5 TB/s
+    read + written) against 128.3 for ``b.t().contiguous()``."""
+    if kept is not None:
+        out = kept.run((b,), None)
+        if out is not None:
+            return out
+    return launch_elementwise(_COPY, (b,), None, _kmajor_empty(b, b.device))
+
+
+_COPY_LAUNCHES = launch.CallCache()
+
+
+def kmajor_copy_launch(b: torch.Tensor):
+    """The kept launch of :func:`kmajor_copy` for tensors with ``b``'s dtype, shape, strides and
+    device (None where launches are not kept), made once per such signature."""
+    key = (b.dtype, b.shape, b.stride(), b.device)
+    kept = _COPY_LAUNCHES.get(key)
+    if kept is None:
+        kept = kept_launch(_COPY, (b,), None, _kmajor_empty(b, b.device))
+        if kept is not None:
+            _COPY_LAUNCHES.keep(key, kept)
+    return kept
+
+
+def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
+    tuned = settings.current().autotune
+    m = a.shape[0]
+    copy_b = (a.dtype == torch.float32 and fp32_precision() == "tf32"
+              and matmul_tma.transposed_product(a, b, "tf32") and tf32_copies_b(m))
+    copy_launch = None
+    if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
+        copy_launch = kmajor_copy_launch(b)
+        b = _kmajor_empty(b, "meta")
+    args, meta = launch_config(a, b, bias, activation, out, pre)
+    ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
+    split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
+    transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
+    tma_ok = (matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
+              and matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
+    prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("matmul %s x %s %s, activation %s: %s kernel, %s, split-K up to %d%s", tuple(a.shape),
+                   tuple(b.shape), a.dtype, activation, "TMA" if tma_ok else "pointer",
+                   f"interpreter tile {MATMUL_INTERPRETER_TILE}" if INTERPRETED else
+                   "autotuned tile" if tuned else f"fixed tile {MATMUL_FIXED_TILE}", split,
+                   ", b copied K-major" if copy_b else "")
+    return Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  out: torch.Tensor, pre: torch.Tensor | None = None, plan: Plan | None = None) -> torch.Tensor:
+    """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
+
+    ``pre``, when given, receives the pre-activation (for a backward pass). ``plan``:
+    this call's ``plan_matmul``, when the caller kept it.
+    """
+    index = a.device.index
+    if not INTERPRETED and index != launch.current_device():
+        with torch.cuda.device(a.device):
+            return launch_matmul(a, b, bias, activation, out, pre, plan)
+    plan = plan or plan_matmul(a, b, bias, activation, out, pre)
+    if plan.copy_b:
+        b = kmajor_copy(b, plan.copy_launch)
+    M, K = a.shape
+    N = b.shape[1]
+    o = out.data_ptr()
+    ws = arrivals = out  # no split-K: the kernel never reads these
+    if plan.split_k > 1:
+        ws, arrivals = split_k_buffers(a.device, plan.split_k, M, N, plan.ws_dtype)
+    addresses = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
+                 o if pre is None else pre.data_ptr(), ws.data_ptr(), arrivals.data_ptr())
+    aligned = tuple([p % launch.ALIGNMENT == 0 for p in addresses])
+    # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
+    use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
+    local = (use_tma, aligned)
+    entry = plan.launches.get(local)  # pointer-kernel launches only (never under the interpreter)
+    if entry is not None:
+        launch.CompiledCache.run(entry, addresses + plan.ints, index)
+        return out
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals) + plan.ints
+    meta = plan.meta
+
+    def grid(m):
+        return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
+
+    if INTERPRETED:
+        with launch.serialised():
+            if use_tma:
+                _launch_tma(a, b, bias, out, pre, meta, tuned=False)
+                return out
+            tile = MATMUL_INTERPRETER_TILE
+            matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
+        return out
+    # Everything Triton specialises on: the integers exactly (they refine its
+    # classes), pointer dtypes and alignment, the switches, the config source.
+    key = plan.prefix + (use_tma,) + aligned
+    if use_tma:
+        entry = TMA_LAUNCHES.get(key)
+        # A kept launch whose launcher takes encoded descriptors (``entry.layouts``) gets
+        # them encoded once per operand address (building them each call cost LinearReLU's
+        # 4096^3 bf16 step 64 us of host time on the H200); a profiler's hooks get
+        # Triton's own launch, which passes them the descriptor objects.
+        if entry is not None and (entry.layouts is None or launch.hooks_idle()):
+            if entry.layouts is None:
+                descs = matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
+            else:
+                descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts)
+            tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
+            launch.CompiledCache.run(entry, (*descs, *tail), index)
+        else:
+            _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
+        return out
+    entry = LAUNCHES.get(key)
+    if entry is not None:
+        plan.launches[local] = entry
+        launch.CompiledCache.run(entry, addresses + plan.ints, index)
+        return out
+    if plan.tuned:
+        recorder = launch.GridRecorder(grid)
+        compiled = matmul_tuned[recorder](*args, **meta)
+        tile = {name: recorder.meta[name] for name in MATMUL_FIXED_TILE}
+        _log.debug("matmul M=%d N=%d K=%d %s: the autotuner chose %s", M, N, K, a.dtype, tile)
+    else:
+        tile = MATMUL_FIXED_TILE
+        compiled = matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
+                                              num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
+    constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
+    LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
+    return out
+
+
+def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
+    """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
+    compiled, tile, grid = matmul_tma.launch_tma(
+        a, b, bias, meta["ACTIVATION"], out, pre, meta["INPUT_PRECISION"], meta["UPCAST_OPERANDS"],
+        matmul_m_bucket(a.shape[0]),
+        INTERPRETED, tuned, matmul_tma_fixed_tile(a.element_size()), MATMUL_TMA_FIXED_OPTIONS)
+    if key is None:
+        return
+    values = {**meta, **tile, "A_MMAJOR": matmul_tma.a_mmajor(a), "B_KMAJOR": matmul_tma.b_kmajor(b),
+              "NUM_SMS": matmul_tma.num_sms(a.device.index)}
+    TMA_LAUNCHES.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES), extra=tile)
+
+
+def torch_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
+def matmul_reference(a, b, bias=None, activation=None) -> torch.Tensor:
+    """The unfused PyTorch composition: ``act(a @ b + bias)``."""
+    y = torch.matmul(a, b)
+    if bias is not None:
+        y = y + bias
+    return torch_activation(y, activation)
+
+
+def validate(a, b, bias, activation, name: str) -> None:
+    """Check a matmul's arguments as :func:`fusedkit.matmul` documents; raises before any launch."""
+    for arg, value in (("a", a), ("b", b)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"{name}(): argument '{arg}' must be a Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise DTypeError(f"{name}(): bias must be a Tensor or None, got {type(bias).__name__}")
+    if activation not in (None, *ACTIVATION_NAMES):
+        raise ArgumentError(f"{name}(): unknown activation {activation!r}; choose from None, "
+                         f"{', '.join(repr(x) for x in ACTIVATION_NAMES)}")
+    for arg, value in (("a", a), ("b", b), ("bias", bias)):
+        if value is not None and value.dtype not in MATMUL_DTYPES:
+            raise DTypeError(f"{name}(): argument '{arg}' has dtype {value.dtype}; supported: "
+                             f"{', '.join(str(d) for d in MATMUL_DTYPES)}")
+    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        raise DTypeError(f"{name}(): a, b and bias must share a dtype; got a {a.dtype}, b {b.dtype}"
+                         + (f", bias {bias.dtype}" if bias is not None else ""))
+    for arg, value in (("b", b), ("bias", bias)):
+        if value is not None and value.device != a.device:
+            raise DeviceError(f"{name}(): argument '{arg}' is on {value.device}, but 'a' is on {a.device}")
+    if a.dim() < 1:
+        raise ShapeError(f"{name}(): a must have at least 1 dim (..., K), got a 0-d tensor")
+    if b.dim() != 2:
+        raise ShapeError(f"{name}(): b must be 2-D (K, N), got shape {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ShapeError(f"{name}(): a{tuple(a.shape)} @ b{tuple(b.shape)}: K differs ({a.shape[-1]} vs {b.shape[0]})")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        raise ShapeError(f"{name}(): bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
+
+
+def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool):
+    """``(out, pre)`` of a validated 2-D ``a2`` (M, K): the (M, N) result, and the pre-activation
+    when ``store_pre`` (else None)."""
+    M, N = a2.shape[0], b.shape[1]
+    out = torch.empty((M, N), dtype=a2.dtype, device=a2.device)
+    pre = torch.empty_like(out) if store_pre else None
+    if out.numel() == 0:
+        return out, pre
+    if a2.shape[1] == 0:  # K == 0: the product is zeros
+        z = torch.zeros_like(out) + (bias if bias is not None else 0)
+        if pre is not None:
+            pre.copy_(z)
+        out.copy_(torch_activation(z, activation))
+        return out, pre
+    launch_matmul(a2, b, bias, activation, out, pre)
+    return out, pre
+
+
+# --- Kept calls (as for the elementwise ops; see docs/design.md) -----------------------
+# A matmul call whose signature (tensor types, dtypes, devices, shapes, strides, the
+# activation, whether autograd records it, and the settings the plan reads) was validated
+# before reuses its validation and launch plan; per call it allocates the result and launches.
+
+KEPT = launch.CallCache()
+
+
+def call_key(a, b, bias, activation) -> tuple | None:
+    """The signature of an eager matmul call; None when it cannot be kept (a tensor subclass,
+    a lazily negated view, a non-tensor: the full path validates or traces those)."""
+    if not (activation is None or type(activation) is str):
+        return None
+    # The settings object changes identity with every change (``fusedkit.settings``).
+    key = [activation, settings.current()]
+    requires_grad = False
+    for t in (a, b, bias):
+        if t is None:
+            key.append(None)
+            continue
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return None
+        if t.is_neg():
+            return None
+        requires_grad = requires_grad or t.requires_grad
+        key += (t.dtype, t.device, t.shape, t.stride())
+    key.append(requires_grad and torch.is_grad_enabled())  # recorded by autograd or not
+    if a.dtype == torch.float32:  # PyTorch's TF32 flag matters to fp32 only (and costs ~1 us to read)
+        key.append(tf32_enabled())
+    return tuple(key)
+
+
+@dataclass(frozen=True)
+class KeptMatmul:
+    """The prepared eager launch of one validated matmul call signature."""
+
+    m: int
+    k: int
+    n: int
+    lead: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    activation: str | None
+    plan: Plan
+    #: Autograd records the call (the dispatcher runs it through fusedkit.autograd, whose
+    #: forward launches with this plan unless the pre-activation is kept), without the full
+    #: path's validation (it cost LinearReLU's forward with autograd 135 us of host time
+    #: against 44 without, 4096^3 bf16 on the H200).
+    grad: bool
+
+    def a2(self, a) -> torch.Tensor:
+        """``a`` as the 2-D (M, K) operand."""
+        return a if a.dim() == 2 else a.reshape(self.m, self.k)
+
+    def run(self, a, b, bias) -> torch.Tensor:
+        """The result, leading dims included, of a call autograd does not record."""
+        return with_lead(self.launch(self.a2(a), b, bias), self.lead)
+
+    def launch(self, a2, b, bias) -> torch.Tensor:
+        """The (M, N) result of a 2-D call, launched with the kept plan."""
+        out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        launch_matmul(a2, b, bias, self.activation, out, None, self.plan)
+        return out
+
+
+def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:
+    """Keep the plan of a validated eager call whose signature ``key`` can repeat; ``out`` is
+    the (M, N) result it launched into (a kept call allocates its like)."""
+    m, k = a2.shape
+    n = b.shape[1]
+    if backend_for(a2.device) == "torch" or m * n * k == 0 or not launch.enabled():
+        return  # the PyTorch path, or an empty product: nothing to launch
+    KEPT.keep(key, KeptMatmul(m, k, n, lead, a2.dtype, a2.device, activation,
+                              plan_matmul(a2, b, bias, activation, out), grad))
+
+
+def run(a2, b, bias, activation) -> torch.Tensor:
+    """The (M, N) result of a validated 2-D eager call that autograd does not record: its
+    kept plan when the signature was seen, else launched and kept."""
+    key = call_key(a2, b, bias, activation)
+    if key is not None:
+        kept = KEPT.get(key)
+        if kept is not None:
+            return kept.launch(a2, b, bias)
+    out = forward(a2, b, bias, activation, store_pre=False)[0]
+    if key is not None:
+        remember(key, a2, b, bias, activation, a2.shape[:-1], out, grad=False)
+    return out
+
+
+def with_lead(out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """The (M, N) result under ``a``'s leading dims. A 2-D ``a`` gets the result itself, not
+    a view of it: an autograd Function's forward returning a view would make the caller's
+    in-place ops on it fail."""
+    return out if len(lead) == 1 else out.view(*lead, out.shape[1])  # lead () for a 1-D a: (N,)
+
+
+def resolve_neg(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A lazily negated view (``z.conj().imag``) holds the un-negated values in memory."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t

@@ -1,0 +1,128 @@
+"""fusedkit's settings: how matmuls run and whether eager launches are kept.
+
+Each setting starts from an environment variable, read once when fusedkit is imported
+(so a shell or a job script can choose a default), and changes only through this API,
+process-wide, as ``torch.backends`` flags do; fusedkit never writes ``os.environ``::
+
+    fusedkit.set_fp32_precision("ieee")            # from now on
+    with fusedkit.settings.override(autotune=False):
+        fusedkit.matmul(a, b)                       # in this block only
+
+| setting | values (default first) | environment variable |
+|---|---|---|
+| ``fp32_precision`` | ``"tf32x3"``, ``"ieee"``: float32 matmuls when PyTorch rules TF32 out | ``FUSEDKIT_FP32_MATMUL`` |
+| ``autotune`` | ``True``, ``False`` (one fixed tile: deterministic, no tuning time) | ``FUSEDKIT_AUTOTUNE`` (``0``) |
+| ``matmul_kernel`` | ``"auto"``, ``"pointer"``, ``"tma"`` | ``FUSEDKIT_MATMUL_KERNEL`` |
+| ``fast_launch`` | ``True``, ``False``: keep the launches of repeated eager calls | ``FUSEDKIT_FAST_LAUNCH`` (``0``) |
+| ``native_launch`` | ``False``, ``True``: keep them in C++ too (needs a compiler) | ``FUSEDKIT_NATIVE_LAUNCH`` (``1``) |
+
+``fp32_precision``: "tf32x3" computes each float32 product as three TF32 tensor-core
+products (fp32-sized errors, measured below torch's own fp32 matmul: see docs/matmul.md);
+"ieee" runs fp32 multiply-adds on the CUDA cores. When PyTorch allows TF32
+(``torch.backends.cuda.matmul``), TF32 itself is used. ``fast_launch`` and
+``native_launch`` are read when a launch is kept: ``fusedkit.clear_caches()`` drops the
+ones kept before a change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Mapping
+
+from .errors import ArgumentError
+
+__all__ = ["Settings", "current", "set", "restore", "override", "from_environment", "ENVIRONMENT", "FP32_PRECISIONS",
+           "MATMUL_KERNELS"]
+
+FP32_PRECISIONS = ("tf32x3", "ieee")
+MATMUL_KERNELS = ("auto", "pointer", "tma")
+#: The environment variable that gives each setting its default.
+ENVIRONMENT = {
+    "fp32_precision": "FUSEDKIT_FP32_MATMUL",
+    "autotune": "FUSEDKIT_AUTOTUNE",
+    "matmul_kernel": "FUSEDKIT_MATMUL_KERNEL",
+    "fast_launch": "FUSEDKIT_FAST_LAUNCH",
+    "native_launch": "FUSEDKIT_NATIVE_LAUNCH",
+}
+_CHOICES = {"fp32_precision": FP32_PRECISIONS, "matmul_kernel": MATMUL_KERNELS}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Settings:
+    """One set of values. Compared and hashed by identity: each change makes a new object,
+    so a launch plan keyed on the object it was made under is never reused under another."""
+
+    fp32_precision: str = "tf32x3"
+    autotune: bool = True
+    matmul_kernel: str = "auto"
+    fast_launch: bool = True
+    native_launch: bool = False
+
+    def replace(self, **values) -> "Settings":
+        """A copy with ``values`` changed, each checked (``ArgumentError`` names the choices)."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        for name, value in values.items():
+            if name not in fields:
+                raise ArgumentError(f"fusedkit has no setting {name!r}; settings: {', '.join(sorted(fields))}")
+            if name in _CHOICES:
+                if value not in _CHOICES[name]:
+                    raise ArgumentError(f"{name}={value!r}; choose from {', '.join(_CHOICES[name])}")
+            elif not isinstance(value, bool):
+                raise ArgumentError(f"{name} must be True or False, got {value!r}")
+        return dataclasses.replace(self, **values)
+
+
+def from_environment(environ: Mapping[str, str] = os.environ) -> Settings:
+    """The defaults as ``environ`` sets them (the switches are off for "0", on for "1")."""
+    values = {}
+    for name, variable in ENVIRONMENT.items():
+        text = environ.get(variable)
+        if text is None:
+            continue
+        if name in _CHOICES:
+            values[name] = text
+        elif text in ("0", "1"):
+            values[name] = text == "1"
+        else:
+            raise ArgumentError(f"{variable}={text!r}; set it to 0 or 1")
+    try:
+        return Settings().replace(**values)
+    except ArgumentError as exc:
+        raise ArgumentError(f"{exc} (from the environment: {', '.join(ENVIRONMENT[n] for n in values)})") from None
+
+
+_current = from_environment()
+
+
+def current() -> Settings:
+    """The settings every call reads now."""
+    return _current
+
+
+def set(**values) -> Settings:  # noqa: A001 - the module's verb, as in ``fusedkit.settings.set(...)``
+    """Change settings from now on, process-wide; returns the previous ones (pass them to
+    :func:`restore` to go back)."""
+    global _current
+    previous, _current = _current, _current.replace(**values)
+    return previous
+
+
+def restore(previous: Settings) -> None:
+    """Put back settings :func:`set` returned."""
+    global _current
+    if not isinstance(previous, Settings):
+        raise ArgumentError(f"restore() takes the Settings set() returned, got {type(previous).__name__}")
+    _current = previous
+
+
+@contextlib.contextmanager
+def override(**values) -> Iterator[Settings]:
+    """Run a block with these settings, then put back the ones before (process-wide, not
+    per thread: as ``torch.backends`` flags)."""
+    previous = set(**values)
+    try:
+        yield _current
+    finally:
+        restore(previous)

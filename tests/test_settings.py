@@ -1,0 +1,95 @@
+"""Settings are an API: defaults from the environment, read once at import; changes through
+``fusedkit.settings`` (checked when made, process-wide, put back by ``override``); fusedkit
+never writes ``os.environ``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusedkit
+from fusedkit.errors import ArgumentError
+from fusedkit.settings import ENVIRONMENT, Settings, from_environment
+
+from conftest import DEVICE
+
+
+def test_defaults_come_from_the_environment_read_once():
+    plain = from_environment({})
+    assert (plain.fp32_precision, plain.autotune, plain.matmul_kernel, plain.fast_launch, plain.native_launch) == (
+        "tf32x3", True, "auto", True, False)
+    env = {"FUSEDKIT_FP32_MATMUL": "ieee", "FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "tma",
+           "FUSEDKIT_FAST_LAUNCH": "0", "FUSEDKIT_NATIVE_LAUNCH": "1"}
+    set_ = from_environment(env)
+    assert (set_.fp32_precision, set_.autotune, set_.matmul_kernel, set_.fast_launch, set_.native_launch) == (
+        "ieee", False, "tma", False, True)
+    assert set(ENVIRONMENT.values()) == set(env)
+    code = "import fusedkit; s = fusedkit.settings.current(); print(s.autotune, s.matmul_kernel)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL="pointer"))
+    assert out.stdout.split() == ["False", "pointer"]
+
+
+@pytest.mark.parametrize("variable,value", [("FUSEDKIT_FP32_MATMUL", "fast"), ("FUSEDKIT_MATMUL_KERNEL", "cublas"),
+                                            ("FUSEDKIT_AUTOTUNE", "yes"), ("FUSEDKIT_NATIVE_LAUNCH", "")])
+def test_a_bad_environment_value_names_its_variable(variable, value):
+    with pytest.raises(ArgumentError, match=variable):
+        from_environment({variable: value})
+
+
+def test_set_checks_values_and_returns_what_it_replaced(fk_settings):
+    before = fusedkit.settings.current()
+    previous = fusedkit.settings.set(autotune=not before.autotune)
+    assert previous is before and fusedkit.settings.current().autotune is not before.autotune
+    for bad in (dict(fp32_precision="tf32"), dict(matmul_kernel="fast"), dict(autotune=1), dict(native_launch="1"),
+                dict(precision="ieee")):
+        with pytest.raises(ValueError):
+            fusedkit.settings.set(**bad)
+    with pytest.raises(ValueError):
+        fusedkit.settings.restore("tf32x3")
+    fusedkit.settings.restore(before)
+    assert fusedkit.settings.current() is before
+
+
+def test_override_puts_the_settings_back_even_after_an_error():
+    before = fusedkit.settings.current()
+    with pytest.raises(RuntimeError):
+        with fusedkit.settings.override(fp32_precision="ieee", autotune=False) as inside:
+            assert inside is fusedkit.settings.current()
+            assert fusedkit.get_fp32_precision() == "ieee" and not inside.autotune
+            raise RuntimeError
+    assert fusedkit.settings.current() is before
+
+
+def test_fusedkit_never_writes_the_environment(fk_settings):
+    environ = dict(os.environ)
+    fusedkit.set_fp32_precision("ieee")
+    with fusedkit.settings.override(matmul_kernel="pointer", autotune=False, fast_launch=False):
+        fusedkit.matmul(torch.randn(4, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE))
+    assert dict(os.environ) == environ
+
+
+def test_a_change_makes_a_new_object_so_kept_plans_are_not_reused_under_another(fk_settings):
+    """Kept matmul plans are keyed on the settings object; each change makes a new one
+    (equal values included), which no plan made before is keyed on."""
+    first = fusedkit.settings.current()
+    fusedkit.settings.set(fp32_precision=first.fp32_precision)
+    assert fusedkit.settings.current() is not first and fusedkit.settings.current() != first
+    assert isinstance(first, Settings) and hash(first) != hash(fusedkit.settings.current())
+
+
+def test_fp32_precision_changes_what_a_float32_matmul_runs(fk_settings):
+    if fusedkit.runtime.matmul.tf32_enabled():
+        pytest.skip("PyTorch allows TF32 here: TF32 takes precedence")
+    a, b = torch.randn(16, 32, device=DEVICE), torch.randn(32, 16, device=DEVICE)
+    fusedkit.clear_caches()
+    for precision in ("ieee", "tf32x3"):
+        fusedkit.set_fp32_precision(precision)
+        fusedkit.matmul(a, b)
+        assert fusedkit.runtime.matmul.fp32_precision() == precision
+    kept = {k.plan.meta["INPUT_PRECISION"] for k in fusedkit.runtime.matmul.KEPT.values()}
+    assert kept == {"ieee", "tf32x3"} or fusedkit.backend_for(DEVICE) == "torch"
