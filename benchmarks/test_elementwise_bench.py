@@ -62,7 +62,7 @@ def test_elementwise(benchmark, spec, which, dtype, n, layout):
     if which == "compiled":
         if not ON_GPU:
             pytest.skip("torch.compile of the composition is a GPU peer")
-        compiled = bench._compiled(spec.reference)
+        compiled = bench.compiled_peer(spec.reference)
         fn = lambda: compiled(*args)  # noqa: E731
     elif which == "tutorial":
         if not supports_tutorial(spec, dtype):

@@ -34,6 +34,7 @@ _functorch = autograd.functorch_active
 _profiling = torch._C._autograd._profiler_enabled
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _KEPT = ew.KEPT
+_call_key = ew.call_key
 _NEEDS_GRAD = ew.NEEDS_GRAD
 
 
@@ -59,7 +60,7 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
             result = table.call(id(kernel), operands, param)
             if result is not None:
                 return result
-        key = ew.call_key(kernel, operands, param)
+        key = _call_key(kernel, operands, param)
         if key is _NEEDS_GRAD:
             key = None
             if kernel.backward is not None:  # (without one, validation below raises)

@@ -51,8 +51,8 @@ _CHOICES = {"fp32_precision": FP32_PRECISIONS, "matmul_kernel": MATMUL_KERNELS}
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Settings:
-    """One set of values. Compared and hashed by identity: each change makes a new object,
-    so a launch plan keyed on the object it was made under is never reused under another."""
+    """One set of values, interned: there is one object per set of values, so comparing and
+    hashing by identity (what a kept launch plan's key does, once per call) is comparing values."""
 
     fp32_precision: str = "tf32x3"
     autotune: bool = True
@@ -71,7 +71,14 @@ class Settings:
                     raise ArgumentError(f"{name}={value!r}; choose from {', '.join(_CHOICES[name])}")
             elif not isinstance(value, bool):
                 raise ArgumentError(f"{name} must be True or False, got {value!r}")
-        return dataclasses.replace(self, **values)
+        return _intern(dataclasses.replace(self, **values))
+
+
+_INTERNED: dict[tuple, Settings] = {}
+
+
+def _intern(settings: Settings) -> Settings:
+    return _INTERNED.setdefault(dataclasses.astuple(settings), settings)
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> Settings:
@@ -88,7 +95,7 @@ def from_environment(environ: Mapping[str, str] = os.environ) -> Settings:
         else:
             raise ArgumentError(f"{variable}={text!r}; set it to 0 or 1")
     try:
-        return Settings().replace(**values)
+        return _intern(Settings()).replace(**values)
     except ArgumentError as exc:
         raise ArgumentError(f"{exc} (from the environment: {', '.join(ENVIRONMENT[n] for n in values)})") from None
 

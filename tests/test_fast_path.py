@@ -420,7 +420,7 @@ def test_direct_launch_after_the_first_call():
         x.copy_(rand((1000,), torch.float32, DEVICE))
         assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
         assert len(recipe.compiled) == 1
-    (entry,) = recipe.compiled._entries.values()
+    (entry,) = recipe.compiled.entries()
     assert bool(entry.head) == fk_launch.RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
 
 
@@ -529,4 +529,4 @@ def test_tma_kept_launches_with_encoded_descriptors(fk_settings, layout, monkeyp
         assert_rel_err(a_.grad, ref_a.grad, matmul_rel_err(dt))
         assert_rel_err(b_.grad, ref_b.grad, matmul_rel_err(dt))
     if fk_launch.RAW_LAUNCH:
-        assert mm.TMA_LAUNCHES._entries and all(e.layouts for e in mm.TMA_LAUNCHES._entries.values())
+        assert mm.TMA_LAUNCHES.entries() and all(e.layouts for e in mm.TMA_LAUNCHES.entries())

@@ -78,7 +78,7 @@ def copy_roof_gbps(dtype, device, n: int) -> float:
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
-def _compiled(fn):
+def compiled_peer(fn):
     torch._dynamo.reset()  # each case compiles afresh: no recompile limit, no stale guards
     return torch.compile(fn, dynamic=False)
 
@@ -108,7 +108,7 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                               spec.bytes_fused(*ops).total, spec.bytes_unfused(*ops).total,
                               time_us(fused), time_us(unfused), time_us(torch_add), roof_gbps=roofs[dt])
                     if use_compile:
-                        compiled = _compiled(spec.reference)
+                        compiled = compiled_peer(spec.reference)
                         row.compiled_us = time_us(lambda: compiled(*args))
                     if supports_tutorial(spec, dt):
                         row.tutorial_us = time_us(lambda: tutorial(spec, ops[0], ops[1], spec.param_default))

@@ -313,6 +313,10 @@ class CompiledCache:
     def get(self, key) -> Entry | None:
         return self._entries.get(key)
 
+    def entries(self) -> tuple[Entry, ...]:
+        """Every kept launch, in the order kept."""
+        return tuple(self._entries.values())
+
     def put(self, key, compiled, grid: tuple[int, int, int], tail: tuple, extra=None) -> None:
         """Keep what Triton's ordinary launch returned, when it is a compiled kernel."""
         if not isinstance(compiled, CompiledKernel) or not enabled():
