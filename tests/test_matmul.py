@@ -95,6 +95,14 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert dot_flags(1, a16, "ieee") == {True}
     assert dot_flags(128, a32, "ieee") == {True}
 
+    def tall(bucket, a, precision):
+        return sum(c.kwargs["BLOCK_M"] >= bucket and c.kwargs["SPLIT_K"] > 1 for c in prune_matmul_configs(
+            configs, {"M_BUCKET": bucket, "a_ptr": a, "ws_ptr": a, "c_ptr": None, "M": bucket, "N": 64},
+            INPUT_PRECISION=precision))
+
+    # Tall split FMA tiles only for exact fp32 / fp64 at M in 33..64.
+    assert tall(64, a32, "ieee") > tall(64, a32, "tf32x3") == tall(64, a16, "ieee")
+
 def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
     from types import SimpleNamespace
 
@@ -407,11 +415,10 @@ def test_unhashable_activation_is_a_value_error():
 # --- Split-K: programs share a tile's K range; the last to arrive runs the epilogue ---------
 
 def _split_cases():
-    from fusedkit.runtime.configs import MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
+    from fusedkit.runtime.configs import MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
 
     cases = [(t, torch.bfloat16) for t in MATMUL_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES]
-    # fp32 operands and workspace: the smallest split tile fits their shared memory too.
-    return cases + [(MATMUL_SPLIT_K_TILES[0], torch.float32)]
+    return cases + [(t, d) for t in MATMUL_EXACT_SPLIT_K_TILES for d in (torch.float32, torch.float64)]
 
 
 @pytest.mark.parametrize("tile,dtype", _split_cases(),

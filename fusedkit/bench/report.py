@@ -29,7 +29,7 @@ import fusedkit
 from fusedkit import backend_for, elementwise, registry, settings
 from fusedkit.runtime.elementwise import INTERPRETED
 
-from .cases import BIAS_COLS, DTYPE_NAMES, LAYOUTS, case_name, make_operands, timer
+from .cases import BIAS_COLS, DTYPE_NAMES, LAYOUTS, case_name, make_operands, timer  # noqa: F401 (LAYOUTS: the report's names)
 from .peers import supports_tutorial, tutorial
 from .progress import bar as progress_bar
 
