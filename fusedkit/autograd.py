@@ -327,7 +327,6 @@ def _op_backward(ctx, grad_out, _grad_pre):
 matmul_op.register_autograd(_op_backward, setup_context=matmul_setup_context)
 
 
-
 class EagerMatmul(torch.autograd.Function):
     """An eager matmul that needs a gradient: the registered op's autograd (same saved
     tensors, same backward) without the dispatcher and its host time. Only ``out`` is an

@@ -31,7 +31,6 @@ from ..errors import (
     ShapeError, SignatureError,
 )
 from ..kernels.elementwise import elementwise_kernel
-from ..kernels.helpers import is_interpreted
 from ..registry import ElementwiseKernel, result_dtype
 from . import launch, native
 from .layout import (
@@ -82,7 +81,7 @@ _COMPUTE_MAX = {
 
 
 #: Whether this process interprets the kernels (decided when Triton decorated them).
-INTERPRETED = is_interpreted(elementwise_kernel)
+INTERPRETED = launch.INTERPRETED
 
 
 def backend_for(tensor: torch.Tensor | torch.device | str) -> str:

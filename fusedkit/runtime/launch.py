@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - older Triton
     _HookChain = ()
 
 from .. import settings
-from ..kernels.helpers import is_interpreted
+from ..kernels import helpers
 from .configs import CALL_CACHE_SIZE, COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
 
 try:  # Triton 3.6's CUDA launcher: the TMA element-type codes its descriptor encoder takes
@@ -64,13 +64,9 @@ __all__ = ["ALIGNMENT", "CallCache", "CompiledCache", "Entry", "GridRecorder", "
            "enabled", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
 
 
-@triton.jit
-def _probe():
-    pass
-
-
-#: Whether this process runs Triton's interpreter (decided when Triton decorated ``_probe``).
-INTERPRETED = is_interpreted(_probe)
+#: Whether this process runs Triton's interpreter: decided once, when Triton decorated
+#: fusedkit's kernels (``kernels.helpers.INTERPRETED``); every runtime module reads it here.
+INTERPRETED = helpers.INTERPRETED.value
 
 
 def stream_of(index: int) -> int:

@@ -26,7 +26,6 @@ import triton.language as tl
 from .. import settings
 from ..errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from ..kernels import activations
-from ..kernels.helpers import is_interpreted
 from ..kernels.matmul import matmul_kernel
 from ..kernels.matmul_tma import matmul_tma_kernel
 from ..registry import ElementwiseKernel
@@ -54,7 +53,7 @@ NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(matmul_kernel)
 matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
                                 prune_configs_by={"early_config_prune": prune_matmul_configs})(_matmul_even_k)
-INTERPRETED = is_interpreted(matmul_kernel)
+INTERPRETED = launch.INTERPRETED
 _CONSTEXPR_NAMES = launch.constexpr_names(matmul_kernel)
 _TMA_CONSTEXPR_NAMES = launch.constexpr_names(matmul_tma_kernel)
 #: Direct launches of eager matmuls (fusedkit.runtime.launch); TMA entries carry their tile.
