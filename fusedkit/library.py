@@ -15,7 +15,8 @@ from . import autograd, dispatch
 from .kernels import activations
 from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin
 
-__all__ = ["ADD", "ADD_RELU", "RELU_GRAD", "activation_grad", "matmul_backward"]
+__all__ = ["ADD", "ADD_RELU", "GELU_GRAD", "GELU_TANH_GRAD", "RELU_GRAD", "SILU_GRAD", "activation_grad",
+           "matmul_backward"]
 
 
 def _add_backward(grad, saved, alpha):
@@ -75,27 +76,47 @@ RELU_GRAD = register_builtin(ElementwiseKernel(
 ))
 
 
+def _aten_operands(grad, pre):
+    """Both operands as tensors of their promoted dtype and shape (the aten backward ops take
+    no numbers and no broadcasting)."""
+    dtype = torch.result_type(grad, pre)
+    device = (grad if isinstance(grad, torch.Tensor) else pre).device
+    return torch.broadcast_tensors(*(torch.as_tensor(v, device=device).to(dtype) for v in (grad, pre)))
+
+
+def _activation_grad_entry(name: str, math, aten_backward, formula: str) -> ElementwiseKernel:
+    """The gradient through a matmul epilogue's activation from its input (the kept
+    pre-activation), in one kernel with fp32 math for half types. Its reference is PyTorch's
+    own backward op; it declares no backward of its own (a gradient of it takes the reference)."""
+    return register_builtin(ElementwiseKernel(
+        name=name, math=math, reference=lambda grad, pre: aten_backward(*_aten_operands(grad, pre)),
+        arg_names=("grad", "pre"), dtypes=FLOAT_DTYPES, param=None, formula=formula,
+        unfused=(f"torch.ops.aten.{name.removesuffix('_grad').split('_')[0]}_backward",)))
+
+
+GELU_GRAD = _activation_grad_entry("gelu_grad", activations.gelu_grad_math, torch.ops.aten.gelu_backward,
+                                   "grad * gelu'(pre)")
+GELU_TANH_GRAD = _activation_grad_entry(
+    "gelu_tanh_grad", activations.gelu_tanh_grad_math,
+    lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"), "grad * gelu_tanh'(pre)")
+SILU_GRAD = _activation_grad_entry("silu_grad", activations.silu_grad_math, torch.ops.aten.silu_backward,
+                                   "grad * silu'(pre)")
+#: The kernel that takes a gradient through each activation that keeps its pre-activation.
+_ACTIVATION_GRAD = {"gelu": GELU_GRAD, "gelu_tanh": GELU_TANH_GRAD, "silu": SILU_GRAD}
+
+
 def activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """dL/d(pre-activation) from dL/d(output); ``saved`` is the output for ReLU, else the pre-activation."""
+    """dL/d(pre-activation) from dL/d(output), in one kernel; ``saved`` is the output for ReLU,
+    else the pre-activation. A gradient of this gradient (``create_graph``, ``torch.func``) runs
+    PyTorch's backward op instead, which is differentiable."""
     if activation is None:
         return grad
     if activation == "relu":
         return dispatch.elementwise(RELU_GRAD, (grad, saved), 1, None)  # torch's threshold_backward: NaN passes
-    wide = torch.promote_types(saved.dtype, torch.float32)  # fp32 math for half types, fp64 kept
-    x = saved.to(wide)
-    if activation == "gelu":
-        cdf = 0.5 * (1 + torch.erf(x * activations.SQRT_1_2.value))
-        pdf = torch.exp(-0.5 * x * x) * (0.5 * activations.SQRT_2_OVER_PI.value)  # 1/sqrt(2 pi)
-        d = cdf + x * pdf
-    elif activation == "gelu_tanh":
-        z = activations.SQRT_2_OVER_PI.value * (x + activations.GELU_TANH_CUBIC.value * x ** 3)
-        t = torch.tanh(z)
-        dz = activations.SQRT_2_OVER_PI.value * (1 + 3 * activations.GELU_TANH_CUBIC.value * x * x)
-        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dz
-    else:  # silu
-        s = torch.sigmoid(x)
-        d = s * (1 + x * (1 - s))
-    return (grad.to(wide) * d).to(grad.dtype)
+    kernel = _ACTIVATION_GRAD[activation]
+    if autograd.functorch_active() or (torch.is_grad_enabled() and (grad.requires_grad or saved.requires_grad)):
+        return kernel.reference(grad, saved)
+    return dispatch.elementwise(kernel, (grad, saved), None, None)
 
 
 def matmul_backward(ctx, grad_out):

@@ -113,7 +113,10 @@ def test_matches_torch(kernel, shard, record_property):
 
 def _check_elementwise(args):
     kernel, x, y, alpha, use_out = args
+    if kernel.param is None:
+        alpha = None
     expected = reference_result(kernel, (x, y), alpha)
+    param = {} if kernel.param is None else {kernel.param: alpha}
     dtype = torch.result_type(x, y)
     out = None
     if use_out == "fresh":
@@ -124,11 +127,11 @@ def _check_elementwise(args):
             and x.dtype == dtype and not _self_overlapping(x):
         out = x  # in place, as a residual join does
     if out is None:
-        first = fusedkit.elementwise(kernel, x, y, alpha=alpha)
-        result = fusedkit.elementwise(kernel, x, y, alpha=alpha)  # the same signature again: the fast path
+        first = fusedkit.elementwise(kernel, x, y, **param)
+        result = fusedkit.elementwise(kernel, x, y, **param)  # the same signature again: the fast path
         assert_matches_reference(first, expected, dtype)
     else:
-        result = fusedkit.elementwise(kernel, x, y, alpha=alpha, out=out)
+        result = fusedkit.elementwise(kernel, x, y, **param, out=out)
         assert result is out
     assert result.shape == expected.shape and result.dtype == dtype
     assert_matches_reference(result, expected, dtype)

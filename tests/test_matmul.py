@@ -679,3 +679,24 @@ def test_activation_tail_results(dtype, a_val, b_val, activation, matmul_kernel)
     scale = (a.double().abs().cpu() @ b.double().abs().cpu()).abs().max().item()
     assert (out.double().cpu() - ref).abs().max().item() <= 4 * torch.finfo(dtype).eps * scale
     assert_rel_err(out, ref, matmul_rel_err(dtype), floor=matmul_error_floor(a, b))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
+def test_activation_backward_is_one_fused_kernel(activation, monkeypatch):
+    """The gradient through a kept pre-activation runs one fusedkit kernel (fp32 math for half
+    types), not a composition of torch ops, and matches float64."""
+    from fusedkit import dispatch
+
+    ran = []
+    real = dispatch.elementwise
+    monkeypatch.setattr(dispatch, "elementwise", lambda kernel, *args: ran.append(kernel.name) or real(kernel, *args))
+    for dtype in (torch.float32, torch.bfloat16):
+        a = mk(33, 48, dtype=dtype).requires_grad_()
+        w = mk(40, 48, dtype=dtype).requires_grad_()
+        g = mk(33, 40, dtype=dtype)
+        got = torch.autograd.grad(fusedkit.matmul(a, w.t(), None, activation), (a, w), g)
+        a64, w64 = (t.detach().to("cpu", torch.float64).requires_grad_() for t in (a, w))
+        want = torch.autograd.grad(matmul_reference(a64, w64.t(), None, activation), (a64, w64), g.cpu().double())
+        for have, ref in zip(got, want):
+            assert_rel_err(have, ref, matmul_rel_err(dtype))
+    assert ran.count(f"{activation}_grad") == 2

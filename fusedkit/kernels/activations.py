@@ -14,6 +14,13 @@ SQRT_1_2 = tl.constexpr(0.7071067811865476)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 #: Cubic coefficient of the tanh form of GELU.
 GELU_TANH_CUBIC = tl.constexpr(0.044715)
+#: Where ``0.5 (1 + tanh z)`` falls below this, PyTorch's float64 tanh-GELU derivative
+#: (``0.5 (1 + t) + 0.5 v (1 - t^2) z'``, ``t = tanh z``) is exactly +0 (measured: ``t`` within an
+#: ulp of -1); the true value there is below 1e-14 in magnitude. The same zero, and sign of
+#: ``grad * 0``, here, in every dtype: results are checked against float64.
+TANH_SATURATED = tl.constexpr(2.0**-54)
+#: 1/sqrt(2 pi), the standard normal density's factor (GELU's derivative).
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 #: Activation codes, the compile-time switch of kernels with an epilogue. Strings
 #: map to them once, at the Python boundary (:data:`ACTIVATIONS`).
@@ -49,9 +56,34 @@ def gelu_tanh(v):
 
 
 @triton.jit
+def gelu_derivative(v):
+    """d gelu / dv = Phi(v) + v phi(v): the normal CDF plus ``v`` times its density."""
+    return 0.5 * (1 + tl.math.erf(v * SQRT_1_2)) + v * (INV_SQRT_2PI * tl.exp(-0.5 * v * v))
+
+
+@triton.jit
+def gelu_tanh_derivative(v):
+    """d gelu_tanh / dv with ``s = sigmoid(2 z)`` (``= 0.5 (1 + tanh z)``): ``s (1 + 2 v z' (1 - s))``,
+    which has no ``1 - tanh^2`` to cancel where tanh is near 1 (as ``1 - 2 / (1 + exp(2 z))`` it
+    lost 1.3e-5 at |grad| ~ 10 in float32)."""
+    z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
+    s = tl.sigmoid(2 * z)
+    dz = SQRT_2_OVER_PI * (1 + 3 * GELU_TANH_CUBIC * v * v)
+    saturated = (s < TANH_SATURATED) & (v * 0 == 0)  # (an infinite v gives NaN, as in torch)
+    return tl.where(saturated, 0.0, s * (1 + 2 * v * dz * (1 - s)))
+
+
+@triton.jit
 def silu(v):
     """``v * sigmoid(v)``."""
     return v * tl.sigmoid(v)
+
+
+@triton.jit
+def silu_derivative(v):
+    """d silu / dv = s (1 + v (1 - s)), ``s = sigmoid(v)``."""
+    s = tl.sigmoid(v)
+    return s * (1 + v * (1 - s))
 
 
 @triton.jit
@@ -104,3 +136,21 @@ def relu_grad_math(grad, out, alpha):
     scaled by ``alpha``. Like PyTorch's ``threshold_backward``, a NaN output passes
     the gradient."""
     return tl.where(out <= 0, 0, grad * alpha)
+
+
+@triton.jit
+def gelu_grad_math(grad, pre):
+    """Registry math of ``gelu_grad``: the gradient through GELU from its input."""
+    return grad * gelu_derivative(pre)
+
+
+@triton.jit
+def gelu_tanh_grad_math(grad, pre):
+    """Registry math of ``gelu_tanh_grad``."""
+    return grad * gelu_tanh_derivative(pre)
+
+
+@triton.jit
+def silu_grad_math(grad, pre):
+    """Registry math of ``silu_grad``."""
+    return grad * silu_derivative(pre)
