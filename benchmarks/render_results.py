@@ -133,6 +133,34 @@ def backward(data: dict) -> str:
     return text + "\n\n" + footnote(data["environment"], "backward")
 
 
+def models(data: dict) -> str:
+    """One row per model and variant; ratios against stock eager in the same run."""
+    by_model: dict[str, dict] = {}
+    for r in data["models"]:
+        by_model.setdefault(r["model"], {})[r["variant"]] = r
+
+    def ms(v):
+        return "-" if v is None else f"{v:.2f}"
+    body = []
+    for model, rows in by_model.items():
+        base = rows["eager"]
+        for variant, r in rows.items():
+            if variant == "eager2":
+                continue
+            body.append([f"`{model}`", variant, ms(r["train_ms"]), ratio(base["train_ms"], r["train_ms"]),
+                         ms(r["gpu_ms"]), f"{r['bs1_ms'] * 1e3:.0f}", ratio(base["bs1_ms"], r["bs1_ms"]),
+                         f"{r['serve_ms'] * 1e3:.0f}", ratio(base["serve_ms"], r["serve_ms"]),
+                         "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
+                         f"{r['max_loss_rel_diff']:.1e}", f"{rows['eager2']['max_loss_rel_diff']:.1e}"
+                         if "eager2" in rows else "-"])
+    head = ["model", "variant", "train step ms", "x eager", "GPU busy ms", "batch-1 us", "x eager", "serving us",
+            "x eager", "peak MiB", "loss diff", "control"]
+    text = table(head, body, "llrrrrrrrrrr")
+    for name, reason in (data.get("skipped") or {}).items():
+        text += f"\n\n`{name}` did not run: {reason}."
+    return text + "\n\n" + footnote(data["environment"], "models")
+
+
 def _find(rows: list[dict], **want) -> dict | None:
     """The first row whose fields have the wanted values."""
     return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
@@ -141,12 +169,21 @@ def _find(rows: list[dict], **want) -> dict | None:
 def headline(reports: dict) -> str | None:
     """At most eight rows for the README: one ratio each, the peer named."""
     rows, envs = [], []
+    md = reports.get("models")
+    if md:
+        envs.append(md["environment"])
+        for model, label in (("resnet50", "torchvision ResNet-50 training step, joins through `add_relu`"),
+                             ("gpt2_mlp", "GPT-2 medium MLP training step, GELU in the matmul epilogue")):
+            r = _find(md["models"], model=model, variant="fusedkit")
+            e = _find(md["models"], model=model, variant="eager")
+            if r and e:
+                rows.append([label, "the stock model, eager", ratio(e["train_ms"], r["train_ms"]),
+                             f"{r['train_ms']:.2f} ms a step"])
     ew = reports.get("elementwise")
     if ew:
         envs.append(ew["environment"])
         n = max(r["n"] for r in ew["rows"])
-        for kernel, layout, dtype in (("add_relu", "contiguous", "float32"), ("add_relu", "contiguous", "bfloat16"),
-                                      ("add_relu", "transposed", "bfloat16")):
+        for kernel, layout, dtype in (("add_relu", "contiguous", "bfloat16"), ("add_relu", "transposed", "bfloat16")):
             r = _find(ew["rows"], kernel=kernel, layout=layout, dtype=dtype, n=n)
             if r:
                 rows.append([f"`add_relu`, {layout}, {SHORT[dtype]}, 2^{n.bit_length() - 1} elements",
@@ -155,7 +192,7 @@ def headline(reports: dict) -> str | None:
     mm = reports.get("matmul")
     if mm:
         envs.append(mm["environment"])
-        for shape in ((4096, 4096, 4096), (64, 4096, 4096)):
+        for shape in ((4096, 4096, 4096),):
             r = _find(mm["matmul"], m=shape[0], n=shape[1], k=shape[2], dtype="bfloat16")
             if r:
                 rows.append([f"matmul + bias + ReLU, bf16, {' x '.join(map(str, shape))}",
@@ -187,7 +224,7 @@ def headline(reports: dict) -> str | None:
     return table(["case", "against", "speed-up", "fusedkit"], rows[:8], "llrl") + "\n\n" + note
 
 
-RENDERERS = {"elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency, "backward": backward}
+RENDERERS = {"models": models, "elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency, "backward": backward}
 
 
 def replace_region(text: str, name: str, body: str) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from . import __version__, registry
 from .bench import BIAS_COLS, DTYPE_NAMES, LAYOUTS
+from .bench.models import MODELS
 from .runtime.elementwise import INTERPRETED
 
 
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the add_relu backward and memory report instead (against eager and compiled torch)")
     report.add_argument("--latency", action="store_true",
                         help="the small-tensor report instead: host time per call against torch")
+    models = tuple(MODELS)
+    report.add_argument("--models", type=_choices("model", models), nargs="?", const=list(models), default=None,
+                        metavar="NAMES", help="the real-model report instead (training step, inference, memory, "
+                                              f"loss against stock eager and torch.compile); NAMES from "
+                                              f"{','.join(models)} (default: all)")
     p.add_argument("--shapes", type=_shapes, default=None,
                    help="matmul shapes MxNxK, comma-separated (default: the report's set)")
     p.add_argument("--tf32", action="store_true",

@@ -5,7 +5,7 @@
 # log goes straight to $OUT/pytest.txt. The short tables print last.
 #   bash scripts/gpu_run.sh [STAGE ...]    (no stage: env tests)
 # Stages: env; tests (the suite, PYTEST_ARGS: default the tests folder); results [REPORTS]
-# (scripts/results.sh into the work folder: RESULTS_REPORTS, default all: elementwise ncu
+# (scripts/results.sh into the work folder: RESULTS_REPORTS, default all: models elementwise ncu
 # matmul latency backward); fuzz (2,000 examples an op, FUZZ_ARGS); sanitize
 # (scripts/sanitize.sh); pybench (the pytest-benchmark suite); native (the latency report with
 # FUSEDKIT_NATIVE_LAUNCH=1). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed benchmark results of this machine's GPU and the tables built from them:
-#   bash scripts/results.sh [REPORT ...]    reports: elementwise ncu matmul latency backward (default: all)
+#   bash scripts/results.sh [REPORT ...]    reports: models elementwise ncu matmul latency backward (default: all)
 # Each report writes benchmarks/results/<gpu>/<report>.txt (what it printed) and .json (the
 # numbers and the environment: GPU, driver, torch, triton, fusedkit version and commit, date);
 # the elementwise and matmul reports also their plots. Then docs/results.md and the README's
@@ -13,7 +13,7 @@ gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].low
   || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
-reports=${*:-elementwise ncu matmul latency backward}
+reports=${*:-models elementwise ncu matmul latency backward}
 rc=0
 report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $dir/NAME.{txt,json}
   local name=$1; shift
@@ -23,6 +23,7 @@ report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $
   fi
 }
 for r in $reports; do case $r in
+  models) report models --models ;;
   elementwise) report elementwise --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
   ncu) report ncu --ncu --kernels add_relu,add --dtypes fp32,bf16 --sizes 20,26 --no-compile ;;
   matmul) report matmul --matmul --dtypes "${MATMUL_DTYPES:-bf16,fp16}" --plots "$dir" ;;

@@ -34,10 +34,10 @@ fi
 # optional ones may fail (no network, say: a GPU machine), and the tests that need them skip.
 if [ "$job" = test ]; then
   required="packaging=packaging numpy=numpy pytest=pytest hypothesis=hypothesis"
-  optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm ninja=ninja mkdocs=mkdocs-material mkdocstrings_handlers=mkdocstrings-python"
+  optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm ninja=ninja mkdocs=mkdocs-material mkdocstrings_handlers=mkdocstrings-python transformers=transformers"
 else
   required="packaging=packaging numpy=numpy"
-  optional="matplotlib=matplotlib tqdm=tqdm"
+  optional="matplotlib=matplotlib tqdm=tqdm transformers=transformers"
 fi
 install() {  # install LEVEL PAIRS...: pip-install the distributions whose module does not import
   local level=$1 missing=() pair; shift

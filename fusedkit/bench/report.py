@@ -373,6 +373,13 @@ def run_command(args) -> int:
         _report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
                 {"backward": brows, "linear_relu_training": lrows})
         return 0
+    if args.models:
+        from .models import format_models_table, run_models
+
+        results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
+        _report(env, (format_models_table(results, skipped),), args.json,
+                {"models": [vars(r) for r in results], "skipped": skipped})
+        return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
 

@@ -1,0 +1,454 @@
+"""Real models, the benchmark of record: ``python -m fusedkit bench --models``.
+
+Model code that others wrote, unmodified except where fusedkit goes in, timed beside the
+same model stock, eager and under ``torch.compile``, in one process:
+
+- ``resnet50``: torchvision's ResNet-50. Each ``Bottleneck`` ends in
+  ``out += identity; out = self.relu(out)``; the fused model runs that join as
+  ``fusedkit.add_relu(out, identity)``. bf16 autocast, channels_last, 224 x 224 images.
+- ``gpt2_mlp`` / ``gpt2_mlp_relu``: transformers' ``GPT2MLP`` at GPT-2 medium's sizes
+  (1024 -> 4096 -> 1024), activation ``gelu_new`` (tanh GELU) or ``relu``; the fused model
+  runs the up-projection, bias and activation as one ``fusedkit.matmul`` (its epilogue).
+- ``gpt2_block``: transformers' ``GPT2Block`` (layer norms, attention, residuals) with
+  that MLP inside.
+
+For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
+``compiled``: ``torch.compile`` of the stock model):
+
+- ``train_ms``: one training step (forward, loss, backward, SGD with momentum, grads set
+  to None), ``do_bench`` median; ``gpu_ms``: the GPU's busy time in that step (its kernels'
+  durations summed, from ``torch.profiler``): a step much longer than its GPU time is
+  bound by the host's Python and launches, not by the kernels;
+- ``bs1_ms`` / ``serve_ms``: inference (``torch.inference_mode``) at batch 1 and at a
+  serving batch (images for ResNet-50; tokens of a decode step for the GPT-2 cases);
+- ``peak_mb``: the peak memory of a training step above what lives between steps;
+- ``losses``: 20 training steps from the same weights on one batch (a model fitting one
+  batch: the loss falls steadily, so rounding differences do not blow up as they do on
+  random batches); the report gives each variant's largest relative difference from the
+  stock eager run, with a second stock eager run (``eager2``) as the control for
+  run-to-run nondeterminism.
+
+On a CPU the same code runs at tiny sizes, in float32, as a correctness check of the
+harness (its times are not GPU times). A case whose package does not import is skipped,
+and the report says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import statistics
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fusedkit
+
+from .cases import timer
+from .progress import bar as progress_bar
+
+__all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
+           "fuse", "unavailable"]
+
+#: Training steps of the loss comparison.
+LOSS_STEPS = 20
+#: do_bench budget (ms) of a model step in one round: a ResNet-50 step is ~20-30 ms, so
+#: the default 100 ms would take the median of about four.
+MODEL_WARMUP_MS, MODEL_REP_MS = 50, 300
+#: Rounds of timing, every variant once a round (the median over rounds is reported): the
+#: same stock ResNet-50 step measured 16.3 and 28.0 ms in two processes on the H200 host,
+#: and drifts within one.
+TIMING_ROUNDS = 3
+VARIANTS = ("eager", "eager2", "fusedkit", "compiled")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A case's batch shapes for training, batch-1 and serving inference."""
+    train: tuple
+    bs1: tuple
+    serve: tuple
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One real model: how to build it stock, how fusedkit goes into it, its batches and loss."""
+    name: str
+    what: str
+    package: str                                   # the module the model comes from
+    build: Callable[[bool], torch.nn.Module]       # (small) -> the stock model, float32, on the CPU
+    fuse: Callable[[torch.nn.Module], int]         # puts fusedkit in, in place; returns the sites changed
+    batch: Callable[[tuple, torch.Generator, bool], tuple]  # (shape, generator, small) -> (input, target)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sizes: Sizes
+    small_sizes: Sizes
+    lr: float
+    channels_last: bool = False
+
+
+# --- ResNet-50 (torchvision) ------------------------------------------------------------
+
+def _bottleneck_forward(self, x):
+    """torchvision's ``Bottleneck.forward`` with its join, ``out += identity; relu(out)``,
+    as one ``fusedkit.add_relu``."""
+    identity = x if self.downsample is None else self.downsample(x)
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.relu(self.bn2(self.conv2(out)))
+    out = self.bn3(self.conv3(out))
+    return fusedkit.add_relu(out, identity)
+
+
+def _build_resnet(small: bool):
+    from torchvision.models import resnet
+
+    if small:  # one Bottleneck a stage (a downsampling join in each), ten classes
+        return resnet.ResNet(resnet.Bottleneck, [1, 1, 1, 1], num_classes=10)
+    return resnet.resnet50()
+
+
+def _fuse_resnet(model) -> int:
+    from torchvision.models.resnet import Bottleneck
+
+    blocks = [m for m in model.modules() if isinstance(m, Bottleneck)]
+    for m in blocks:
+        m.forward = types.MethodType(_bottleneck_forward, m)
+    return len(blocks)
+
+
+def _image_batch(shape, gen, small):
+    n, side = shape
+    classes = 10 if small else 1000
+    return torch.randn(n, 3, side, side, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+
+
+def _cross_entropy(out, target):
+    return F.cross_entropy(out.float(), target)
+
+
+# --- GPT-2 (transformers) ---------------------------------------------------------------
+
+#: transformers' activation names -> fusedkit.matmul's.
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+                    "relu": "relu", "silu": "silu", "swish": "silu"}
+#: GPT-2 medium: hidden 1024, MLP 4 x 1024, 16 heads.
+GPT2_MEDIUM = dict(n_embd=1024, n_inner=4096, n_head=16)
+GPT2_SMALL = dict(n_embd=32, n_inner=128, n_head=4)
+
+
+def _gpt2_mlp_forward(self, hidden_states):
+    """transformers' ``GPT2MLP.forward`` with ``act(c_fc(x))`` as one fusedkit.matmul: a
+    ``Conv1D`` weight is (in, out), the ``b`` operand as it is."""
+    h = fusedkit.matmul(hidden_states, self.c_fc.weight, self.c_fc.bias, activation=self.fusedkit_activation)
+    return self.dropout(self.c_proj(h))
+
+
+def _gpt2_config(activation: str, small: bool):
+    from transformers import GPT2Config
+
+    # No dropout: the loss comparison runs the same steps on every variant.
+    return GPT2Config(**(GPT2_SMALL if small else GPT2_MEDIUM), activation_function=activation,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _build_gpt2_mlp(activation: str):
+    def build(small: bool):
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        config = _gpt2_config(activation, small)
+        return GPT2MLP(config.n_inner, config)
+    return build
+
+
+def _build_gpt2_block(small: bool):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = _gpt2_config("gelu_new", small)
+    config._attn_implementation = "sdpa"
+    return _HiddenStates(GPT2Block(config))
+
+
+class _HiddenStates(torch.nn.Module):
+    """A ``GPT2Block`` returning its hidden states alone (transformers before 5 return a tuple)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states):
+        out = self.block(hidden_states)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _fuse_gpt2(model) -> int:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    mlps = [m for m in model.modules() if isinstance(m, GPT2MLP)]
+    for m in mlps:
+        m.fusedkit_activation = GPT2_ACTIVATIONS[_activation_name(m)]
+        m.forward = types.MethodType(_gpt2_mlp_forward, m)
+    return len(mlps)
+
+
+def _activation_name(mlp) -> str:
+    """The transformers activation name of ``mlp.act`` (its config's ``activation_function``)."""
+    from transformers.activations import ACT2CLS
+
+    for name, cls in ACT2CLS.items():
+        cls = cls[0] if isinstance(cls, tuple) else cls
+        if type(mlp.act) is cls and name in GPT2_ACTIVATIONS:
+            return name
+    raise ValueError(f"GPT2MLP activation {type(mlp.act).__name__} has no fusedkit epilogue")
+
+
+def _token_batch(shape, gen, small):
+    n, t = shape
+    c = (GPT2_SMALL if small else GPT2_MEDIUM)["n_embd"]
+    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+
+
+def _mse(out, target):
+    return F.mse_loss(out.float(), target.float())
+
+
+_IMAGES = Sizes(train=(64, 224), bs1=(1, 224), serve=(64, 224))
+_SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
+#: Training: 8 sequences of 1024 tokens; inference: one decode step of 1 and of 64 sequences.
+_TOKENS = Sizes(train=(8, 1024), bs1=(1, 1), serve=(64, 1))
+_SMALL_TOKENS = Sizes(train=(2, 8), bs1=(1, 1), serve=(3, 1))
+
+MODELS = {case.name: case for case in (
+    ModelCase("resnet50", "torchvision ResNet-50, Bottleneck joins through add_relu", "torchvision",
+              _build_resnet, _fuse_resnet, _image_batch, _cross_entropy, _IMAGES, _SMALL_IMAGES, lr=0.01,
+              channels_last=True),
+    ModelCase("gpt2_mlp", "transformers GPT2MLP (medium), gelu_new in the matmul epilogue", "transformers",
+              _build_gpt2_mlp("gelu_new"), _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
+    ModelCase("gpt2_mlp_relu", "transformers GPT2MLP (medium), relu in the matmul epilogue", "transformers",
+              _build_gpt2_mlp("relu"), _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
+    ModelCase("gpt2_block", "transformers GPT2Block (medium), its MLP as in gpt2_mlp", "transformers",
+              _build_gpt2_block, _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
+)}
+
+
+def unavailable(case: ModelCase) -> str | None:
+    """Why ``case`` cannot run here (its package missing or broken), or None."""
+    try:
+        importlib.import_module(case.package)
+        case.build(True)
+    except Exception as exc:  # a missing package, or one built for another torch
+        return f"{case.package} does not import here: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return None
+
+
+def fuse(case: ModelCase, model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` (same parameter values) with fusedkit in it."""
+    fused = copy.deepcopy(model)
+    if case.fuse(fused) == 0:
+        raise RuntimeError(f"{case.name}: no site to fuse found")
+    return fused
+
+
+@dataclass
+class Result:
+    model: str
+    variant: str
+    train_ms: float | None = None
+    gpu_ms: float | None = None
+    bs1_ms: float | None = None
+    serve_ms: float | None = None
+    peak_mb: float | None = None
+    losses: list = field(default_factory=list)
+    max_loss_rel_diff: float | None = None  # against the stock eager run
+
+
+def _autocast(device):
+    # bf16 autocast on the GPU, as mixed-precision training runs; float32 on the CPU (the
+    # interpreter's check of the same code).
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _to_device(case, batch, device):
+    x, t = batch
+    fmt = torch.channels_last if case.channels_last and x.dim() == 4 else torch.contiguous_format
+    return x.to(device, memory_format=fmt), t.to(device)
+
+
+def _train_step(model, opt, case, batch, device):
+    x, t = batch
+    with _autocast(device):
+        loss = case.loss(model(x), t)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gpu_ms(step, device) -> float | None:
+    """The GPU's busy time in one ``step``: its kernels' and copies' durations summed."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
+def _peak_mb(step, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _time_ms(fn, device) -> float:
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=MODEL_WARMUP_MS, rep=MODEL_REP_MS, return_mode="median")
+    return timer(device)(fn) / 1e3
+
+
+def _variant_model(case, variant, stock, device):
+    model = fuse(case, stock) if variant == "fusedkit" else copy.deepcopy(stock)
+    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=fmt)
+    return model, (torch.compile(model, dynamic=False) if variant == "compiled" else model)
+
+
+def _prepared(case: ModelCase, small: bool, device):
+    """The stock model (seeded) and its training batch and inference inputs on ``device``."""
+    sizes = case.small_sizes if small else case.sizes
+    torch.manual_seed(0)
+    stock = case.build(small)
+    gen = torch.Generator().manual_seed(1)
+    train = _to_device(case, case.batch(sizes.train, gen, small), device)
+    infer = {kind: _to_device(case, case.batch(getattr(sizes, kind), gen, small), device)[0]
+             for kind in ("bs1", "serve")}
+    return stock, train, infer
+
+
+def training_step(case: ModelCase, variant: str, device, small: bool = False):
+    """(step, check) for ``variant`` of ``case``: ``step()`` runs one training step; ``check()``
+    asserts the last loss is finite (for pytest-benchmark)."""
+    stock, train, _ = _prepared(case, small, device)
+    module, run = _variant_model(case, variant, stock, device)
+    opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
+    last = []
+
+    def step():
+        last[:] = [_train_step(run, opt, case, train, device)]
+
+    def check():
+        assert last and torch.isfinite(last[0]).item(), f"{case.name} {variant}: loss {last}"
+    return step, check
+
+
+def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None) -> list[Result]:
+    """Every measurement of ``case`` for each of ``variants`` (``eager`` first: the others are
+    compared with it). The times are taken in ``TIMING_ROUNDS`` rounds, each timing every
+    variant in turn, and each is the median over rounds: a host-bound step moves with the
+    host's speed, which drifts within a process, and interleaving gives every variant the
+    same drift."""
+    stock, train, infer = _prepared(case, small, device)
+    results, live = [], []
+    for variant in variants:
+        module, run = _variant_model(case, variant, stock, device)
+        opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
+        r = Result(case.name, variant)
+        # The loss run first (from the same weights for every variant): it also warms
+        # up (and for ``compiled``, compiles) the training step.
+        step = functools.partial(_train_step, run, opt, case, train, device)
+        r.losses = [float(step().detach()) for _ in range(LOSS_STEPS)]
+        results.append(r)
+        if variant == "eager2":  # the control run is for the losses only
+            continue
+        r.gpu_ms = _gpu_ms(step, device)
+        r.peak_mb = _peak_mb(step, device)
+        live.append((r, module, run, step))
+        if progress is not None:
+            progress.update()
+    samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
+    for _ in range(TIMING_ROUNDS if device.type == "cuda" else 1):
+        for r, module, run, step in live:
+            samples[id(r)]["train"].append(_time_ms(step, device))
+        for r, module, run, step in live:
+            module.eval()
+            with torch.inference_mode(), _autocast(device):
+                for kind in ("bs1", "serve"):
+                    samples[id(r)][kind].append(_time_ms(functools.partial(run, infer[kind]), device))
+            module.train()
+    for r, *_ in live:
+        r.train_ms, r.bs1_ms, r.serve_ms = (statistics.median(samples[id(r)][k]) for k in ("train", "bs1", "serve"))
+    del live
+    ref = results[0].losses
+    for r in results:
+        r.max_loss_rel_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, ref))
+    return results
+
+
+def run_models(names, device, use_compile=True, small: bool | None = None, progress=True):
+    """Run the named cases; returns (results, skipped: {name: reason})."""
+    small = device.type != "cuda" if small is None else small
+    variants = [v for v in VARIANTS if use_compile or v != "compiled"]
+    results, skipped = [], {}
+    cases = [MODELS[n] for n in names]
+    bar = progress_bar(len(cases) * len(variants), "models", progress)
+    for case in cases:
+        reason = unavailable(case)
+        if reason is not None:
+            skipped[case.name] = reason
+            continue
+        results += run_case(case, device, variants, small, bar)
+        torch._dynamo.reset()
+    bar.close()
+    return results, skipped
+
+
+def _ratio(base, value):
+    return "-" if base is None or value is None else f"{base / value:.2f}"
+
+
+def format_models_table(results: list[Result], skipped: dict) -> str:
+    """One row per model and variant; x = stock eager's time / this variant's (above 1: faster)."""
+    head = (f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'bs1 ms':>8} "
+            f"{'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MB':>8} {'loss diff':>9}")
+    lines = ["Real models: training step, inference, peak memory, loss over "
+             f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
+             "the kernels' summed time in one step; loss diff = largest relative difference from stock eager's "
+             "loss; eager2 = stock again, the nondeterminism control)",
+             head, "-" * len(head)]
+
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    by_model: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_model.setdefault(r.model, {})[r.variant] = r
+    for model, rows in by_model.items():
+        base = rows.get("eager")
+        for r in rows.values():
+            lines.append(f"{model:<14} {r.variant:<9} {num(r.train_ms, '.3f'):>9} "
+                         f"{_ratio(base.train_ms, r.train_ms):>7} {num(r.gpu_ms, '.3f'):>8} "
+                         f"{num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
+                         f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
+                         f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}")
+    for name, reason in skipped.items():
+        lines.append(f"{name:<14} skipped: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""The real-model report (``python -m fusedkit bench --models``) at tiny sizes: fusedkit goes
+where it should in each model, the fused model computes what the stock one does, forward
+and backward, and the report's harness runs end to end."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from fusedkit.bench import models
+
+from conftest import DEVICE, ON_GPU
+
+CASES = list(models.MODELS)
+
+
+def _case(name):
+    case = models.MODELS[name]
+    reason = models.unavailable(case)
+    if reason is not None:
+        pytest.skip(reason)
+    return case
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_model_matches_stock(name):
+    """Same weights, same batch: outputs and every parameter's gradient as the stock model's."""
+    case = _case(name)
+    torch.manual_seed(0)
+    stock = case.build(True).to(DEVICE)
+    fused = models.fuse(case, stock)
+    calls = []
+    import fusedkit
+
+    originals = {n: getattr(fusedkit, n) for n in ("add_relu", "matmul")}
+
+    def spy(n):
+        def call(*args, **kwargs):
+            calls.append(n)
+            return originals[n](*args, **kwargs)
+        return call
+
+    x, t = case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True)
+    x, t = x.to(DEVICE), t.to(DEVICE)
+    for n in originals:
+        setattr(fusedkit, n, spy(n))
+    try:
+        got = fused(x)
+    finally:
+        for n, f in originals.items():
+            setattr(fusedkit, n, f)
+    want = stock(x)
+    assert calls, "the fused model never called fusedkit"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    case.loss(got, t).backward()
+    case.loss(want, t).backward()
+    for (pname, p), q in zip(fused.named_parameters(), stock.parameters()):
+        assert p.grad is not None, pname
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m: f"{pname}: {m}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fuse_keeps_the_stock_model_and_its_state_dict(name):
+    case = _case(name)
+    stock = case.build(True)
+    before = copy.deepcopy(stock.state_dict())
+    fused = models.fuse(case, stock)
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    for k, v in stock.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert "forward" not in vars(stock)
+
+
+@pytest.mark.slow
+def test_report_runs_end_to_end():
+    """The report at tiny sizes: every variant measured, losses finite, the fused run's
+    losses within float32 noise of stock's (no autocast on the CPU)."""
+    name = next((n for n in CASES if models.unavailable(models.MODELS[n]) is None), None)
+    if name is None:
+        pytest.skip("neither torchvision nor transformers imports here")
+    results, skipped = models.run_models([name], DEVICE, use_compile=False, small=True, progress=False)
+    assert not skipped
+    by_variant = {r.variant: r for r in results}
+    assert set(by_variant) == {"eager", "eager2", "fusedkit"}
+    for r in results:
+        assert len(r.losses) == models.LOSS_STEPS and all(torch.isfinite(torch.tensor(r.losses)))
+    assert by_variant["eager2"].max_loss_rel_diff == 0.0 or ON_GPU
+    assert by_variant["fusedkit"].max_loss_rel_diff < (1e-2 if ON_GPU else 1e-4)
+    f = by_variant["fusedkit"]
+    assert f.train_ms > 0 and f.gpu_ms is None or f.gpu_ms > 0 and f.bs1_ms > 0 and f.serve_ms > 0
+    assert (f.peak_mb is not None) == ON_GPU and (f.gpu_ms is not None) == ON_GPU
+    table = models.format_models_table(results, {"other": "why"})
+    assert name in table and "other" in table and "why" in table
+
+
+def test_unavailable_names_the_package():
+    case = dataclasses.replace(models.MODELS["resnet50"], package="no_such_package_fusedkit")
+    assert "no_such_package_fusedkit" in models.unavailable(case)
