@@ -30,7 +30,8 @@ def _choices(kind: str, allowed, aliases=None):
             name = aliases.get(item, item)
             if name not in allowed:
                 raise argparse.ArgumentTypeError(f"unknown {kind} {item!r}; choose from {', '.join(allowed)}")
-            items.append(name)
+            if name not in items:  # "a,a" runs a once
+                items.append(name)
         return items
     return parse
 

@@ -20,7 +20,8 @@ For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eag
   durations summed, from ``torch.profiler``): a step much longer than its GPU time is
   bound by the host's Python and launches, not by the kernels;
 - ``bs1_ms`` / ``serve_ms``: inference (``torch.inference_mode``) at batch 1 and at a
-  serving batch (images for ResNet-50; tokens of a decode step for the GPT-2 cases);
+  serving batch (images for ResNet-50; for the GPT-2 cases one token of each sequence, the
+  MLP's shapes in a decode step, though the block attends without a KV cache);
 - ``peak_mb``: the peak memory of a training step above what lives between steps;
 - ``losses``: 20 training steps from the same weights on one batch (a model fitting one
   batch: the loss falls steadily, so rounding differences do not blow up as they do on
@@ -217,7 +218,8 @@ def _mse(out, target):
 
 _IMAGES = Sizes(train=(64, 224), bs1=(1, 224), serve=(64, 224))
 _SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
-#: Training: 8 sequences of 1024 tokens; inference: one decode step of 1 and of 64 sequences.
+#: Training: 8 sequences of 1024 tokens; inference: one token of 1 and of 64 sequences (a decode
+#: step's shapes for the MLP; the block attends to that one token, with no KV cache).
 _TOKENS = Sizes(train=(8, 1024), bs1=(1, 1), serve=(64, 1))
 _SMALL_TOKENS = Sizes(train=(2, 8), bs1=(1, 1), serve=(3, 1))
 
@@ -360,9 +362,11 @@ def training_step(case: ModelCase, variant: str, device, small: bool = False):
     return step, check
 
 
-def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None) -> list[Result]:
+def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None,
+             rounds: int | None = None) -> list[Result]:
     """Every measurement of ``case`` for each of ``variants`` (``eager`` first: the others are
-    compared with it). The times are taken in ``TIMING_ROUNDS`` rounds, each timing every
+    compared with it). The times are taken in ``rounds`` rounds (default ``TIMING_ROUNDS`` on
+    a GPU, 1 elsewhere), each timing every
     variant in turn, and each is the median over rounds: a host-bound step moves with the
     host's speed, which drifts within a process, and interleaving gives every variant the
     same drift."""
@@ -377,15 +381,15 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
         step = functools.partial(_train_step, run, opt, case, train, device)
         r.losses = [float(step().detach()) for _ in range(LOSS_STEPS)]
         results.append(r)
+        if progress is not None:
+            progress.update()
         if variant == "eager2":  # the control run is for the losses only
             continue
         r.gpu_ms = _gpu_ms(step, device)
         r.peak_mb = _peak_mb(step, device)
         live.append((r, module, run, step))
-        if progress is not None:
-            progress.update()
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
-    for _ in range(TIMING_ROUNDS if device.type == "cuda" else 1):
+    for _ in range(rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)):
         for r, module, run, step in live:
             samples[id(r)]["train"].append(_time_ms(step, device))
         for r, module, run, step in live:
@@ -394,6 +398,8 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
                 for kind in ("bs1", "serve"):
                     samples[id(r)][kind].append(_time_ms(functools.partial(run, infer[kind]), device))
             module.train()
+        if progress is not None:
+            progress.update()
     for r, *_ in live:
         r.train_ms, r.bs1_ms, r.serve_ms = (statistics.median(samples[id(r)][k]) for k in ("train", "bs1", "serve"))
     del live
@@ -403,19 +409,24 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
     return results
 
 
-def run_models(names, device, use_compile=True, small: bool | None = None, progress=True):
-    """Run the named cases; returns (results, skipped: {name: reason})."""
+def run_models(names, device, use_compile=True, small: bool | None = None, progress=True,
+               rounds: int | None = None):
+    """Run the named cases (``rounds``: timing rounds, see :func:`run_case`); returns
+    (results, skipped: {name: reason})."""
     small = device.type != "cuda" if small is None else small
     variants = [v for v in VARIANTS if use_compile or v != "compiled"]
     results, skipped = [], {}
     cases = [MODELS[n] for n in names]
-    bar = progress_bar(len(cases) * len(variants), "models", progress)
+    rounds = rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
+    # A step per variant's loss run, and one per timing round.
+    bar = progress_bar(len(cases) * (len(variants) + rounds), "models", progress)
     for case in cases:
         reason = unavailable(case)
         if reason is not None:
             skipped[case.name] = reason
+            bar.update(len(variants) + rounds)
             continue
-        results += run_case(case, device, variants, small, bar)
+        results += run_case(case, device, variants, small, bar, rounds)
         torch._dynamo.reset()
     bar.close()
     return results, skipped
@@ -428,7 +439,7 @@ def _ratio(base, value):
 def format_models_table(results: list[Result], skipped: dict) -> str:
     """One row per model and variant; x = stock eager's time / this variant's (above 1: faster)."""
     head = (f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'bs1 ms':>8} "
-            f"{'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MB':>8} {'loss diff':>9}")
+            f"{'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}")
     lines = ["Real models: training step, inference, peak memory, loss over "
              f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
              "the kernels' summed time in one step; loss diff = largest relative difference from stock eager's "

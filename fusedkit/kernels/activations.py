@@ -69,8 +69,11 @@ def gelu_tanh_derivative(v):
     z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
     s = tl.sigmoid(2 * z)
     dz = SQRT_2_OVER_PI * (1 + 3 * GELU_TANH_CUBIC * v * v)
-    saturated = (s < TANH_SATURATED) & (v * 0 == 0)  # (an infinite v gives NaN, as in torch)
-    return tl.where(saturated, 0.0, s * (1 + 2 * v * dz * (1 - s)))
+    # Saturated at either end for finite v (an infinite v gives NaN, as in torch): 0 below, and 1
+    # where s rounds to 1, since there ``v dz`` overflows from |v| ~ 1.2e13 and inf * 0 is NaN.
+    finite = v * 0 == 0
+    slope = tl.where(finite & (s < TANH_SATURATED), 0.0, s * (1 + 2 * v * dz * (1 - s)))
+    return tl.where(finite & (s == 1), 1.0, slope)
 
 
 @triton.jit
