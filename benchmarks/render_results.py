@@ -97,19 +97,25 @@ def matmul(data: dict) -> str:
 def latency(data: dict) -> str:
     body = []
     for r in data["elementwise"]:
+        fb, tb = r.get("fusedkit.add_relu fwd+bwd"), r.get("relu(x + y) fwd+bwd")
         body.append([SHORT.get(r["dtype"], r["dtype"]), r["n"], f"{r['torch.add']:.1f}", f"{r['relu(x + y)']:.1f}",
-                     f"{r['fusedkit.add_relu']:.1f}", ratio(r["fusedkit.add_relu"], r["torch.add"]),
-                     f"{r.get('relu(x + y) grad') or 0:.1f}", f"{r.get('fusedkit.add_relu grad') or 0:.1f}",
-                     f"{r.get('graph fusedkit.add_relu') or 0:.1f}"])
-    head = ["dtype", "n", "torch.add us", "relu(x + y) us", "fusedkit.add_relu us", "add_relu / torch.add",
-            "relu(x + y) with grad", "add_relu with grad", "add_relu in a CUDA graph"]
-    text = table(head, body, "lrrrrrrrr")
+                     f"{r['fusedkit.add_relu']:.1f}", f"{r['fusedkit.add_relu'] / r['torch.add']:.2f}",
+                     "-" if tb is None else f"{tb:.1f}", "-" if fb is None else f"{fb:.1f}",
+                     "-" if fb is None else f"{fb / tb:.2f}", f"{r.get('graph fusedkit.add_relu') or 0:.1f}"])
+    head = ["dtype", "n", "torch.add us", "relu(x + y) us", "fusedkit.add_relu us", "/ torch.add",
+            "relu(x + y) fwd + bwd us", "add_relu fwd + bwd us", "/ relu(x + y)", "add_relu in a CUDA graph"]
+    text = table(head, body, "lrrrrrrrrr")
     lin = data.get("linear") or []
     if lin:
-        text += "\n\n" + table(["dtype", "M", "K = N", "fusedkit.linear_relu us", "relu(F.linear) us", "ratio"],
+        text += "\n\n" + table(["dtype", "M", "K = N", "fusedkit.linear_relu us", "relu(F.linear) us", "ratio",
+                                "fwd + bwd us", "torch fwd + bwd us", "ratio"],
                                [[SHORT.get(r["dtype"], r["dtype"]), r["m"], r["k"], f"{r['fusedkit.linear_relu']:.1f}",
                                  f"{r['relu(F.linear)']:.1f}",
-                                 f"{r['fusedkit.linear_relu'] / r['relu(F.linear)']:.2f}"] for r in lin], "lrrrrr")
+                                 f"{r['fusedkit.linear_relu'] / r['relu(F.linear)']:.2f}",
+                                 f"{r.get('fusedkit.linear_relu fwd+bwd') or 0:.1f}",
+                                 f"{r.get('relu(F.linear) fwd+bwd') or 0:.1f}",
+                                 f"{(r.get('fusedkit.linear_relu fwd+bwd') or 0) / (r.get('relu(F.linear) fwd+bwd') or 1):.2f}"]
+                                for r in lin], "lrrrrrrrr")
     return text + "\n\n" + footnote(data["environment"], "latency")
 
 

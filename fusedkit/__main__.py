@@ -100,12 +100,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    commands.add_parser("build", help="build the C++ launch table ahead of the first call that would build it",
+                        description="Build (or find) the C++ extension that launches repeated eager calls and "
+                                    "records their autograd nodes; needs a C++ compiler and ninja. Without it "
+                                    "every call takes the Python path.")
     return parser
+
+
+def build_native() -> int:
+    """``python -m fusedkit build``: 0 when the extension is built (or was), 1 when it cannot be."""
+    from .runtime import native
+
+    path = native.library_path()
+    try:
+        native.build()
+    except Exception as exc:  # no compiler, no ninja: the Python path runs every call
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"fusedkit: the C++ launch table did not build ({first}); calls take the Python path", file=sys.stderr)
+        return 1
+    print(f"fusedkit: C++ launch table at {path}")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "build":
+        return build_native()
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plots needs matplotlib: pip install matplotlib (or fusedkit[bench])")
     if not torch.cuda.is_available() and not INTERPRETED:

@@ -24,11 +24,11 @@ import torch
 
 from .errors import ArgumentError, NotDifferentiableError, UnknownKernelError
 from .registry import get, result_dtype
-from .runtime import elementwise, matmul
+from .runtime import elementwise, matmul, native
 
 __all__ = ["EagerElementwise", "EagerMatmul", "FuncElementwise", "FuncMatmul", "call_autograd", "call_functorch",
            "call_op", "elementwise_op", "elementwise_out_op", "functorch_active", "matmul_functorch", "matmul_op",
-           "matmul_setup_context", "record_matmul", "register_matmul_backward"]
+           "matmul_setup_context", "native_backward", "record_matmul", "register_matmul_backward"]
 
 #: Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active; a C call. Its
 #: wrapped tensors have no storage, so a launch waits until none is.
@@ -113,6 +113,33 @@ def _input_grads(ctx, grad) -> list:
         g = grads[slot]
         out.append(None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device))
     return out
+
+
+def native_backward(kernel, param, operand_signature, device):
+    """``(backward, saves)`` for the C++ autograd node of a kept launch whose operands are all
+    tensors (:mod:`fusedkit.runtime.native`), or None when the kernel has no gradient or is
+    not the registered one (the Python path raises then). ``backward(grad, saved)`` gives
+    each operand's gradient, as :func:`_input_grads` does for the Functions."""
+    if kernel.backward is None:
+        return None
+    try:
+        if get(kernel.name) is not kernel:
+            return None
+    except UnknownKernelError:
+        return None
+    param = _param(kernel, param)
+    meta = [(torch.Size(shape), dtype, device) for dtype, shape, _ in operand_signature]
+    formula, saves = kernel.backward, kernel.saves
+
+    def backward(grad, saved):
+        arg = saved[0] if saves == "output" else saved if saves == "inputs" else None
+        grads = formula(grad, arg, param)
+        return [None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device)
+                for g, (shape, dtype, device) in zip(grads, meta)]
+    return backward, native.SAVES[saves]
+
+
+native.set_backward_factory(native_backward)
 
 
 def _elementwise_setup_context(ctx, inputs, output):

@@ -14,7 +14,7 @@ process-wide, as ``torch.backends`` flags do; fusedkit never writes ``os.environ
 | ``autotune`` | ``True``, ``False`` (one fixed tile: deterministic, no tuning time) | ``FUSEDKIT_AUTOTUNE`` (``0``) |
 | ``matmul_kernel`` | ``"auto"``, ``"pointer"``, ``"tma"`` | ``FUSEDKIT_MATMUL_KERNEL`` |
 | ``fast_launch`` | ``True``, ``False``: keep the launches of repeated eager calls | ``FUSEDKIT_FAST_LAUNCH`` (``0``) |
-| ``native_launch`` | ``False``, ``True``: keep them in C++ too (needs a compiler) | ``FUSEDKIT_NATIVE_LAUNCH`` (``1``) |
+| ``native_launch`` | ``True``, ``False``: keep them in C++ too, autograd nodes included (built once; needs a C++ compiler and ninja) | ``FUSEDKIT_NATIVE_LAUNCH`` (``0``) |
 
 ``fp32_precision``: "tf32x3" computes each float32 product as three TF32 tensor-core
 products (fp32-sized errors, measured below torch's own fp32 matmul: see docs/matmul.md);
@@ -58,7 +58,7 @@ class Settings:
     autotune: bool = True
     matmul_kernel: str = "auto"
     fast_launch: bool = True
-    native_launch: bool = False
+    native_launch: bool = True
 
     def replace(self, **values) -> "Settings":
         """A copy with ``values`` changed, each checked (``ArgumentError`` names the choices)."""

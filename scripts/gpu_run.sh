@@ -7,8 +7,8 @@
 # Stages: env; tests (the suite, PYTEST_ARGS: default the tests folder); results [REPORTS]
 # (scripts/results.sh into the work folder: RESULTS_REPORTS, default all: models elementwise ncu
 # matmul latency backward); fuzz (2,000 examples an op, FUZZ_ARGS); sanitize
-# (scripts/sanitize.sh); pybench (the pytest-benchmark suite); native (the latency report with
-# FUSEDKIT_NATIVE_LAUNCH=1). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);
+# (scripts/sanitize.sh); pybench (the pytest-benchmark suite); python (the latency report with
+# FUSEDKIT_NATIVE_LAUNCH=0: the Python path beside the default C++ one). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);
 # FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried pytest.txt of an earlier call) runs only
 # the tests that log does not report as passed.
 set -uo pipefail
@@ -18,7 +18,7 @@ W=$(mktemp -d)
 cd "$(dirname "$0")/.."
 stages=${*:-env tests}
 rc=0
-# pytest-xdist and ninja (which fusedkit/_native.py's C++ build needs) are in the device
+# pytest-xdist and ninja (which fusedkit/runtime/native.py's C++ build needs) are in the device
 # image. Earlier runs tried to pip-install carried wheels, and that install failing
 # (the image's venv is not writable) silently dropped -n: the suite ran on one worker.
 xdist=()
@@ -38,7 +38,7 @@ fi
 CACHE=/tmp/fusedkit-gpu-cache
 mkdir -p "$CACHE"
 [ -f .gpu-cache.tgz ] && tar xzf .gpu-cache.tgz -C "$CACHE" 2>/dev/null
-export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
+export TRITON_CACHE_DIR="$CACHE/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor" FUSEDKIT_CACHE_DIR="$CACHE/fusedkit"
 CACHE_CHUNKS=3  # the other five files: gpu_run.tgz, pytest.txt, env.txt, steps.txt, and one spare
 pack_cache() {  # SKIP_CACHE_PACK=1: not at all (a 1.2 GB cache took about 30 s a stage to pack, 9ec4d64)
   [ -n "${SKIP_CACHE_PACK:-}" ] && return 0
@@ -67,12 +67,13 @@ step() {  # step NAME SECONDS CMD...: run CMD, stdout+stderr to $W/NAME.txt; NAM
 for s in $stages; do case $s in
   env) { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+         python3 -m fusedkit build  # the C++ launch table, as scripts/run.sh builds it
        } > "$W/env.txt" 2>&1; cp "$W/env.txt" "$OUT/env.txt" ;;
   tests) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-60} step pytest 420 \
            python3 -u -m pytest -v -p no:cacheprovider --durations=25 "${xdist[@]}" ${PYTEST_ARGS:-tests} ;;
   results) RESULTS_DIR="$W/results" step results ${RESULTS_SECS:-590} bash scripts/results.sh ${RESULTS_REPORTS:-} ;;
-  native) FUSEDKIT_NATIVE_LAUNCH=1 step latency_native 200 python3 -m fusedkit bench --latency --no-progress \
-            --json "$W/latency_native.json" ;;
+  python) FUSEDKIT_NATIVE_LAUNCH=0 step latency_python 200 python3 -m fusedkit bench --latency --no-progress \
+            --json "$W/latency_python.json" ;;
   sanitize) step sanitize 590 bash scripts/sanitize.sh ;;  # memcheck 400 s + racecheck 150 s: a call of its own
   fuzz) FUSEDKIT_FUZZ_EXAMPLES=${FUSEDKIT_FUZZ_EXAMPLES:-2000} FUSEDKIT_FUZZ_SHARDS=${FUSEDKIT_FUZZ_SHARDS:-4} \
           step fuzz 500 python3 -u -m pytest tests/test_fuzz.py -v -p no:cacheprovider "${xdist[@]}" ${FUZZ_ARGS:-} \
@@ -86,6 +87,6 @@ cat "$OUT/env.txt" 2>/dev/null
 cat "$OUT/steps.txt" 2>/dev/null
 [ -f "$OUT/pytest.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)" "$OUT/pytest.txt" | tail -45
 grep -E "^== |rc=" "$W/sanitize.txt" 2>/dev/null
-tail -16 "$W/latency_native.txt" 2>/dev/null
+tail -16 "$W/latency_python.txt" 2>/dev/null
 for f in "$W"/results/*.txt; do [ -f "$f" ] && { echo "== $f"; tail -24 "$f"; }; done
 exit $rc

@@ -57,6 +57,9 @@ install optional $optional
 # fusedkit itself runs from this checkout (the current directory is on sys.path); the
 # environment's own tools (ninja, for the C++ launch table) come first on PATH.
 export PATH="$(dirname "$py"):$PATH"
+# The C++ launch table (repeated eager calls launched and recorded for autograd in C++),
+# built once per machine and torch version; without a compiler calls take the Python path.
+"$py" -m fusedkit build || true
 if [ "$job" = bench ]; then
   exec "$py" -m fusedkit bench "$@"
 fi

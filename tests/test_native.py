@@ -2,10 +2,13 @@
 
 On any machine: a dry-run table (it records the kernel parameters it would pass to
 ``cuLaunchKernel``) is filled from a real recipe with a stand-in compiled kernel, and
-must pack exactly what Triton's launcher would get, and refuse every call that differs
-in type, dtype, shape, strides, device, alignment, grad or parameter. On a GPU, calls
+must pack exactly what Triton's launcher would get, refuse every call that differs in
+type, dtype, shape, strides, device, alignment or parameter, and give a call that needs
+a gradient the autograd node torch's own ops would get (edges, saved output with its
+version check, saved-tensor hooks, retain_graph, create_graph, errors). On a GPU, calls
 of each layout launch through the table (and from a CUDA graph, and a new thread) and
-must equal torch; ``scripts/sanitize.sh`` runs these tests under memcheck.
+must equal torch, gradients included; ``scripts/sanitize.sh`` runs these tests under
+memcheck.
 """
 
 from __future__ import annotations
@@ -128,14 +131,114 @@ def test_table_refuses_every_other_call(table):
         "a subclass": call(x.as_subclass(_Sub), y),
     }
     x.requires_grad_(True)
-    refused["requires grad"] = call(x, y)
-    with torch.no_grad():
-        assert call(x, y) is not None  # grad off: the same call qualifies
+    with torch.autograd.forward_ad.dual_level():
+        refused["a dual tensor"] = call(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), y)
     assert all(v is None for v in refused.values()), [k for k, v in refused.items() if v is not None]
+    assert call(x, y).requires_grad  # a gradient: the table records the call
+    with torch.no_grad():
+        assert not call(x, y).requires_grad  # grad off: the same call, nothing recorded
 
 
 class _Sub(torch.Tensor):
     pass
+
+
+def _kept_in(table, x, y, alpha=1):
+    fusedkit.add_relu(x.detach(), y.detach(), alpha=alpha)
+    recipe = ew.KEPT[ew.call_key(ADD_RELU, (x.detach(), y.detach()), alpha)]
+    entry, _, _ = _kept(recipe, (x.detach(), y.detach()), alpha)
+    assert native.register(recipe, entry, table)
+
+
+def _relu_grad(grad, out, alpha=1):
+    return torch.where(out <= 0, torch.zeros_like(grad), grad * alpha)  # (NaN passes the gradient, as torch's)
+
+
+def test_a_call_that_needs_a_gradient_gets_its_node_in_cpp(table):
+    x, y = (rand((37, 19), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _kept_in(table, x, y, alpha=2)
+    out = table.call(id(ADD_RELU), (x, y), 2)
+    assert out.requires_grad and out.grad_fn.name() == "FusedkitAddReluBackward"
+    edges = [fn for fn, _ in out.grad_fn.next_functions]
+    assert [type(fn).__name__ for fn in edges] == ["AccumulateGrad"] * 2
+    assert edges[0].variable is x and edges[1].variable is y
+    grad = rand(out.shape, torch.float32, DEVICE)
+    out.backward(grad)
+    # (a dry run writes nothing: the saved output is whatever the allocation held)
+    expected = _relu_grad(grad, out.detach())
+    assert torch.equal(x.grad, expected) and torch.equal(y.grad, _relu_grad(grad, out.detach(), 2))
+
+
+def test_the_cpp_node_keeps_autograds_rules(table):
+    x, y = (rand((64,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _kept_in(table, x, y)
+    grad = rand((64,), torch.float32, DEVICE)
+    # A second backward needs retain_graph, as with torch's own nodes.
+    out = table.call(id(ADD_RELU), (x, y), 1)
+    out.backward(grad, retain_graph=True)
+    out.backward(grad)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward(grad)
+    # The saved output is version-checked.
+    out = table.call(id(ADD_RELU), (x, y), 1)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
+    # Saved-tensor hooks see what the node saves (activation offloading, checkpointing).
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = table.call(id(ADD_RELU), (x, y), 1)
+    assert len(packed) == 1 and packed[0].data_ptr() == out.data_ptr()
+    # create_graph: the gradient is itself differentiable (relu_grad is linear in grad).
+    g = grad.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(table.call(id(ADD_RELU), (x, y), 1), x, g, create_graph=True)
+    assert gx.requires_grad
+    # Only the operands that require a gradient get one.
+    z = rand((64,), torch.float32, DEVICE)
+    out = table.call(id(ADD_RELU), (x, z), 1)
+    x.grad = None
+    out.backward(grad)
+    assert x.grad is not None and z.grad is None
+
+
+def test_an_error_in_the_backward_reaches_the_caller(table, monkeypatch):
+    x, y = (rand((64,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+
+    def failing(*args):
+        def backward(grad, saved):
+            raise fusedkit.errors.ShapeError("from the backward")
+        return backward, 1
+    monkeypatch.setattr(native, "_backward_factory", failing)
+    _kept_in(table, x, y)
+    out = table.call(id(ADD_RELU), (x, y), 1)
+    with pytest.raises(fusedkit.errors.ShapeError, match="from the backward"):
+        out.sum().backward()
+    # A kept launch without a gradient formula leaves such calls to Python.
+    monkeypatch.setattr(native, "_backward_factory", lambda *args: None)
+    table.clear()
+    _kept_in(table, x, y)
+    assert table.call(id(ADD_RELU), (x, y), 1) is None
+    with torch.no_grad():
+        assert table.call(id(ADD_RELU), (x, y), 1) is not None
+
+
+def test_a_failed_build_leaves_python_in_charge(fk_settings, monkeypatch):
+    def no_compiler(**kwargs):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(native, "build", no_compiler)
+    monkeypatch.setattr(native, "TABLE", None)
+    monkeypatch.setattr(native, "_BUILD_FAILED", False)
+    with pytest.warns(UserWarning, match="no compiler here"):
+        assert native._table() is None
+    assert native._table() is None  # warned once
+    x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
+    for _ in range(3):
+        assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
+
+
+def test_the_build_is_cached_by_source_and_versions(tmp_path):
+    a, b = native.library_path(tmp_path), native.library_path(tmp_path)
+    assert a == b and a.parent.parent == tmp_path and a.name == "fusedkit_eager.so"
 
 
 def test_dispatch_consults_the_table_first(table, monkeypatch):
@@ -155,7 +258,7 @@ def test_dispatch_consults_the_table_first(table, monkeypatch):
     assert table.last_params() == before
 
 
-def test_register_needs_the_opt_in_and_a_plain_launch(fk_settings, table, monkeypatch):
+def test_register_needs_the_setting_and_a_plain_launch(fk_settings, table, monkeypatch):
     x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
     fusedkit.add_relu(x, y)
     recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
@@ -225,3 +328,32 @@ def test_native_launch_from_a_new_thread(fk_settings, monkeypatch):
     (got,) = results
     torch.cuda.synchronize()
     assert got is not None and torch.equal(got, torch.relu(x + y))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
+@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "bias", "transposed"])
+def test_native_gradients_match_torch(fk_settings, case):
+    fk_settings(native_launch=True)
+    fusedkit.clear_caches()
+    x, y = (t.requires_grad_() for t in _gpu_cases()[case]())
+    grad = None
+    for _ in range(3):  # the first calls keep the launch; the last runs in C++, node and all
+        out = fusedkit.add_relu(x, y, alpha=0.5)
+        grad = rand(out.shape, out.dtype, DEVICE) if grad is None else grad
+        gx, gy = torch.autograd.grad(out, (x, y), grad)
+    if not out.grad_fn.name().startswith("Fusedkit"):
+        pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
+    xr, yr = (t.detach().clone().requires_grad_() for t in (x, y))
+    ref = torch.relu(torch.add(xr, yr, alpha=0.5))
+    rx, ry = torch.autograd.grad(ref, (xr, yr), grad)
+    assert torch.equal(out, ref) and torch.equal(gx, rx) and torch.equal(gy, ry)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
+def test_native_gradcheck(fk_settings):
+    fk_settings(native_launch=True)
+    fusedkit.clear_caches()
+    x, y = (torch.randn(7, 5, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda a, b: fusedkit.add_relu(a, b, alpha=1.5), (x, y))
+    assert torch.autograd.gradgradcheck(lambda a, b: fusedkit.add_relu(a, b, alpha=1.5), (x, y))
+    assert fusedkit.add_relu(x, y, alpha=1.5).grad_fn.name() == "FusedkitAddReluBackward" or native.TABLE is None

@@ -21,12 +21,12 @@ from conftest import DEVICE
 def test_defaults_come_from_the_environment_read_once():
     plain = from_environment({})
     assert (plain.fp32_precision, plain.autotune, plain.matmul_kernel, plain.fast_launch, plain.native_launch) == (
-        "tf32x3", True, "auto", True, False)
+        "tf32x3", True, "auto", True, True)
     env = {"FUSEDKIT_FP32_MATMUL": "ieee", "FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "tma",
-           "FUSEDKIT_FAST_LAUNCH": "0", "FUSEDKIT_NATIVE_LAUNCH": "1"}
+           "FUSEDKIT_FAST_LAUNCH": "0", "FUSEDKIT_NATIVE_LAUNCH": "0"}
     set_ = from_environment(env)
     assert (set_.fp32_precision, set_.autotune, set_.matmul_kernel, set_.fast_launch, set_.native_launch) == (
-        "ieee", False, "tma", False, True)
+        "ieee", False, "tma", False, False)
     assert set(ENVIRONMENT.values()) == set(env)
     code = "import fusedkit; s = fusedkit.settings.current(); print(s.autotune, s.matmul_kernel)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -90,10 +90,14 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
                 "add_relu via op": lambda: autograd.call_op(ADD_RELU, (x, y), 1, None),
             }
             if dt.is_floating_point:
-                # Training-mode calls: the inputs need a gradient, so autograd records each call.
+                # Training-mode calls: the inputs need a gradient, so autograd records each
+                # call; fwd+bwd also takes the gradients (torch.autograd.grad: nothing accumulates).
                 xg, yg = (t.clone().requires_grad_() for t in (x, y))
+                g = torch.randn_like(x)
                 cases["relu(x + y) grad"] = lambda: torch.relu(xg + yg)
                 cases["fusedkit.add_relu grad"] = lambda: fusedkit.add_relu(xg, yg)
+                cases["relu(x + y) fwd+bwd"] = lambda: torch.autograd.grad(torch.relu(xg + yg), (xg, yg), g)
+                cases["fusedkit.add_relu fwd+bwd"] = lambda: torch.autograd.grad(fusedkit.add_relu(xg, yg), (xg, yg), g)
             if use_compile and device.type == "cuda":
                 compiled = torch.compile(lambda a, b: torch.relu(a + b))
                 cases["compiled relu(x + y)"] = lambda: compiled(x, y)
@@ -110,10 +114,17 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
             a = torch.randn(m, k, device=device).to(dt)
             w = torch.randn(k, k, device=device).to(dt) / k ** 0.5
             b = torch.randn(k, device=device).to(dt)
+            ag, wg, bg = (t.clone().requires_grad_() for t in (a, w, b))
+            g = torch.randn(m, k, device=device).to(dt)
             linear.append({
                 "dtype": str(dt).removeprefix("torch."), "m": m, "k": k, "n": k,
                 "fusedkit.linear_relu": per_call_us(lambda: fusedkit.linear_relu(a, w, b), device),
                 "relu(F.linear)": per_call_us(lambda: torch.relu(F.linear(a, w, b)), device),
+                # A training step's share: forward and the gradients of input, weight and bias.
+                "fusedkit.linear_relu fwd+bwd": per_call_us(
+                    lambda: torch.autograd.grad(fusedkit.linear_relu(ag, wg, bg), (ag, wg, bg), g), device),
+                "relu(F.linear) fwd+bwd": per_call_us(
+                    lambda: torch.autograd.grad(torch.relu(F.linear(ag, wg, bg)), (ag, wg, bg), g), device),
             })
             bar.update()
     bar.close()
@@ -134,9 +145,15 @@ def format_latency_table(result: dict) -> str:
         lines.append("ratios to torch.add: " + "; ".join(
             f"{r['dtype']} n={r['n']}: add {r['fusedkit.add'] / r['torch.add']:.2f}x, "
             f"add_relu {r['fusedkit.add_relu'] / r['torch.add']:.2f}x" for r in rows))
+        lines.append("fwd+bwd, add_relu / relu(x + y): " + "; ".join(
+            f"{r['dtype']} n={r['n']}: {r['fusedkit.add_relu fwd+bwd'] / r['relu(x + y) fwd+bwd']:.2f}x"
+            for r in rows if r.get("fusedkit.add_relu fwd+bwd")))
     if linear:
-        lines += ["", f"{'dtype':<9} {'M':>4} {'K=N':>6} {'fusedkit':>9} {'relu(F.linear)':>14} {'ratio':>6}"]
+        lines += ["", f"{'dtype':<9} {'M':>4} {'K=N':>6} {'fusedkit':>9} {'relu(F.linear)':>14} {'ratio':>6} "
+                      f"{'fwd+bwd':>9} {'torch fwd+bwd':>13} {'ratio':>6}"]
         for r in linear:
             f, t = r["fusedkit.linear_relu"], r["relu(F.linear)"]
-            lines.append(f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f}")
+            fb, tb = r["fusedkit.linear_relu fwd+bwd"], r["relu(F.linear) fwd+bwd"]
+            lines.append(f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f} "
+                         f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}")
     return "\n".join(lines)

@@ -1,30 +1,45 @@
-"""Eager launches in C++ (``csrc/eager.cpp``): opt-in, ``fusedkit.settings.set(native_launch=True)``
-(or ``FUSEDKIT_NATIVE_LAUNCH=1``).
+"""Eager launches in C++ (``csrc/eager.cpp``): on by default where they apply,
+``fusedkit.settings.set(native_launch=False)`` (or ``FUSEDKIT_NATIVE_LAUNCH=0``) turns them off.
 
 From Python a small call's floor is one allocation plus Triton's C launch function,
 already more than ``torch.add``'s whole call on the H200 host (``docs/why-fusion.md``).
-With the variable set, the first kept elementwise launch builds a small PyTorch C++
-extension (a C++ compiler and ninja are needed; a failed build warns once and leaves
-the Python fast path in charge) holding a table of kept launches. A repeated call then
-matches its signature, allocates its result and launches the kernel in C++; whatever
-the table does not match (other types, grad, misaligned pointers, a launch hook, a
-different device) returns None and takes the Python path, which is unchanged.
+The C++ table holds kept launches: a repeated call matches its signature, allocates its
+result and launches the kernel in C++, and, when an operand requires a gradient, gives
+the result its autograd node there too (the kernel's backward, in Python, runs when the
+gradient is taken). Whatever the table does not match (other types, misaligned pointers,
+a launch hook, a different device, forward-mode AD) returns None and takes the Python
+path, which is unchanged.
+
+The extension is built once per machine, Python and torch version (a C++ compiler and
+ninja are needed; ``python -m fusedkit build`` builds it ahead, as ``scripts/run.sh``
+does) into ``$FUSEDKIT_CACHE_DIR`` (default ``~/.cache/fusedkit``); the first kept launch
+of a process loads it, or builds it when it is missing (about 30 s, logged once). A
+failed build warns once and leaves the Python path in charge.
 
 The table holds only launches whose kernel Triton compiled for 16-byte-aligned
 pointers, with every operand a tensor on the launch's device, on Triton 3.6 (whose
 launcher's parameter packing it repeats: the kernel's non-constant arguments, then two
-scratch pointers), one CTA per program and no cooperative or PDL launch.
+scratch pointers), one CTA per program and no cooperative or PDL launch. On any other
+Triton the Python path runs every call.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import logging
+import os
 import struct
+import sys
 import warnings
 from pathlib import Path
 
-from .. import settings
+import torch
 
-__all__ = ["TABLE", "enabled", "clear", "register"]
+from .. import settings
+from . import launch
+
+__all__ = ["TABLE", "applies", "build", "clear", "enabled", "library_path", "register", "set_backward_factory"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "eager.cpp"
 #: The process's launch table once built (None: off, not needed yet, or unavailable).
@@ -34,18 +49,96 @@ _BUILD_FAILED = False
 _OPERAND_POINTERS = ("a_ptr", "b_ptr", "c_ptr")
 
 
+_log = logging.getLogger("fusedkit")
+#: Compiler flags of the build (part of its cache key).
+_CFLAGS = ("-O2",)
+#: ``factory(kernel, param, operands) -> (backward, saves) | None`` for a kept launch's
+#: autograd node (set by :mod:`fusedkit.autograd`, which sits above this module).
+_backward_factory = None
+#: What the C++ node saves for the kernel's backward, by ``ElementwiseKernel.saves``.
+SAVES = {"none": 0, "output": 1, "inputs": 2}
+
+
 def enabled() -> bool:
     """Whether kept launches go into the C++ table too (``fusedkit.settings``' ``native_launch``;
     read when a launch is kept)."""
     return settings.current().native_launch
 
 
-def build(dry_run: bool = False):
-    """Compile (or load the cached build of) the extension; return a new table (a dry-run
-    table records the parameters it would launch with instead of launching: for tests)."""
-    from torch.utils.cpp_extension import load
+def applies() -> bool:
+    """Whether this Triton's launches can be repeated from C++ (the table packs Triton 3.6's
+    launcher parameters) and compiled kernels run here."""
+    return launch.RAW_LAUNCH and not launch.INTERPRETED
 
-    module = load("fusedkit_eager", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+
+def set_backward_factory(factory) -> None:
+    """Give kept launches their gradient (see ``_backward_factory``)."""
+    global _backward_factory
+    _backward_factory = factory
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("FUSEDKIT_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusedkit"
+
+
+def library_path(root: Path | None = None) -> Path:
+    """Where this source, Python, torch and flags' build lives (it may not exist yet)."""
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), sys.version.encode(), torch.__version__.encode(), " ".join(_CFLAGS).encode()):
+        key.update(part)
+    return (root or _cache_root()) / f"eager-{key.hexdigest()[:16]}" / "fusedkit_eager.so"
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location("fusedkit_eager", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(path: Path):
+    """Build the extension into ``path``'s folder: under a lock, into a scratch folder that
+    is renamed into place, so processes that start together (one per GPU) build it once and
+    never load a half-written library."""
+    from torch.utils.cpp_extension import load
+    from torch.utils.file_baton import FileBaton
+
+    folder = path.parent
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    baton = FileBaton(str(folder) + ".lock")
+    if baton.try_acquire():
+        try:
+            if not path.exists():
+                scratch = Path(f"{folder}.build-{os.getpid()}")
+                scratch.mkdir(exist_ok=True)
+                load("fusedkit_eager", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS), build_directory=str(scratch),
+                     verbose=False)
+                for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
+                    if leftover.name != path.name:
+                        leftover.unlink()
+                os.replace(scratch, folder)
+        finally:
+            baton.release()
+    else:
+        baton.wait()
+    return _import(path)
+
+
+def build(dry_run: bool = False, log: bool = False):
+    """Load the extension (building it first when this machine has no build of it); return
+    a new table (a dry-run table records the parameters it would launch with instead of
+    launching: for tests)."""
+    path = library_path()
+    if path.exists():
+        module = _import(path)
+    else:
+        if log:
+            _log.warning("fusedkit: building its C++ launch table (once per machine and torch version; "
+                         "`python -m fusedkit build` does it ahead)")
+        module = _compile(path)
     return module.Table(dry_run)
 
 
@@ -53,7 +146,7 @@ def _table():
     global TABLE, _BUILD_FAILED
     if TABLE is None and not _BUILD_FAILED:
         try:
-            TABLE = build()
+            TABLE = build(log=True)
         except Exception as exc:  # no compiler, no ninja, headers missing: stay in Python
             _BUILD_FAILED = True
             warnings.warn(f"fusedkit: native launches are off, the extension did not build: {exc}", stacklevel=3)
@@ -107,6 +200,8 @@ def register(kept, entry, table=None) -> bool:
     table; False when it does not qualify or the table is unavailable."""
     if not enabled() or kept.operand_signature is None or not entry.head:
         return False
+    if table is None and not applies():
+        return False
     cooperative, pdl = entry.head[:2]
     num_warps, num_ctas, shared = entry.packed_metadata
     param = _param_encoding(kept.last_param[0])
@@ -118,6 +213,10 @@ def register(kept, entry, table=None) -> bool:
         return False
     operands = [(dtype, list(shape), list(strides)) for dtype, shape, strides in kept.operand_signature]
     kinds, values = layout
+    backward = None if _backward_factory is None else _backward_factory(kept.kernel, kept.last_param[0],
+                                                                          kept.operand_signature, kept.device)
+    fn, saves = backward if backward is not None else (None, 0)
     table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
-              kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values)
+              kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values, fn, saves,
+              f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward")
     return True

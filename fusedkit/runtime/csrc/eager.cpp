@@ -1,15 +1,22 @@
-// fusedkit's eager launches in C++ (opt-in: FUSEDKIT_NATIVE_LAUNCH=1; see fusedkit/_native.py).
+// fusedkit's eager launches in C++ (see fusedkit/runtime/native.py).
 //
 // From Python, a small fused call costs one allocation plus Triton's C launch function,
 // more than torch.add's whole call (docs/why-fusion.md). This table keeps, per call
 // signature, the kernel fusedkit already compiled and the launch it already planned, and
 // does a repeated call's work in C++: match the signature, allocate the result, pack the
 // kernel's parameters the way Triton 3.6's launcher packs them, and cuLaunchKernel on the
-// current stream. Anything it does not match returns None, and Python takes the call.
+// current stream. A call whose operands require a gradient gets its autograd node here
+// too (KeptBackward: the saved tensors in C++, the kernel's backward in Python), as
+// torch's own ops get theirs. Anything it does not match returns None, and Python takes
+// the call.
 
 #include <torch/extension.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <dlfcn.h>
 
@@ -85,6 +92,94 @@ struct Param {
   }
 };
 
+// What a kept launch's autograd node runs: fn(grad, saved) -> a gradient (or None) per
+// operand, saved being the result (saves == 1) or the operands (2) or nothing (0).
+struct BackwardSpec {
+  py::object fn;
+  int saves;
+  std::string name;
+
+  BackwardSpec(py::object f, int s, std::string n) : fn(std::move(f)), saves(s), name(std::move(n)) {}
+  // A node can outlive the table (and be freed on an autograd thread): release the
+  // Python function under the GIL.
+  ~BackwardSpec() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      fn = py::object();
+    } else {
+      fn.release();
+    }
+  }
+};
+
+class KeptBackward : public torch::autograd::Node {
+ public:
+  explicit KeptBackward(std::shared_ptr<const BackwardSpec> spec) : spec_(std::move(spec)) {}
+
+  std::string name() const override { return spec_->name; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const size_t n = num_outputs();
+    torch::autograd::variable_list result(n);
+    if (grads.empty() || !grads[0].defined()) return result;  // no gradient flows: none to pass on
+    std::vector<at::Tensor> saved;
+    saved.reserve(saved_.size());
+    for (auto& s : saved_) saved.push_back(s.unpack(getptr()));
+    py::gil_scoped_acquire gil;
+    try {
+      py::tuple saved_py(saved.size());
+      for (size_t i = 0; i < saved.size(); ++i) saved_py[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+      py::object grad = py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[0]));
+      py::sequence out = spec_->fn(grad, saved_py);
+      TORCH_CHECK(out.size() == n, spec_->name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
+      for (size_t i = 0; i < n; ++i) {
+        py::object g = out[i];
+        if (!g.is_none()) result[i] = THPVariable_Unpack(g.ptr());
+      }
+    } catch (py::error_already_set& e) {
+      e.restore();  // the Python exception itself reaches the caller of backward()
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+    return result;
+  }
+
+  void release_variables() override {
+    for (auto& s : saved_) s.reset_data();
+  }
+
+  std::vector<torch::autograd::SavedVariable> saved_;
+
+ private:
+  std::shared_ptr<const BackwardSpec> spec_;
+};
+
+// A new node, owned as this torch owns nodes: std::shared_ptr (deleted through deleteNode,
+// which unlinks long graphs without deep recursion) up to torch 2.12, c10::intrusive_ptr
+// from 2.13. Node::getptr() returns the owner type in both.
+using NodeHandle = decltype(std::declval<torch::autograd::Node&>().getptr());
+
+template <typename Handle>
+struct NodeFactory;
+
+template <typename N>
+struct NodeFactory<std::shared_ptr<N>> {
+  static std::shared_ptr<KeptBackward> make(std::shared_ptr<const BackwardSpec> spec) {
+    // (deleteNode found by argument-dependent lookup: named only where it exists)
+    return std::shared_ptr<KeptBackward>(new KeptBackward(std::move(spec)),
+                                         [](KeptBackward* node) { deleteNode(static_cast<N*>(node)); });
+  }
+};
+
+template <typename N>
+struct NodeFactory<c10::intrusive_ptr<N>> {
+  template <typename Node = KeptBackward>  // (a template: checked only where instantiated)
+  static c10::intrusive_ptr<Node> make(std::shared_ptr<const BackwardSpec> spec) {
+    return c10::make_intrusive<Node>(std::move(spec));
+  }
+};
+
 struct Launch {
   int64_t kernel;  // id() of the Python kernel spec
   c10::Device device;
@@ -98,6 +193,7 @@ struct Launch {
   // 32- / 64-bit integer from values. Triton 3.6 appends two scratch pointers (null).
   std::string kinds;
   std::vector<int64_t> values;
+  std::shared_ptr<const BackwardSpec> backward;  // null: a call that needs a gradient goes to Python
 };
 
 uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001b3ULL; }
@@ -142,12 +238,18 @@ class Table {
     if (n == 0 || n > 3 || size_ == 0) return py::none();
     std::vector<const at::Tensor*> ts;
     ts.reserve(n);
-    const bool grad = at::GradMode::is_enabled();
+    const bool grad_mode = at::GradMode::is_enabled();
+    bool needs_grad = false;
     for (size_t i = 0; i < n; ++i) {
       PyObject* obj = operands[i].ptr();
       if (!THPVariable_CheckExact(obj)) return py::none();  // numbers and subclasses: Python
       const at::Tensor& t = THPVariable_Unpack(obj);
-      if ((grad && t.requires_grad()) || t.is_neg() || t.is_conj()) return py::none();
+      if (t.is_neg() || t.is_conj()) return py::none();
+      if (grad_mode && t.requires_grad()) {
+        // Forward-mode AD (a dual tensor) is Python's to refuse or handle.
+        if (t._fw_grad(/*level=*/0).defined()) return py::none();
+        needs_grad = true;
+      }
       ts.push_back(&t);
     }
     const c10::Device device = ts[0]->device();
@@ -162,7 +264,10 @@ class Table {
       if (l.kernel != kernel || l.device != device || l.operands.size() != n || !l.param.matches(param.ptr())) continue;
       bool same = true;
       for (size_t i = 0; i < n && same; ++i) same = same_operand(l.operands[i], *ts[i]);
-      if (same) return run(l, ts);
+      if (!same) continue;
+      if (!needs_grad) return run(l, ts);
+      if (!l.backward) return py::none();
+      return run_recorded(l, ts);
     }
     return py::none();
   }
@@ -171,6 +276,27 @@ class Table {
   std::vector<uint64_t> last_params() const { return last_params_; }
 
  private:
+  // run(), with the result's autograd node: its edges to the operands, and what the
+  // kernel's backward reads saved as torch's own nodes save it (version-checked, through
+  // saved-tensor hooks, released after a backward without retain_graph).
+  py::object run_recorded(const Launch& l, const std::vector<const at::Tensor*>& ts) {
+    py::object result = run(l, ts);
+    if (result.is_none()) return result;
+    const at::Tensor& out = THPVariable_Unpack(result.ptr());
+    torch::autograd::variable_list inputs;
+    inputs.reserve(ts.size());
+    for (const at::Tensor* t : ts) inputs.push_back(*t);
+    auto node = NodeFactory<NodeHandle>::make(l.backward);
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    torch::autograd::set_history(out, node);
+    if (l.backward->saves == 1) {
+      node->saved_.emplace_back(out, /*is_output=*/true);
+    } else if (l.backward->saves == 2) {
+      for (const at::Tensor& t : inputs) node->saved_.emplace_back(t, /*is_output=*/false);
+    }
+    return result;
+  }
+
   py::object run(const Launch& l, const std::vector<const at::Tensor*>& ts) {
     if (!dry_run_ && !l.device.is_cuda()) return py::none();
     for (const at::Tensor* t : ts) {
@@ -236,11 +362,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               std::vector<int64_t>, std::vector<int64_t>>> operands, int param_kind, int64_t param_bits,
               std::vector<int64_t> out_sizes, std::vector<int64_t> out_strides, at::ScalarType out_dtype,
               uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
-              std::vector<int64_t> values) {
+              std::vector<int64_t> values, py::object backward, int saves, std::string name) {
              TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
+             TORCH_CHECK(saves >= 0 && saves <= 2, "saves must be 0, 1 or 2");
              Launch l{kernel, device, {}, Param{param_kind, param_bits}, std::move(out_sizes),
                       std::move(out_strides), out_dtype, function, grid, block, shared, std::move(kinds),
-                      std::move(values)};
+                      std::move(values), nullptr};
+             if (!backward.is_none()) l.backward = std::make_shared<const BackwardSpec>(backward, saves, name);
              for (auto& [dtype, sizes, strides] : operands) l.operands.push_back(Operand{dtype, sizes, strides});
              table.add(std::move(l));
            })
