@@ -115,11 +115,14 @@ def _input_grads(ctx, grad) -> list:
     return out
 
 
-def native_backward(kernel, param, operand_signature, device):
-    """``(backward, saves)`` for the C++ autograd node of a kept launch whose operands are all
-    tensors (:mod:`fusedkit.runtime.native`), or None when the kernel has no gradient or is
-    not the registered one (the Python path raises then). ``backward(grad, saved)`` gives
-    each operand's gradient, as :func:`_input_grads` does for the Functions."""
+def native_backward(kernel, param, operand_signature, device, shape, dtype):
+    """``(backward, saves, plan)`` for the C++ autograd node of a kept launch whose operands
+    are all tensors (:mod:`fusedkit.runtime.native`), or None when the kernel has no gradient
+    or is not the registered one (the Python path raises then). ``backward(grad, saved)``
+    gives each operand's gradient, as :func:`_input_grads` does for the Functions; ``plan``:
+    the kernel's ``backward_kernels`` as ``(kernel, param)`` per operand (None: no gradient),
+    when every operand has the result's ``shape`` and ``dtype`` (nothing to reduce or cast),
+    else empty."""
     if kernel.backward is None:
         return None
     try:
@@ -136,7 +139,10 @@ def native_backward(kernel, param, operand_signature, device):
         grads = formula(grad, arg, param)
         return [None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device)
                 for g, (shape, dtype, device) in zip(grads, meta)]
-    return backward, native.SAVES[saves]
+    plan = ()
+    if kernel.backward_kernels is not None and all(s == shape and d == dtype for s, d, _ in meta):
+        plan = tuple(None if step is None else (get(step[0]), step[1]) for step in kernel.backward_kernels(param))
+    return backward, native.SAVES[saves], plan
 
 
 native.set_backward_factory(native_backward)

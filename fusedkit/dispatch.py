@@ -53,13 +53,15 @@ def tracing(tensors, out=None) -> bool:
 def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """Run ``kernel`` on parsed arguments (``param`` None for a kernel without one)."""
     key = None
-    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch() and not _profiling():
+    if out is None and not _is_compiling():
         table = native.TABLE
-        if table is not None and launch.hooks_idle():
-            # A kept launch in C++ (``native_launch``): None when it does not apply.
-            result = table.call(id(kernel), operands, param)
+        if table is not None:
+            # A kept launch in C++ (``native_launch``), autograd node and all: None when it
+            # does not apply (the table makes the checks below, and the launch hooks', itself).
+            result = table.call(kernel, operands, param)
             if result is not None:
                 return result
+    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch() and not _profiling():
         key = _call_key(kernel, operands, param)
         if key is _NEEDS_GRAD:
             key = None

@@ -30,6 +30,12 @@ def _add_relu_backward(grad, out, alpha):
     return gx, gx if alpha == 1 else dispatch.elementwise(RELU_GRAD, (grad, out), alpha, None)
 
 
+def _add_relu_backward_kernels(alpha):
+    # _add_relu_backward's two gradients as kept launches of relu_grad on (grad, out): one
+    # launch, and the same parameter, where alpha == 1.
+    return ("relu_grad", 1), ("relu_grad", 1 if alpha == 1 else alpha)
+
+
 def _relu_grad_reference(grad, out, alpha=1):
     dtype = torch.result_type(grad, out)
     device = (grad if isinstance(grad, torch.Tensor) else out).device
@@ -61,6 +67,7 @@ ADD_RELU = register_builtin(ElementwiseKernel(
     unfused=("torch.add", "torch.relu"),
     saves="output",
     backward=_add_relu_backward,
+    backward_kernels=_add_relu_backward_kernels,
 ))
 
 RELU_GRAD = register_builtin(ElementwiseKernel(

@@ -112,6 +112,11 @@ class ElementwiseKernel:
             where no gradient flows), each of the output's shape; ``saved`` is the
             output, the tuple of operands or None, per ``saves``. It should compute
             with fusedkit kernels. None: the kernel is not differentiable.
+        backward_kernels: optional ``backward_kernels(param) -> steps``, one per operand:
+            ``(name, param)`` when that operand's gradient is the registered kernel
+            ``name`` on ``(grad, output)`` with that parameter, None when it gets no
+            gradient. The same gradients as ``backward`` (``saves="output"``), stated so
+            that a repeated call's autograd node launches them from C++ without Python.
     """
 
     name: str
@@ -125,6 +130,7 @@ class ElementwiseKernel:
     unfused: tuple[str, ...] = field(default=())
     saves: str = "none"
     backward: Callable[..., tuple] | None = None
+    backward_kernels: Callable[..., tuple] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -155,6 +161,10 @@ class ElementwiseKernel:
             raise ArgumentError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
         if self.backward is not None and not callable(self.backward):
             raise DTypeError(f"{self.name}: backward must be callable or None")
+        if self.backward_kernels is not None and (self.backward is None or self.saves != "output"
+                                                  or not callable(self.backward_kernels)):
+            raise ArgumentError(f"{self.name}: backward_kernels states a backward on the saved output: it needs "
+                                "backward and saves='output'")
 
     @property
     def arity(self) -> int:

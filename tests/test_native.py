@@ -13,6 +13,7 @@ memcheck.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from types import SimpleNamespace
 
@@ -96,12 +97,12 @@ def test_table_packs_what_tritons_launcher_gets(table):
     entry, signature, values = _kept(recipe, (x, y), 2.0)
     assert native.register(recipe, entry, table) and len(table) == 1
 
-    out = table.call(id(ADD_RELU), (x, y), 2.0)
+    out = table.call(ADD_RELU, (x, y), 2.0)
     assert out.shape == recipe.shape and out.stride() == recipe.out_strides and out.dtype == torch.float32
     pointers = (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
     assert table.last_params() == _expected_params(signature, values, pointers)
     # A new float object of the same value matches; the parameter is compared by value and type.
-    assert table.call(id(ADD_RELU), (x, y), float("2.0")) is not None
+    assert table.call(ADD_RELU, (x, y), float("2.0")) is not None
 
 
 def test_table_refuses_every_other_call(table):
@@ -110,13 +111,13 @@ def test_table_refuses_every_other_call(table):
     recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
     assert native.register(recipe, entry, table)
-    call = lambda *ops, alpha=1: table.call(id(ADD_RELU), ops, alpha)  # noqa: E731
+    call = lambda *ops, alpha=1: table.call(ADD_RELU, ops, alpha)  # noqa: E731
     assert call(x, y) is not None
 
     base = rand((37 * 19 + 1,), torch.float32, DEVICE)
     misaligned = base[1:].view(37, 19)  # same shape and strides, 4 bytes off
     refused = {
-        "another kernel": table.call(id(fusedkit.library.ADD), (x, y), 1),
+        "another kernel": table.call(fusedkit.library.ADD, (x, y), 1),
         "float alpha": call(x, y, alpha=1.0),
         "bool alpha": call(x, y, alpha=True),
         "another alpha": call(x, y, alpha=2),
@@ -157,7 +158,7 @@ def _relu_grad(grad, out, alpha=1):
 def test_a_call_that_needs_a_gradient_gets_its_node_in_cpp(table):
     x, y = (rand((37, 19), torch.float32, DEVICE).requires_grad_() for _ in range(2))
     _kept_in(table, x, y, alpha=2)
-    out = table.call(id(ADD_RELU), (x, y), 2)
+    out = table.call(ADD_RELU, (x, y), 2)
     assert out.requires_grad and out.grad_fn.name() == "FusedkitAddReluBackward"
     edges = [fn for fn, _ in out.grad_fn.next_functions]
     assert [type(fn).__name__ for fn in edges] == ["AccumulateGrad"] * 2
@@ -169,33 +170,73 @@ def test_a_call_that_needs_a_gradient_gets_its_node_in_cpp(table):
     assert torch.equal(x.grad, expected) and torch.equal(y.grad, _relu_grad(grad, out.detach(), 2))
 
 
+def _kept_relu_grad_in(table, grad, out, alpha=1):
+    fusedkit.elementwise("relu_grad", grad, out.detach(), alpha=alpha)
+    relu_grad = fusedkit.registry.get("relu_grad")
+    recipe = ew.KEPT[ew.call_key(relu_grad, (grad, out.detach()), alpha)]
+    entry, _, _ = _kept(recipe, (grad, out.detach()), alpha)
+    assert native.register(recipe, entry, table)
+
+
+def test_the_cpp_node_launches_a_planned_backward_without_python(table, monkeypatch):
+    calls = []
+    factory = native._backward_factory
+
+    def counting(*args):
+        fn, saves, plan = factory(*args)
+        return (lambda grad, saved: calls.append(1) or fn(grad, saved)), saves, plan
+    monkeypatch.setattr(native, "_backward_factory", counting)
+    x, y = (rand((37, 19), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _kept_in(table, x, y)
+    grad = rand((37, 19), torch.float32, DEVICE)
+    out = table.call(ADD_RELU, (x, y), 1)
+    out.backward(grad)  # relu_grad on (grad, out) is not kept yet: the Python backward runs
+    assert len(calls) == 1
+    _kept_relu_grad_in(table, grad, out)
+    out = table.call(ADD_RELU, (x, y), 1)
+    x.grad = y.grad = None
+    out.backward(grad)
+    assert len(calls) == 1  # the planned launch: no Python
+    # One relu_grad launch for both operands (alpha == 1), on (grad, out), into a new result.
+    *pointers, _, _ = table.last_params()
+    assert grad.data_ptr() in pointers and out.data_ptr() in pointers
+    assert x.grad is not None and y.grad is not None and torch.equal(x.grad, y.grad)
+    # What the plan cannot take goes to Python: a gradient of the gradient to record, or a
+    # gradient of other strides.
+    out = table.call(ADD_RELU, (x, y), 1)
+    torch.autograd.grad(out, x, grad.clone().requires_grad_(), create_graph=True)
+    out = table.call(ADD_RELU, (x, y), 1)
+    torch.autograd.grad(out, x, grad.t().contiguous().t())
+    assert len(calls) == 3
+
+
 def test_the_cpp_node_keeps_autograds_rules(table):
     x, y = (rand((64,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
     _kept_in(table, x, y)
     grad = rand((64,), torch.float32, DEVICE)
     # A second backward needs retain_graph, as with torch's own nodes.
-    out = table.call(id(ADD_RELU), (x, y), 1)
+    out = table.call(ADD_RELU, (x, y), 1)
     out.backward(grad, retain_graph=True)
     out.backward(grad)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         out.backward(grad)
     # The saved output is version-checked.
-    out = table.call(id(ADD_RELU), (x, y), 1)
+    out = table.call(ADD_RELU, (x, y), 1)
     out.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(grad)
     # Saved-tensor hooks see what the node saves (activation offloading, checkpointing).
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-        out = table.call(id(ADD_RELU), (x, y), 1)
+        out = table.call(ADD_RELU, (x, y), 1)
     assert len(packed) == 1 and packed[0].data_ptr() == out.data_ptr()
     # create_graph: the gradient is itself differentiable (relu_grad is linear in grad).
     g = grad.clone().requires_grad_()
-    (gx,) = torch.autograd.grad(table.call(id(ADD_RELU), (x, y), 1), x, g, create_graph=True)
+    (gx,) = torch.autograd.grad(table.call(ADD_RELU, (x, y), 1), x, g, create_graph=True)
     assert gx.requires_grad
     # Only the operands that require a gradient get one.
     z = rand((64,), torch.float32, DEVICE)
-    out = table.call(id(ADD_RELU), (x, z), 1)
+    out = table.call(ADD_RELU, (x, z), 1)
     x.grad = None
     out.backward(grad)
     assert x.grad is not None and z.grad is None
@@ -207,19 +248,19 @@ def test_an_error_in_the_backward_reaches_the_caller(table, monkeypatch):
     def failing(*args):
         def backward(grad, saved):
             raise fusedkit.errors.ShapeError("from the backward")
-        return backward, 1
+        return backward, 1, ()
     monkeypatch.setattr(native, "_backward_factory", failing)
     _kept_in(table, x, y)
-    out = table.call(id(ADD_RELU), (x, y), 1)
+    out = table.call(ADD_RELU, (x, y), 1)
     with pytest.raises(fusedkit.errors.ShapeError, match="from the backward"):
         out.sum().backward()
     # A kept launch without a gradient formula leaves such calls to Python.
     monkeypatch.setattr(native, "_backward_factory", lambda *args: None)
     table.clear()
     _kept_in(table, x, y)
-    assert table.call(id(ADD_RELU), (x, y), 1) is None
+    assert table.call(ADD_RELU, (x, y), 1) is None
     with torch.no_grad():
-        assert table.call(id(ADD_RELU), (x, y), 1) is not None
+        assert table.call(ADD_RELU, (x, y), 1) is not None
 
 
 def test_a_failed_build_leaves_python_in_charge(fk_settings, monkeypatch):
@@ -251,11 +292,43 @@ def test_dispatch_consults_the_table_first(table, monkeypatch):
     before = table.last_params()
     fusedkit.add_relu(x, y)
     assert table.last_params() != before  # the table took the call (a dry run computes nothing)
-    # With a launch hook installed the table steps aside: a profiler must see every launch.
-    monkeypatch.setattr(fk_launch, "hooks_idle", lambda: False)
-    before = table.last_params()
-    assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
-    assert table.last_params() == before
+    # The table steps aside wherever the Python path would not launch directly: under a
+    # launch hook (a profiler must see every launch), a Python dispatch mode, a profiler.
+    knobs = pytest.importorskip("triton.knobs")
+
+    def hook(metadata):
+        pass
+    stepped_aside = {}
+    for name, context in {
+        "launch hook": lambda: _hooked(knobs.runtime.launch_enter_hook, hook),
+        "dispatch mode": _PassThrough,
+        "profiler": lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
+    }.items():
+        before = table.last_params()
+        with context():
+            assert table.call(ADD_RELU, (x, y), 1) is None
+            assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
+        stepped_aside[name] = table.last_params() == before
+    assert all(stepped_aside.values()), stepped_aside
+    # Under a torch.func transform, even plain tensors captured by the function.
+    seen = []
+    torch.func.vmap(lambda a: seen.append(table.call(ADD_RELU, (x, y), 1)) or a)(x[None])
+    assert seen == [None]
+    assert table.call(ADD_RELU, (x, y), 1) is not None  # and takes calls again after
+
+
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _hooked(chain, hook):
+    chain.add(hook)
+    try:
+        yield
+    finally:
+        chain.remove(hook)
 
 
 def test_register_needs_the_setting_and_a_plain_launch(fk_settings, table, monkeypatch):
@@ -292,7 +365,7 @@ def test_native_launches_match_torch(fk_settings, case, monkeypatch):
         fusedkit.add_relu(x, y, alpha=0.5)
     if native.TABLE is None or len(native.TABLE) == 0:
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
-    assert native.TABLE.call(id(ADD_RELU), (x, y), 0.5) is not None
+    assert native.TABLE.call(ADD_RELU, (x, y), 0.5) is not None
     for _ in range(3):
         x.copy_(rand(x.shape, x.dtype, DEVICE))
         got = fusedkit.add_relu(x, y, alpha=0.5)
@@ -322,7 +395,7 @@ def test_native_launch_from_a_new_thread(fk_settings, monkeypatch):
     if native.TABLE is None or len(native.TABLE) == 0:
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
     results = []
-    worker = threading.Thread(target=lambda: results.append(native.TABLE.call(id(ADD_RELU), (x, y), 1)))
+    worker = threading.Thread(target=lambda: results.append(native.TABLE.call(ADD_RELU, (x, y), 1)))
     worker.start()
     worker.join()
     (got,) = results

@@ -68,10 +68,36 @@ def test_builtins_listed():
     ({"dtypes": ()}, ValueError, "subset"),
     ({"param": "alpha"}, ValueError, "math takes 1 arguments, expected 2"),
     ({"unfused": ()}, ValueError, "unfused"),
+    ({"backward_kernels": lambda p: ()}, ValueError, "backward_kernels"),
 ])
 def test_spec_validation(bad, error, words):
     with pytest.raises(error, match=words):
         _spec(**bad)
+
+
+_PLANNED = [k for k in (get(n) for n in fusedkit.registry.names()) if k.backward_kernels is not None]
+
+
+@pytest.mark.parametrize("kernel", _PLANNED, ids=[k.name for k in _PLANNED])
+@pytest.mark.parametrize("param", [1, 2.5, -0.5])
+def test_backward_kernels_state_the_backward(kernel, param):
+    """A kernel's ``backward_kernels`` (what the C++ autograd node launches) gives the same
+    gradients as its ``backward`` (what the Python path runs), bit for bit."""
+    operands = [rand((33, 17), torch.float32, DEVICE) for _ in range(kernel.arity)]
+    value = param if kernel.param is not None else None
+    out = fusedkit.elementwise(kernel, *operands, **({kernel.param: param} if kernel.param else {}))
+    grad = rand(out.shape, out.dtype, DEVICE)
+    expected = kernel.backward(grad, out, value)
+    steps = kernel.backward_kernels(value)
+    assert len(steps) == kernel.arity == len(expected)
+    for step, want in zip(steps, expected):
+        if step is None:
+            assert want is None
+            continue
+        name, step_param = step
+        step_kernel = get(name)
+        got = fusedkit.elementwise(step_kernel, grad, out, **({step_kernel.param: step_param} if step_kernel.param else {}))
+        assert torch.equal(got, want)
 
 
 def test_spec_is_frozen_and_names_are_guarded():

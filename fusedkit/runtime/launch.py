@@ -61,7 +61,7 @@ except ImportError:  # a PyTorch without CUDA support
         return torch.cuda.current_device()
 
 __all__ = ["ALIGNMENT", "CallCache", "CompiledCache", "Entry", "GridRecorder", "clear_caches", "constexpr_names", "current_device",
-           "enabled", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
+           "enabled", "hook_source", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
 
 
 #: Whether this process runs Triton's interpreter: decided once, when Triton decorated
@@ -151,6 +151,12 @@ def _hooks():
     if _RUNTIME is None:
         return None, None
     return _live(_RUNTIME.launch_enter_hook), _live(_RUNTIME.launch_exit_hook)
+
+
+def hook_source():
+    """(``triton.knobs.runtime``, the ``HookChain`` type), where the C++ launch table reads
+    the launch hooks as :func:`hooks_idle` does; Nones on a Triton without them."""
+    return _RUNTIME, _HookChain if isinstance(_HookChain, type) else None
 
 
 def hooks_idle() -> bool:

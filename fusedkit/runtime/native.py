@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import struct
 import sys
 import warnings
@@ -114,12 +115,15 @@ def _compile(path: Path):
             if not path.exists():
                 scratch = Path(f"{folder}.build-{os.getpid()}")
                 scratch.mkdir(exist_ok=True)
-                load("fusedkit_eager", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS), build_directory=str(scratch),
-                     verbose=False)
-                for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
-                    if leftover.name != path.name:
-                        leftover.unlink()
-                os.replace(scratch, folder)
+                try:
+                    load("fusedkit_eager", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                         build_directory=str(scratch), verbose=False)
+                    for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
+                        if leftover.name != path.name:
+                            leftover.unlink()
+                    os.replace(scratch, folder)
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)  # (gone already after a build)
         finally:
             baton.release()
     else:
@@ -139,7 +143,9 @@ def build(dry_run: bool = False, log: bool = False):
             _log.warning("fusedkit: building its C++ launch table (once per machine and torch version; "
                          "`python -m fusedkit build` does it ahead)")
         module = _compile(path)
-    return module.Table(dry_run)
+    table = module.Table(dry_run)
+    table.watch_launch_hooks(*launch.hook_source())
+    return table
 
 
 def _table():
@@ -213,10 +219,17 @@ def register(kept, entry, table=None) -> bool:
         return False
     operands = [(dtype, list(shape), list(strides)) for dtype, shape, strides in kept.operand_signature]
     kinds, values = layout
-    backward = None if _backward_factory is None else _backward_factory(kept.kernel, kept.last_param[0],
-                                                                          kept.operand_signature, kept.device)
-    fn, saves = backward if backward is not None else (None, 0)
+    backward = None if _backward_factory is None else _backward_factory(
+        kept.kernel, kept.last_param[0], kept.operand_signature, kept.device, tuple(kept.shape), kept.dtype)
+    fn, saves, plan = backward if backward is not None else (None, 0, ())
+    steps = []
+    for step in plan:  # the C++ backward's launches: (kernel id, parameter encoding) per operand
+        encoded = None if step is None else _param_encoding(step[1])
+        if step is not None and encoded is None:
+            steps = []  # a parameter the table cannot match: the Python backward runs
+            break
+        steps.append((0, 0, 0) if step is None else (id(step[0]), *encoded))
     table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
               kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values, fn, saves,
-              f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward")
+              f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward", steps)
     return True

@@ -12,11 +12,14 @@
 
 #include <torch/extension.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/profiler/api.h>
 
 #include <dlfcn.h>
 
@@ -92,14 +95,57 @@ struct Param {
   }
 };
 
+// Triton's launch hooks (a profiler's, e.g. proton): while one is set, launches go through
+// Triton, where it sees them. `runtime` is triton.knobs.runtime (null: no hooks in this
+// Triton); a hook is idle when None or an empty HookChain.
+struct LaunchHooks {
+  py::object runtime, chain_type;
+
+  bool idle() const {
+    if (!runtime) return true;
+    for (const char* name : {"launch_enter_hook", "launch_exit_hook"}) {
+      py::object hook = runtime.attr(name);
+      if (hook.is_none()) continue;
+      if (!chain_type || !py::isinstance(hook, chain_type)) return false;
+      py::object calls = hook.attr("calls");
+      if (!PyList_CheckExact(calls.ptr()) || PyList_GET_SIZE(calls.ptr()) != 0) return false;
+    }
+    return true;
+  }
+};
+
+// Whether a launch from C++ is what the Python path would do: no Python dispatch mode
+// (make_fx, FlopCounterMode, ...) or torch.func transform to route the call through the
+// custom op, and no profiler to give it a range (the Python path's conditions).
+bool eager_and_unobserved() {
+  // (a transform is active while its dynamic-layer key is included in this thread's set)
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+         !c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !torch::profiler::impl::profilerEnabled();
+}
+
+// Operand i's gradient as one kept launch: `kernel` on (grad, saved output) with `param`
+// (kernel 0: the operand gets none).
+struct GradStep {
+  int64_t kernel = 0;
+  Param param;
+
+  bool operator==(const GradStep& o) const {
+    return kernel == o.kernel && param.kind == o.param.kind && param.bits == o.param.bits;
+  }
+};
+
 // What a kept launch's autograd node runs: fn(grad, saved) -> a gradient (or None) per
-// operand, saved being the result (saves == 1) or the operands (2) or nothing (0).
+// operand, saved being the result (saves == 1) or the operands (2) or nothing (0); or,
+// where `plan` is given and its launches are kept, the plan's launches, without Python.
 struct BackwardSpec {
   py::object fn;
   int saves;
   std::string name;
+  std::vector<GradStep> plan;
 
-  BackwardSpec(py::object f, int s, std::string n) : fn(std::move(f)), saves(s), name(std::move(n)) {}
+  BackwardSpec(py::object f, int s, std::string n, std::vector<GradStep> p)
+      : fn(std::move(f)), saves(s), name(std::move(n)), plan(std::move(p)) {}
   // A node can outlive the table (and be freed on an autograd thread): release the
   // Python function under the GIL.
   ~BackwardSpec() {
@@ -109,74 +155,6 @@ struct BackwardSpec {
     } else {
       fn.release();
     }
-  }
-};
-
-class KeptBackward : public torch::autograd::Node {
- public:
-  explicit KeptBackward(std::shared_ptr<const BackwardSpec> spec) : spec_(std::move(spec)) {}
-
-  std::string name() const override { return spec_->name; }
-
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    const size_t n = num_outputs();
-    torch::autograd::variable_list result(n);
-    if (grads.empty() || !grads[0].defined()) return result;  // no gradient flows: none to pass on
-    std::vector<at::Tensor> saved;
-    saved.reserve(saved_.size());
-    for (auto& s : saved_) saved.push_back(s.unpack(getptr()));
-    py::gil_scoped_acquire gil;
-    try {
-      py::tuple saved_py(saved.size());
-      for (size_t i = 0; i < saved.size(); ++i) saved_py[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
-      py::object grad = py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[0]));
-      py::sequence out = spec_->fn(grad, saved_py);
-      TORCH_CHECK(out.size() == n, spec_->name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
-      for (size_t i = 0; i < n; ++i) {
-        py::object g = out[i];
-        if (!g.is_none()) result[i] = THPVariable_Unpack(g.ptr());
-      }
-    } catch (py::error_already_set& e) {
-      e.restore();  // the Python exception itself reaches the caller of backward()
-      python_error err;
-      err.persist();
-      throw std::move(err);
-    }
-    return result;
-  }
-
-  void release_variables() override {
-    for (auto& s : saved_) s.reset_data();
-  }
-
-  std::vector<torch::autograd::SavedVariable> saved_;
-
- private:
-  std::shared_ptr<const BackwardSpec> spec_;
-};
-
-// A new node, owned as this torch owns nodes: std::shared_ptr (deleted through deleteNode,
-// which unlinks long graphs without deep recursion) up to torch 2.12, c10::intrusive_ptr
-// from 2.13. Node::getptr() returns the owner type in both.
-using NodeHandle = decltype(std::declval<torch::autograd::Node&>().getptr());
-
-template <typename Handle>
-struct NodeFactory;
-
-template <typename N>
-struct NodeFactory<std::shared_ptr<N>> {
-  static std::shared_ptr<KeptBackward> make(std::shared_ptr<const BackwardSpec> spec) {
-    // (deleteNode found by argument-dependent lookup: named only where it exists)
-    return std::shared_ptr<KeptBackward>(new KeptBackward(std::move(spec)),
-                                         [](KeptBackward* node) { deleteNode(static_cast<N*>(node)); });
-  }
-};
-
-template <typename N>
-struct NodeFactory<c10::intrusive_ptr<N>> {
-  template <typename Node = KeptBackward>  // (a template: checked only where instantiated)
-  static c10::intrusive_ptr<Node> make(std::shared_ptr<const BackwardSpec> spec) {
-    return c10::make_intrusive<Node>(std::move(spec));
   }
 };
 
@@ -214,98 +192,48 @@ bool same_operand(const Operand& want, const at::Tensor& t) {
   return t.scalar_type() == want.dtype && t.sizes().equals(want.sizes) && t.strides().equals(want.strides);
 }
 
-class Table {
- public:
-  explicit Table(bool dry_run) : dry_run_(dry_run) {}
+// The kept launches, shared by the Table (Python's handle on them) and the autograd nodes
+// whose backward launches from them. Used under the GIL only.
+struct Store {
+  explicit Store(bool dry) : dry_run(dry) {}
 
-  void add(Launch launch) {
-    uint64_t h = hash_start(launch.kernel, launch.device);
-    for (const Operand& op : launch.operands) h = hash_operand(h, op.dtype, op.sizes, op.strides);
-    entries_[h].push_back(std::move(launch));
-    ++size_;
-  }
+  bool dry_run;
+  std::unordered_map<uint64_t, std::vector<Launch>> entries;
+  size_t size = 0;
+  std::vector<uint64_t> last_params;  // what the last dry run would have launched with (tests)
+  LaunchHooks hooks;
 
-  void clear() {
-    entries_.clear();
-    size_ = 0;
-  }
-
-  size_t size() const { return size_; }
-
-  // The result of a kept launch of kernel on operands (a tuple), or None.
-  py::object call(int64_t kernel, py::tuple operands, py::handle param) {
-    const size_t n = operands.size();
-    if (n == 0 || n > 3 || size_ == 0) return py::none();
-    std::vector<const at::Tensor*> ts;
-    ts.reserve(n);
-    const bool grad_mode = at::GradMode::is_enabled();
-    bool needs_grad = false;
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* obj = operands[i].ptr();
-      if (!THPVariable_CheckExact(obj)) return py::none();  // numbers and subclasses: Python
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      if (t.is_neg() || t.is_conj()) return py::none();
-      if (grad_mode && t.requires_grad()) {
-        // Forward-mode AD (a dual tensor) is Python's to refuse or handle.
-        if (t._fw_grad(/*level=*/0).defined()) return py::none();
-        needs_grad = true;
-      }
-      ts.push_back(&t);
-    }
-    const c10::Device device = ts[0]->device();
-    for (const at::Tensor* t : ts) {
-      if (t->device() != device) return py::none();
-    }
+  // The launch kept for kernel on these operands (one device, checked by the caller) with a
+  // parameter param_matches accepts; null when none is.
+  template <typename ParamMatch>
+  const Launch* find(int64_t kernel, const c10::Device& device, const std::vector<const at::Tensor*>& ts,
+                     ParamMatch param_matches) const {
     uint64_t h = hash_start(kernel, device);
     for (const at::Tensor* t : ts) h = hash_operand(h, t->scalar_type(), t->sizes(), t->strides());
-    auto found = entries_.find(h);
-    if (found == entries_.end()) return py::none();
+    auto found = entries.find(h);
+    if (found == entries.end()) return nullptr;
     for (const Launch& l : found->second) {
-      if (l.kernel != kernel || l.device != device || l.operands.size() != n || !l.param.matches(param.ptr())) continue;
+      if (l.kernel != kernel || l.device != device || l.operands.size() != ts.size() || !param_matches(l.param)) {
+        continue;
+      }
       bool same = true;
-      for (size_t i = 0; i < n && same; ++i) same = same_operand(l.operands[i], *ts[i]);
-      if (!same) continue;
-      if (!needs_grad) return run(l, ts);
-      if (!l.backward) return py::none();
-      return run_recorded(l, ts);
+      for (size_t i = 0; i < ts.size() && same; ++i) same = same_operand(l.operands[i], *ts[i]);
+      if (same) return &l;
     }
-    return py::none();
+    return nullptr;
   }
 
-  // The parameters the last dry run would have launched with (tests).
-  std::vector<uint64_t> last_params() const { return last_params_; }
-
- private:
-  // run(), with the result's autograd node: its edges to the operands, and what the
-  // kernel's backward reads saved as torch's own nodes save it (version-checked, through
-  // saved-tensor hooks, released after a backward without retain_graph).
-  py::object run_recorded(const Launch& l, const std::vector<const at::Tensor*>& ts) {
-    py::object result = run(l, ts);
-    if (result.is_none()) return result;
-    const at::Tensor& out = THPVariable_Unpack(result.ptr());
-    torch::autograd::variable_list inputs;
-    inputs.reserve(ts.size());
-    for (const at::Tensor* t : ts) inputs.push_back(*t);
-    auto node = NodeFactory<NodeHandle>::make(l.backward);
-    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
-    torch::autograd::set_history(out, node);
-    if (l.backward->saves == 1) {
-      node->saved_.emplace_back(out, /*is_output=*/true);
-    } else if (l.backward->saves == 2) {
-      for (const at::Tensor& t : inputs) node->saved_.emplace_back(t, /*is_output=*/false);
-    }
-    return result;
-  }
-
-  py::object run(const Launch& l, const std::vector<const at::Tensor*>& ts) {
-    if (!dry_run_ && !l.device.is_cuda()) return py::none();
+  // The result of l on ts, launched on the current stream; undefined when it cannot run here
+  // (a misaligned operand, another current device): the caller takes the Python path.
+  at::Tensor launch(const Launch& l, const std::vector<const at::Tensor*>& ts) {
+    if (!dry_run && !l.device.is_cuda()) return {};
     for (const at::Tensor* t : ts) {
-      if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlignment != 0) return py::none();
+      if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlignment != 0) return {};
     }
     const c10::impl::DeviceGuardImplInterface* guard = nullptr;
     if (l.device.is_cuda()) {
       guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-      if (guard->getDevice() != l.device) return py::none();  // Python launches under the right device
+      if (guard->getDevice() != l.device) return {};  // Python launches under the right device
     }
     at::Tensor out = at::empty_strided(l.out_sizes, l.out_strides, at::TensorOptions().dtype(l.out_dtype).device(l.device));
     const size_t n = l.kinds.size();
@@ -327,29 +255,207 @@ class Table {
     }
     params[n] = &storage[n];          // global scratch
     params[n + 1] = &storage[n + 1];  // profile scratch
-    if (dry_run_) {
-      last_params_.assign(storage.begin(), storage.end());
-    } else {
-      void* stream = guard->getStream(l.device).native_handle();
-      auto launch = [&] {
-        py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
-        return driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared, stream,
-                               params.data(), nullptr);
-      };
-      int rc = launch();
-      if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
-        make_context_current(l.device.index());
-        rc = launch();
-      }
-      TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
+    if (dry_run) {
+      last_params.assign(storage.begin(), storage.end());
+      return out;
     }
+    void* stream = guard->getStream(l.device).native_handle();
+    auto launch = [&] {
+      py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
+      return driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared, stream,
+                             params.data(), nullptr);
+    };
+    int rc = launch();
+    if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
+      make_context_current(l.device.index());
+      rc = launch();
+    }
+    TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
+    return out;
+  }
+};
+
+class KeptBackward : public torch::autograd::Node {
+ public:
+  KeptBackward(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store)
+      : spec_(std::move(spec)), store_(std::move(store)) {}
+
+  std::string name() const override { return spec_->name; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const size_t n = num_outputs();
+    torch::autograd::variable_list result(n);
+    if (grads.empty() || !grads[0].defined()) return result;  // no gradient flows: none to pass on
+    py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
+    std::vector<at::Tensor> saved;
+    saved.reserve(saved_.size());
+    for (auto& s : saved_) saved.push_back(s.unpack(getptr()));
+    if (planned(grads[0], saved, result)) return result;
+    try {
+      py::tuple saved_py(saved.size());
+      for (size_t i = 0; i < saved.size(); ++i) saved_py[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+      py::object grad = py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[0]));
+      py::sequence out = spec_->fn(grad, saved_py);
+      TORCH_CHECK(out.size() == n, spec_->name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
+      for (size_t i = 0; i < n; ++i) {
+        py::object g = out[i];
+        result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
+      }
+    } catch (py::error_already_set& e) {
+      e.restore();  // the Python exception itself reaches the caller of backward()
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+    return result;
+  }
+
+  void release_variables() override {
+    for (auto& s : saved_) s.reset_data();
+  }
+
+  std::vector<torch::autograd::SavedVariable> saved_;
+
+ private:
+  // The plan's launches into result: only where the Python path would launch the same
+  // kernels (no gradient of the gradient to record, no Python dispatch mode or profiler to
+  // see them) and every one is kept; false leaves result for the Python backward.
+  bool planned(const at::Tensor& grad, const std::vector<at::Tensor>& saved, torch::autograd::variable_list& result) {
+    const auto& plan = spec_->plan;
+    if (plan.empty() || !store_ || spec_->saves != 1 || saved.size() != 1 || at::GradMode::is_enabled() ||
+        !eager_and_unobserved() || !store_->hooks.idle()) {
+      return false;
+    }
+    const at::Tensor& out = saved[0];
+    if (grad.device() != out.device() || grad.is_neg() || grad.is_conj() || grad.layout() != at::kStrided) return false;
+    const std::vector<const at::Tensor*> ts{&grad, &out};
+    for (size_t i = 0; i < plan.size() && i < result.size(); ++i) {
+      const GradStep& step = plan[i];
+      if (step.kernel == 0) continue;
+      for (size_t j = 0; j < i; ++j) {
+        if (plan[j] == step) result[i] = result[j];  // one launch for equal steps
+      }
+      if (result[i].defined()) continue;
+      const Launch* l = store_->find(step.kernel, out.device(), ts, [&](const Param& p) {
+        return p.kind == step.param.kind && p.bits == step.param.bits;
+      });
+      if (l != nullptr) result[i] = store_->launch(*l, ts);
+      if (!result[i].defined()) {
+        for (auto& r : result) r = at::Tensor();
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::shared_ptr<const BackwardSpec> spec_;
+  std::shared_ptr<Store> store_;
+};
+
+// A new node, owned as this torch owns nodes: std::shared_ptr (deleted through deleteNode,
+// which unlinks long graphs without deep recursion) up to torch 2.12, c10::intrusive_ptr
+// from 2.13. Node::getptr() returns the owner type in both.
+using NodeHandle = decltype(std::declval<torch::autograd::Node&>().getptr());
+
+template <typename Handle>
+struct NodeFactory;
+
+template <typename N>
+struct NodeFactory<std::shared_ptr<N>> {
+  static std::shared_ptr<KeptBackward> make(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store) {
+    // (deleteNode found by argument-dependent lookup: named only where it exists)
+    return std::shared_ptr<KeptBackward>(new KeptBackward(std::move(spec), std::move(store)),
+                                         [](KeptBackward* node) { deleteNode(static_cast<N*>(node)); });
+  }
+};
+
+template <typename N>
+struct NodeFactory<c10::intrusive_ptr<N>> {
+  template <typename Node = KeptBackward>  // (a template: checked only where instantiated)
+  static c10::intrusive_ptr<Node> make(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store) {
+    return c10::make_intrusive<Node>(std::move(spec), std::move(store));
+  }
+};
+
+class Table {
+ public:
+  explicit Table(bool dry_run) : store_(std::make_shared<Store>(dry_run)) {}
+
+  void add(Launch launch) {
+    uint64_t h = hash_start(launch.kernel, launch.device);
+    for (const Operand& op : launch.operands) h = hash_operand(h, op.dtype, op.sizes, op.strides);
+    store_->entries[h].push_back(std::move(launch));
+    ++store_->size;
+  }
+
+  void clear() {
+    store_->entries.clear();
+    store_->size = 0;
+  }
+
+  size_t size() const { return store_->size; }
+
+  // The result of a kept launch of kernel (the registry entry, matched by identity) on
+  // operands (a tuple), or None: the Python path's fast checks are made here.
+  py::object call(py::handle kernel_spec, py::tuple operands, py::handle param) {
+    const size_t n = operands.size();
+    if (n == 0 || n > 3 || store_->size == 0 || !eager_and_unobserved() || !store_->hooks.idle()) return py::none();
+    const int64_t kernel = reinterpret_cast<int64_t>(kernel_spec.ptr());  // id()
+    std::vector<const at::Tensor*> ts;
+    ts.reserve(n);
+    const bool grad_mode = at::GradMode::is_enabled();
+    bool needs_grad = false;
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* obj = operands[i].ptr();
+      if (!THPVariable_CheckExact(obj)) return py::none();  // numbers and subclasses: Python
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      // (wrappers without storage, e.g. a transform's, and lazy negations are Python's)
+      if (t.is_neg() || t.is_conj() || !t.has_storage()) return py::none();
+      if (grad_mode && t.requires_grad()) {
+        // Forward-mode AD (a dual tensor) is Python's to refuse or handle.
+        if (t._fw_grad(/*level=*/0).defined()) return py::none();
+        needs_grad = true;
+      }
+      ts.push_back(&t);
+    }
+    const c10::Device device = ts[0]->device();
+    for (const at::Tensor* t : ts) {
+      if (t->device() != device) return py::none();
+    }
+    const Launch* l = store_->find(kernel, device, ts, [&](const Param& p) { return p.matches(param.ptr()); });
+    if (l == nullptr || (needs_grad && !l->backward)) return py::none();
+    at::Tensor out = store_->launch(*l, ts);
+    if (!out.defined()) return py::none();
+    if (needs_grad) record(*l, ts, out);
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
 
-  bool dry_run_;
-  std::unordered_map<uint64_t, std::vector<Launch>> entries_;
-  size_t size_ = 0;
-  std::vector<uint64_t> last_params_;
+  std::vector<uint64_t> last_params() const { return store_->last_params; }
+
+  void watch_launch_hooks(py::object runtime, py::object chain_type) {
+    store_->hooks = LaunchHooks{runtime.is_none() ? py::object() : std::move(runtime),
+                                chain_type.is_none() ? py::object() : std::move(chain_type)};
+  }
+
+ private:
+  // The result's autograd node: its edges to the operands, and what the kernel's backward
+  // reads saved as torch's own nodes save it (version-checked, through saved-tensor hooks,
+  // released after a backward without retain_graph).
+  void record(const Launch& l, const std::vector<const at::Tensor*>& ts, const at::Tensor& out) {
+    torch::autograd::variable_list inputs;
+    inputs.reserve(ts.size());
+    for (const at::Tensor* t : ts) inputs.push_back(*t);
+    auto node = NodeFactory<NodeHandle>::make(l.backward, store_);
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    torch::autograd::set_history(out, node);
+    if (l.backward->saves == 1) {
+      node->saved_.emplace_back(out, /*is_output=*/true);
+    } else if (l.backward->saves == 2) {
+      for (const at::Tensor& t : inputs) node->saved_.emplace_back(t, /*is_output=*/false);
+    }
+  }
+
+  std::shared_ptr<Store> store_;
 };
 
 }  // namespace
@@ -362,18 +468,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               std::vector<int64_t>, std::vector<int64_t>>> operands, int param_kind, int64_t param_bits,
               std::vector<int64_t> out_sizes, std::vector<int64_t> out_strides, at::ScalarType out_dtype,
               uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
-              std::vector<int64_t> values, py::object backward, int saves, std::string name) {
+              std::vector<int64_t> values, py::object backward, int saves, std::string name,
+              std::vector<std::tuple<int64_t, int, int64_t>> plan) {
              TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
              TORCH_CHECK(saves >= 0 && saves <= 2, "saves must be 0, 1 or 2");
              Launch l{kernel, device, {}, Param{param_kind, param_bits}, std::move(out_sizes),
                       std::move(out_strides), out_dtype, function, grid, block, shared, std::move(kinds),
                       std::move(values), nullptr};
-             if (!backward.is_none()) l.backward = std::make_shared<const BackwardSpec>(backward, saves, name);
+             std::vector<GradStep> steps;
+             for (auto& [step_kernel, kind, bits] : plan) steps.push_back(GradStep{step_kernel, Param{kind, bits}});
+             if (!backward.is_none()) {
+               l.backward = std::make_shared<const BackwardSpec>(backward, saves, name, std::move(steps));
+             }
              for (auto& [dtype, sizes, strides] : operands) l.operands.push_back(Operand{dtype, sizes, strides});
              table.add(std::move(l));
            })
       .def("call", &Table::call)
       .def("clear", &Table::clear)
       .def("__len__", &Table::size)
-      .def("last_params", &Table::last_params);
+      .def("last_params", &Table::last_params)
+      .def("watch_launch_hooks", &Table::watch_launch_hooks);
 }
