@@ -37,7 +37,7 @@ if [ "$job" = test ]; then
   optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm ninja=ninja mkdocs=mkdocs-material mkdocstrings_handlers=mkdocstrings-python transformers=transformers"
 else
   required="packaging=packaging numpy=numpy"
-  optional="matplotlib=matplotlib tqdm=tqdm transformers=transformers"
+  optional="matplotlib=matplotlib tqdm=tqdm transformers=transformers ninja=ninja"
 fi
 install() {  # install LEVEL PAIRS...: pip-install the distributions whose module does not import
   local level=$1 missing=() pair; shift
@@ -59,7 +59,7 @@ install optional $optional
 export PATH="$(dirname "$py"):$PATH"
 # The C++ launch table (repeated eager calls launched and recorded for autograd in C++),
 # built once per machine and torch version; without a compiler calls take the Python path.
-"$py" -m fusedkit build || true
+"$py" -m fusedkit build >/dev/null || true
 if [ "$job" = bench ]; then
   exec "$py" -m fusedkit bench "$@"
 fi
