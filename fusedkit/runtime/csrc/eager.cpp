@@ -101,6 +101,19 @@ struct Param {
 struct LaunchHooks {
   py::object runtime, chain_type;
 
+  // The store that holds these can be freed last by a node on an autograd thread: drop
+  // the Python references under the GIL.
+  ~LaunchHooks() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      runtime = py::object();
+      chain_type = py::object();
+    } else {
+      runtime.release();
+      chain_type.release();
+    }
+  }
+
   bool idle() const {
     if (!runtime) return true;
     for (const char* name : {"launch_enter_hook", "launch_exit_hook"}) {
@@ -260,14 +273,17 @@ struct Store {
       return out;
     }
     void* stream = guard->getStream(l.device).native_handle();
+    // Copies: without the GIL another thread may add to the store (moving l) or clear it.
+    void* function = reinterpret_cast<void*>(l.function);
+    const unsigned grid = l.grid, block = l.block, shared = l.shared;
+    const int device = l.device.index();
     auto launch = [&] {
       py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
-      return driver_launch()(reinterpret_cast<void*>(l.function), l.grid, 1, 1, l.block, 1, 1, l.shared, stream,
-                             params.data(), nullptr);
+      return driver_launch()(function, grid, 1, 1, block, 1, 1, shared, stream, params.data(), nullptr);
     };
     int rc = launch();
     if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
-      make_context_current(l.device.index());
+      make_context_current(device);
       rc = launch();
     }
     TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
@@ -424,9 +440,10 @@ class Table {
     }
     const Launch* l = store_->find(kernel, device, ts, [&](const Param& p) { return p.matches(param.ptr()); });
     if (l == nullptr || (needs_grad && !l->backward)) return py::none();
+    std::shared_ptr<const BackwardSpec> backward = l->backward;  // (l may move while the launch drops the GIL)
     at::Tensor out = store_->launch(*l, ts);
     if (!out.defined()) return py::none();
-    if (needs_grad) record(*l, ts, out);
+    if (needs_grad) record(backward, ts, out);
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
 
@@ -441,16 +458,17 @@ class Table {
   // The result's autograd node: its edges to the operands, and what the kernel's backward
   // reads saved as torch's own nodes save it (version-checked, through saved-tensor hooks,
   // released after a backward without retain_graph).
-  void record(const Launch& l, const std::vector<const at::Tensor*>& ts, const at::Tensor& out) {
+  void record(const std::shared_ptr<const BackwardSpec>& backward, const std::vector<const at::Tensor*>& ts,
+              const at::Tensor& out) {
     torch::autograd::variable_list inputs;
     inputs.reserve(ts.size());
     for (const at::Tensor* t : ts) inputs.push_back(*t);
-    auto node = NodeFactory<NodeHandle>::make(l.backward, store_);
+    auto node = NodeFactory<NodeHandle>::make(backward, store_);
     node->set_next_edges(torch::autograd::collect_next_edges(inputs));
     torch::autograd::set_history(out, node);
-    if (l.backward->saves == 1) {
+    if (backward->saves == 1) {
       node->saved_.emplace_back(out, /*is_output=*/true);
-    } else if (l.backward->saves == 2) {
+    } else if (backward->saves == 2) {
       for (const at::Tensor& t : inputs) node->saved_.emplace_back(t, /*is_output=*/false);
     }
   }
