@@ -17,7 +17,7 @@ from __future__ import annotations
 from . import nn, registry, settings
 from .errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
-    ShapeError, SignatureError, UnknownKernelError,
+    ShapeError, SignatureError, TracingError, UnknownKernelError,
 )
 from .ops import add, add_relu, elementwise, linear_relu, matmul, matmul_relu
 from .runtime.elementwise import BACKENDS, backend_for
@@ -59,5 +59,5 @@ __all__ = [
     "add", "add_relu", "elementwise", "clear_caches", "matmul", "matmul_relu", "linear_relu", "nn", "registry",
     "settings", "set_fp32_precision", "get_fp32_precision", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
-    "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
+    "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",
 ]

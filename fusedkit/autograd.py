@@ -141,8 +141,23 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
                 for g, (shape, dtype, device) in zip(grads, meta)]
     plan = ()
     if kernel.backward_kernels is not None and all(s == shape and d == dtype for s, d, _ in meta):
-        plan = tuple(None if step is None else (get(step[0]), step[1]) for step in kernel.backward_kernels(param))
+        plan = _plan(kernel, param)
     return backward, native.SAVES[saves], plan
+
+
+def _plan(kernel, param) -> tuple:
+    """``kernel.backward_kernels(param)`` as ``(kernel, param)`` steps, one per operand; empty
+    (the Python backward runs) when it does not give one step per operand, each None or a
+    registered two-operand kernel and a number: a wrong plan must not break the forward."""
+    try:
+        steps = tuple(kernel.backward_kernels(param))
+        plan = tuple(None if step is None else (get(step[0]), step[1]) for step in steps)
+    except Exception:  # noqa: BLE001 - any failure of a user's plan falls back to its backward
+        return ()
+    if len(plan) != kernel.arity or not all(
+            step is None or (step[0].arity == 2 and isinstance(step[1], (int, float))) for step in plan):
+        return ()
+    return plan
 
 
 native.set_backward_factory(native_backward)

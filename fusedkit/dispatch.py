@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import autograd
-from .errors import FusedkitError
+from .errors import FusedkitError, TracingError
 from .registry import ElementwiseKernel
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
@@ -27,6 +27,8 @@ from .runtime import launch, native
 __all__ = ["elementwise", "matmul", "tracing"]
 
 _is_compiling = torch.compiler.is_compiling
+#: ``torch.jit.trace`` recording: calls go through the registered op, which it records.
+_jit_tracing = torch._C._is_tracing
 #: Python dispatch modes (``TorchDispatchMode``: make_fx, FlopCounterMode, selective
 #: activation checkpointing, op loggers) on the stack; a C call of ~50 ns.
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -43,7 +45,7 @@ def tracing(tensors, out=None) -> bool:
     """True while Dynamo traces, while a Python dispatch mode or a ``torch.func`` transform
     is active, or when a tensor is a subclass (a FakeTensor or FunctionalTensor during AOT
     tracing, for instance): such calls go through the registered op, which they can see."""
-    if _is_compiling() or _dispatch_modes() or _functorch():
+    if _is_compiling() or _dispatch_modes() or _functorch() or _jit_tracing():
         return True
     for t in tensors:
         if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
@@ -61,7 +63,7 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
             result = table.call(kernel, operands, param)
             if result is not None:
                 return result
-    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch():
+    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing():
         if _profiling():
             # The same kept launches inside a range: a profile shows what the call costs
             # unprofiled (validating every call instead took 230-300 us a call in a
@@ -92,8 +94,15 @@ def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param) -> torch.T
     return _elementwise(kernel, operands, param, None, key)
 
 
+def _no_jit_trace(name: str) -> None:
+    if not _is_compiling() and _jit_tracing():  # (Dynamo cannot trace the flag's query)
+        raise TracingError(f"fusedkit.{name}(): torch.jit.trace cannot record fusedkit's ops (their kernels would "
+                           "be missing from the trace); use torch.compile or torch.export")
+
+
 def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None, key) -> torch.Tensor:
     """Every call the kept launches did not finish; ``key``: its signature, to keep one for."""
+    _no_jit_trace(kernel.name)
     if _functorch() and not _is_compiling():
         if out is None:
             return autograd.call_functorch(kernel, operands, param)
@@ -138,7 +147,7 @@ def _matmul(a, b, bias, activation):
     if isinstance(a, torch.Tensor) and a.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
         a, b, bias = autocast(a.device.type, a, b, bias)
     key = None
-    if not _is_compiling() and not _dispatch_modes() and not _functorch():
+    if not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing():
         key = mm.call_key(a, b, bias, activation)
         if key is not None:
             kept = mm.KEPT.get(key)
@@ -146,6 +155,7 @@ def _matmul(a, b, bias, activation):
                 if kept.grad:
                     return mm.with_lead(autograd.record_matmul(kept.a2(a), b, bias, activation, kept), kept.lead)
                 return kept.run(a, b, bias)
+    _no_jit_trace("matmul")
     mm.validate(a, b, bias, activation, "matmul")
     if not _is_compiling():
         a, b, bias = mm.resolve_neg(a), mm.resolve_neg(b), mm.resolve_neg(bias)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError",
-    "SignatureError", "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError",
+    "SignatureError", "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",
 ]
 
 
@@ -56,3 +56,8 @@ class UnknownKernelError(FusedkitError, KeyError):
 
 class NotDifferentiableError(FusedkitError, NotImplementedError):
     """A gradient was asked of a kernel (or an order of derivative) that has none."""
+
+
+class TracingError(FusedkitError, NotImplementedError):
+    """A way of capturing a program that fusedkit's ops do not support (``torch.jit.trace``:
+    use ``torch.compile`` or ``torch.export``, which trace the registered ops)."""

@@ -125,3 +125,4 @@ def test_wrong_arity_and_keywords():
         fusedkit.elementwise("add", x32(), x32(), beta=2)
     with pytest.raises(KeyError, match="no elementwise kernel named"):
         fusedkit.elementwise("nope", x32(), x32())
+

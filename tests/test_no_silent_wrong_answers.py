@@ -495,3 +495,17 @@ def test_compiled_calls_take_new_python_numbers():
         assert_matches_reference(f(x, s), torch.relu(x.cpu().double() + 2 * s), torch.float32)
     for a in (2, 3, 0.5):
         assert_matches_reference(g(x, a), torch.add(x.cpu().double(), x.cpu().double(), alpha=a), torch.float32)
+
+
+def test_jit_trace_is_refused_not_recorded_without_the_kernel():
+    """torch.jit.trace cannot record a Triton launch: a trace would silently lack the kernel."""
+    x, y = rand((5, 7), torch.float32, DEVICE), rand((5, 7), torch.float32, DEVICE)
+    w = rand((7, 3), torch.float32, DEVICE)
+    for _ in range(2):  # a kept signature too
+        fusedkit.add_relu(x, y)
+        fusedkit.matmul(x, w, None, "relu")
+    with pytest.raises(fusedkit.TracingError, match="torch.jit.trace"):
+        torch.jit.trace(lambda a, b: fusedkit.add_relu(a, b), (x, y))
+    with pytest.raises(fusedkit.TracingError, match="torch.jit.trace"):
+        torch.jit.trace(lambda a: fusedkit.matmul(a, w, None, "relu"), (x,))
+    assert isinstance(fusedkit.TracingError("x"), NotImplementedError)

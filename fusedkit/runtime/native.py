@@ -25,13 +25,18 @@ Triton the Python path runs every call.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import struct
 import sys
+import sysconfig
+import time
 import warnings
 from pathlib import Path
 
@@ -53,6 +58,9 @@ _OPERAND_POINTERS = ("a_ptr", "b_ptr", "c_ptr")
 _log = logging.getLogger("fusedkit")
 #: Compiler flags of the build (part of its cache key).
 _CFLAGS = ("-O2",)
+#: How long a process waits for another's build of the extension (one takes about 30 s on
+#: 2 cores) before it gives up and runs the Python path.
+BUILD_WAIT_S = 300
 #: ``factory(kernel, param, operands) -> (backward, saves) | None`` for a kept launch's
 #: autograd node (set by :mod:`fusedkit.autograd`, which sits above this module).
 _backward_factory = None
@@ -85,19 +93,52 @@ def _cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusedkit"
 
 
-def library_path(root: Path | None = None) -> Path:
-    """Where this source, Python, torch and flags' build lives (it may not exist yet)."""
+def _build_key() -> str:
+    """What a build depends on: the source, Python, torch, the C++ ABI, the machine, the flags."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), sys.version.encode(), torch.__version__.encode(), " ".join(_CFLAGS).encode()):
-        key.update(part)
-    return (root or _cache_root()) / f"eager-{key.hexdigest()[:16]}" / "fusedkit_eager.so"
+    for part in (_SOURCE.read_bytes(), sys.version, torch.__version__, str(torch.compiled_with_cxx11_abi()),
+                 platform.machine(), sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_CFLAGS)):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    return key.hexdigest()[:16]
 
 
-def _import(path: Path):
-    spec = importlib.util.spec_from_file_location("fusedkit_eager", path)
+def library_path(root: Path | None = None) -> Path:
+    """Where this machine's build of the extension lives (it may not exist yet)."""
+    key = _build_key()
+    return (root or _cache_root()) / f"eager-{key}" / f"fusedkit_eager_{key}.so"
+
+
+def _built(path: Path) -> Path | None:
+    """The library in ``path``'s folder (PyTorch's loader may have versioned its name)."""
+    return next(iter(sorted(path.parent.glob(f"{path.stem}*.so"))), None) if path.parent.is_dir() else None
+
+
+def _import(library: Path):
+    name = library.name.split(".")[0]  # the module name the library was built under
+    spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(lock: Path):
+    """An exclusive lock between processes (one builds, the others wait and load its
+    build), released by the kernel when its holder dies; ``BUILD_WAIT_S`` at most."""
+    with open(lock, "a") as handle:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {BUILD_WAIT_S} s for another process's build ({lock})") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _compile(path: Path):
@@ -105,30 +146,28 @@ def _compile(path: Path):
     is renamed into place, so processes that start together (one per GPU) build it once and
     never load a half-written library."""
     from torch.utils.cpp_extension import load
-    from torch.utils.file_baton import FileBaton
 
     folder = path.parent
     folder.parent.mkdir(parents=True, exist_ok=True)
-    baton = FileBaton(str(folder) + ".lock")
-    if baton.try_acquire():
-        try:
-            if not path.exists():
-                scratch = Path(f"{folder}.build-{os.getpid()}")
-                scratch.mkdir(exist_ok=True)
-                try:
-                    load("fusedkit_eager", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
-                         build_directory=str(scratch), verbose=False)
-                    for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
-                        if leftover.name != path.name:
-                            leftover.unlink()
-                    os.replace(scratch, folder)
-                finally:
-                    shutil.rmtree(scratch, ignore_errors=True)  # (gone already after a build)
-        finally:
-            baton.release()
-    else:
-        baton.wait()
-    return _import(path)
+    with _build_lock(Path(f"{folder}.lock")):
+        library = _built(path)
+        if library is None:
+            shutil.rmtree(folder, ignore_errors=True)  # a folder without a library: a build that died
+            scratch = Path(f"{folder}.build-{os.getpid()}")
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            try:
+                module = load(path.stem, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                              build_directory=str(scratch), verbose=False)
+                built = Path(module.__file__)
+                for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
+                    if leftover != built:
+                        leftover.unlink()
+                os.replace(scratch, folder)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)  # (gone already after a build)
+            return module
+    return _import(library)
 
 
 def build(dry_run: bool = False, log: bool = False):
@@ -136,8 +175,9 @@ def build(dry_run: bool = False, log: bool = False):
     a new table (a dry-run table records the parameters it would launch with instead of
     launching: for tests)."""
     path = library_path()
-    if path.exists():
-        module = _import(path)
+    library = _built(path)
+    if library is not None:
+        module = _import(library)
     else:
         if log:
             _log.warning("fusedkit: building its C++ launch table (once per machine and torch version; "
@@ -228,7 +268,7 @@ def register(kept, entry, table=None) -> bool:
         if step is not None and encoded is None:
             steps = []  # a parameter the table cannot match: the Python backward runs
             break
-        steps.append((0, 0, 0) if step is None else (id(step[0]), *encoded))
+        steps.append((None, 0, 0) if step is None else (step[0], *encoded))
     table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
               kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values, fn, saves,
               f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward", steps)

@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/profiler/api.h>
 
 #include <dlfcn.h>
@@ -104,7 +105,7 @@ struct LaunchHooks {
   // The store that holds these can be freed last by a node on an autograd thread: drop
   // the Python references under the GIL.
   ~LaunchHooks() {
-    if (Py_IsInitialized()) {
+    if (Py_IsInitialized() && !Py_IsFinalizing()) {
       py::gil_scoped_acquire gil;
       runtime = py::object();
       chain_type = py::object();
@@ -128,12 +129,16 @@ struct LaunchHooks {
 };
 
 // Whether a launch from C++ is what the Python path would do: no Python dispatch mode
-// (make_fx, FlopCounterMode, ...) or torch.func transform to route the call through the
-// custom op, and no profiler to give it a range (the Python path's conditions).
+// (make_fx, FlopCounterMode, ...), torch.func transform or torch.jit trace to route the
+// call through the custom op, and no profiler to give it a range (the Python path's
+// conditions).
 bool eager_and_unobserved() {
-  // (a transform is active while its dynamic-layer key is included in this thread's set)
+  // (a transform is active while its dynamic-layer keys are included in this thread's set,
+  // the test torch._C._are_functorch_transforms_active makes)
+  const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
   return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
-         !c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !torch::jit::tracer::isTracing() &&
          !torch::profiler::impl::profilerEnabled();
 }
 
@@ -142,6 +147,7 @@ bool eager_and_unobserved() {
 struct GradStep {
   int64_t kernel = 0;
   Param param;
+  py::object kernel_ref;  // holds the kernel, so its id() names it while the step lives
 
   bool operator==(const GradStep& o) const {
     return kernel == o.kernel && param.kind == o.param.kind && param.bits == o.param.bits;
@@ -162,11 +168,13 @@ struct BackwardSpec {
   // A node can outlive the table (and be freed on an autograd thread): release the
   // Python function under the GIL.
   ~BackwardSpec() {
-    if (Py_IsInitialized()) {
+    if (Py_IsInitialized() && !Py_IsFinalizing()) {
       py::gil_scoped_acquire gil;
       fn = py::object();
-    } else {
+      plan.clear();
+    } else {  // an interpreter on its way out: leak rather than touch it
       fn.release();
+      for (auto& step : plan) step.kernel_ref.release();
     }
   }
 };
@@ -302,6 +310,7 @@ class KeptBackward : public torch::autograd::Node {
     const size_t n = num_outputs();
     torch::autograd::variable_list result(n);
     if (grads.empty() || !grads[0].defined()) return result;  // no gradient flows: none to pass on
+    std::lock_guard<std::mutex> lock(mutex_);  // against release_variables on another thread
     py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
     std::vector<at::Tensor> saved;
     saved.reserve(saved_.size());
@@ -315,6 +324,8 @@ class KeptBackward : public torch::autograd::Node {
       TORCH_CHECK(out.size() == n, spec_->name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
       for (size_t i = 0; i < n; ++i) {
         py::object g = out[i];
+        TORCH_CHECK(g.is_none() || THPVariable_Check(g.ptr()), spec_->name, ": the backward gave a ",
+                    py::str(py::type::of(g)).cast<std::string>(), " for operand ", i);
         result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
       }
     } catch (py::error_already_set& e) {
@@ -327,6 +338,7 @@ class KeptBackward : public torch::autograd::Node {
   }
 
   void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
     for (auto& s : saved_) s.reset_data();
   }
 
@@ -487,14 +499,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               std::vector<int64_t> out_sizes, std::vector<int64_t> out_strides, at::ScalarType out_dtype,
               uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
               std::vector<int64_t> values, py::object backward, int saves, std::string name,
-              std::vector<std::tuple<int64_t, int, int64_t>> plan) {
+              std::vector<std::tuple<py::object, int, int64_t>> plan) {
              TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
              TORCH_CHECK(saves >= 0 && saves <= 2, "saves must be 0, 1 or 2");
              Launch l{kernel, device, {}, Param{param_kind, param_bits}, std::move(out_sizes),
                       std::move(out_strides), out_dtype, function, grid, block, shared, std::move(kinds),
                       std::move(values), nullptr};
              std::vector<GradStep> steps;
-             for (auto& [step_kernel, kind, bits] : plan) steps.push_back(GradStep{step_kernel, Param{kind, bits}});
+             for (auto& [step_kernel, kind, bits] : plan) {  // (None: the operand gets no gradient)
+               const int64_t id = step_kernel.is_none() ? 0 : reinterpret_cast<int64_t>(step_kernel.ptr());
+               steps.push_back(GradStep{id, Param{kind, bits}, step_kernel});
+             }
              if (!backward.is_none()) {
                l.backward = std::make_shared<const BackwardSpec>(backward, saves, name, std::move(steps));
              }
