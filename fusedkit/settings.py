@@ -21,7 +21,8 @@ products (fp32-sized errors, measured below torch's own fp32 matmul: see docs/ma
 "ieee" runs fp32 multiply-adds on the CUDA cores. When PyTorch allows TF32
 (``torch.backends.cuda.matmul``), TF32 itself is used. ``fast_launch`` and
 ``native_launch`` are read when a launch is kept: ``fusedkit.clear_caches()`` drops the
-ones kept before a change.
+ones kept before a change. The C++ table's build lives in ``$FUSEDKIT_CACHE_DIR`` (default
+``~/.cache/fusedkit``; ``python -m fusedkit build`` makes it ahead).
 """
 
 from __future__ import annotations
