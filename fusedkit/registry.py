@@ -39,7 +39,7 @@ from .errors import ArgumentError, DTypeError, UnknownKernelError
 
 __all__ = [
     "ElementwiseKernel", "Traffic", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES",
-    "register", "unregister", "get", "kernels", "names",
+    "register", "unregister", "get", "kernels", "names", "on_change",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -220,7 +220,10 @@ def register(kernel: ElementwiseKernel, *, replace: bool = False) -> Elementwise
                             "under another name")
     if kernel.name in _REGISTRY and not replace:
         raise ArgumentError(f"an elementwise kernel named {kernel.name!r} is already registered")
+    replaced = _REGISTRY.get(kernel.name)
     _REGISTRY[kernel.name] = kernel
+    if replaced is not None and replaced is not kernel:
+        _changed()
     return kernel
 
 
@@ -237,6 +240,22 @@ def unregister(name: str) -> None:
         raise ArgumentError(f"{name!r} is built in and cannot be unregistered")
     get(name)  # an unknown name raises UnknownKernelError
     del _REGISTRY[name]
+    _changed()
+
+
+#: What runs when a registered kernel is replaced or removed (layers above the registry that
+#: hold what they learned from it: the C++ launch table's autograd nodes).
+_LISTENERS: list = []
+
+
+def on_change(listener) -> None:
+    """Call ``listener()`` whenever a registered kernel is replaced or unregistered."""
+    _LISTENERS.append(listener)
+
+
+def _changed() -> None:
+    for listener in _LISTENERS:
+        listener()
 
 
 def get(name: str) -> ElementwiseKernel:

@@ -474,3 +474,16 @@ def test_a_wrong_backward_plan_falls_back_to_the_python_backward():
     for bad in (lambda p: (("relu_grad", 1),), lambda p: (("no_such_kernel", 1), None), raising,
                 lambda p: (("relu_grad", "1"), None)):
         assert autograd._plan(kernel(bad), 1) == ()
+
+
+def test_registry_changes_empty_the_table(table, monkeypatch):
+    x, y = rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
+    _kept_in(table, x, y)
+    monkeypatch.setattr(native, "TABLE", table)
+    assert len(table) == 1
+    user = fusedkit.registry.register(
+        fusedkit.registry.ElementwiseKernel(name="fk_test_user_add", math=fusedkit.library.ADD.math,
+                                            reference=fusedkit.library.ADD.reference, unfused=("torch.add",)))
+    assert len(table) == 1  # a new name changes nothing kept
+    fusedkit.registry.unregister(user.name)
+    assert len(table) == 0

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .. import settings
+from .. import registry, settings
 from . import launch
 
 __all__ = ["TABLE", "applies", "build", "clear", "enabled", "library_path", "register", "set_backward_factory"]
@@ -203,6 +203,11 @@ def clear() -> None:
     """Forget every kept native launch (with the kept launches they came from)."""
     if TABLE is not None:
         TABLE.clear()
+
+
+# A kernel replaced or unregistered: its launches (and their gradients, which a call checks
+# against the registry in Python) leave the table, so such calls take the Python path.
+registry.on_change(clear)
 
 
 def _param_encoding(param) -> tuple[int, int] | None:
