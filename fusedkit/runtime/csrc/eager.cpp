@@ -115,13 +115,19 @@ struct LaunchHooks {
     }
   }
 
+  // Once a call: attribute names interned once, no Python frames.
   bool idle() const {
     if (!runtime) return true;
-    for (const char* name : {"launch_enter_hook", "launch_exit_hook"}) {
-      py::object hook = runtime.attr(name);
+    static PyObject* const names[] = {PyUnicode_InternFromString("launch_enter_hook"),
+                                      PyUnicode_InternFromString("launch_exit_hook")};
+    static PyObject* const calls_name = PyUnicode_InternFromString("calls");
+    for (PyObject* name : names) {
+      py::object hook = py::reinterpret_steal<py::object>(PyObject_GetAttr(runtime.ptr(), name));
+      if (!hook) throw py::error_already_set();
       if (hook.is_none()) continue;
-      if (!chain_type || !py::isinstance(hook, chain_type)) return false;
-      py::object calls = hook.attr("calls");
+      if (!chain_type || Py_TYPE(hook.ptr()) != reinterpret_cast<PyTypeObject*>(chain_type.ptr())) return false;
+      py::object calls = py::reinterpret_steal<py::object>(PyObject_GetAttr(hook.ptr(), calls_name));
+      if (!calls) throw py::error_already_set();
       if (!PyList_CheckExact(calls.ptr()) || PyList_GET_SIZE(calls.ptr()) != 0) return false;
     }
     return true;
