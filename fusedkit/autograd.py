@@ -108,11 +108,14 @@ def _input_grads(ctx, grad) -> list:
     else:
         saved = None
     grads = kernel.backward(grad, saved, _param(kernel, ctx.param))
-    out = []
-    for slot, (shape, dtype, device) in zip(ctx.slots, ctx.meta):
-        g = grads[slot]
-        out.append(None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device))
-    return out
+    return [_operand_grad(grads[slot], meta) for slot, meta in zip(ctx.slots, ctx.meta)]
+
+
+def _operand_grad(grad, meta):
+    """One operand's gradient from the kernel's (of the broadcast shape): None where none flows
+    or the operand is not floating, else reduced to the operand's ``meta`` (shape, dtype, device)."""
+    shape, dtype, device = meta
+    return None if grad is None or not dtype.is_floating_point else _reduce_to(grad, shape, dtype, device)
 
 
 def native_backward(kernel, param, operand_signature, device, shape, dtype):
@@ -136,9 +139,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
 
     def backward(grad, saved):
         arg = saved[0] if saves == "output" else saved if saves == "inputs" else None
-        grads = formula(grad, arg, param)
-        return [None if g is None or not dtype.is_floating_point else _reduce_to(g, shape, dtype, device)
-                for g, (shape, dtype, device) in zip(grads, meta)]
+        return [_operand_grad(g, m) for g, m in zip(formula(grad, arg, param), meta)]
     plan = ()
     if kernel.backward_kernels is not None and all(s == shape and d == dtype for s, d, _ in meta):
         plan = _plan(kernel, param)

@@ -55,7 +55,9 @@ def tracing(tensors, out=None) -> bool:
 
 def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """Run ``kernel`` on parsed arguments (``param`` None for a kernel without one)."""
-    if out is None and not _is_compiling():
+    if _is_compiling():
+        return _elementwise(kernel, operands, param, out, None)
+    if out is None:
         table = native.TABLE
         if table is not None:
             # A kept launch in C++ (``native_launch``), autograd node and all: None when it
@@ -63,23 +65,21 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
             result = table.call(kernel, operands, param)
             if result is not None:
                 return result
-    if out is None and not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing():
-        if _profiling():
-            # The same kept launches inside a range: a profile shows what the call costs
-            # unprofiled (validating every call instead took 230-300 us a call in a
-            # ResNet-50 training step on the H200 host).
-            with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
-                return _kept_or_first(kernel, operands, param)
-        return _kept_or_first(kernel, operands, param)
-    if not _is_compiling() and _profiling():
+    if _profiling():
+        # Under a range, the same path as unprofiled: a profile shows what the call costs
+        # (validating every call instead took 230-300 us a call in a ResNet-50 training step
+        # on the H200 host).
         with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
-            return _elementwise(kernel, operands, param, out, None)
-    return _elementwise(kernel, operands, param, out, None)
+            return _kept_or_first(kernel, operands, param, out)
+    return _kept_or_first(kernel, operands, param, out)
 
 
-def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
-    """An eager ``out=None`` call: its kept launch, autograd's record of it, or the full path
-    (which keeps a launch for the signature)."""
+def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
+    """An eager call the C++ table did not take: an ``out=None`` call outside any dispatch
+    mode, transform or trace runs its kept launch, or autograd records it; everything else,
+    and a first call (which keeps a launch for its signature), takes the full path."""
+    if out is not None or _dispatch_modes() or _functorch() or _jit_tracing():
+        return _elementwise(kernel, operands, param, out, None)
     key = _call_key(kernel, operands, param)
     if key is _NEEDS_GRAD:
         key = None

@@ -362,6 +362,11 @@ def training_step(case: ModelCase, variant: str, device, small: bool = False):
     return step, check
 
 
+def _rounds(rounds: int | None, device) -> int:
+    """Timing rounds: as given, else ``TIMING_ROUNDS`` on a GPU and one elsewhere."""
+    return rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
+
+
 def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None,
              rounds: int | None = None) -> list[Result]:
     """Every measurement of ``case`` for each of ``variants`` (``eager`` first: the others are
@@ -389,7 +394,7 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
         r.peak_mb = _peak_mb(step, device)
         live.append((r, module, run, step))
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
-    for _ in range(rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)):
+    for _ in range(_rounds(rounds, device)):
         for r, module, run, step in live:
             samples[id(r)]["train"].append(_time_ms(step, device))
         for r, module, run, step in live:
@@ -417,7 +422,7 @@ def run_models(names, device, use_compile=True, small: bool | None = None, progr
     variants = [v for v in VARIANTS if use_compile or v != "compiled"]
     results, skipped = [], {}
     cases = [MODELS[n] for n in names]
-    rounds = rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
+    rounds = _rounds(rounds, device)
     # A step per variant's loss run, and one per timing round.
     bar = progress_bar(len(cases) * (len(variants) + rounds), "models", progress)
     for case in cases:

@@ -61,8 +61,9 @@ _CFLAGS = ("-O2",)
 #: How long a process waits for another's build of the extension (one takes about 30 s on
 #: 2 cores) before it gives up and runs the Python path.
 BUILD_WAIT_S = 300
-#: ``factory(kernel, param, operands) -> (backward, saves) | None`` for a kept launch's
-#: autograd node (set by :mod:`fusedkit.autograd`, which sits above this module).
+#: ``factory(kernel, param, operand_signature, device, shape, dtype) -> (backward, saves,
+#: plan) | None`` for a kept launch's autograd node (:func:`fusedkit.autograd.native_backward`,
+#: set by that module, which sits above this one).
 _backward_factory = None
 #: What the C++ node saves for the kernel's backward, by ``ElementwiseKernel.saves``.
 SAVES = {"none": 0, "output": 1, "inputs": 2}
@@ -268,7 +269,7 @@ def register(kept, entry, table=None) -> bool:
         kept.kernel, kept.last_param[0], kept.operand_signature, kept.device, tuple(kept.shape), kept.dtype)
     fn, saves, plan = backward if backward is not None else (None, 0, ())
     steps = []
-    for step in plan:  # the C++ backward's launches: (kernel id, parameter encoding) per operand
+    for step in plan:  # the C++ backward's launches: (kernel, parameter encoding) per operand
         encoded = None if step is None else _param_encoding(step[1])
         if step is not None and encoded is None:
             steps = []  # a parameter the table cannot match: the Python backward runs
