@@ -126,25 +126,19 @@ def activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | N
     return dispatch.elementwise(kernel, (grad, saved), None, None)
 
 
-#: Dtypes whose gradient products run on cuBLAS (``torch.mm``).
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
 def matmul_backward(ctx, grad_out):
     """``(grad_a, grad_b, grad_bias)`` of ``act(a @ b + bias)`` from what
     :func:`fusedkit.autograd.matmul_setup_context` kept (None where none is needed)."""
     a2, b, saved = ctx.saved_tensors
     g = activation_grad(grad_out, saved, ctx.activation).contiguous()
     grad_a = grad_b = grad_bias = None
-    # Half types: the gradient products have no epilogue to fuse, so cuBLAS runs them from
-    # C++ (a fusedkit dispatch is Python host time per product). fp32 / fp64 through the
-    # dispatcher, which keeps fusedkit's fp32 precision setting; a repeated backward
-    # launches its kept plans.
-    mm = torch.mm if g.dtype in HALF_DTYPES else dispatch.matmul
+    # The gradient products have no epilogue to fuse, so ``torch.mm`` runs them as
+    # ``F.linear``'s backward does: cuBLAS under PyTorch's TF32 flag (at least as exact as
+    # fusedkit's fp32 modes), with no Python host time per product.
     if ctx.needs_input_grad[0]:
-        grad_a = mm(g, b.t())
+        grad_a = torch.mm(g, b.t())
     if ctx.needs_input_grad[1]:
-        grad_b = mm(a2.t(), g)
+        grad_b = torch.mm(a2.t(), g)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         # PyTorch sums half types with an fp32 accumulator and rounds once, as nn.Linear's own
         # bias gradient does (an fp32 sum and a cast were a second kernel and launch).
