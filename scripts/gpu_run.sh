@@ -10,7 +10,8 @@
 # (scripts/sanitize.sh); pybench (the pytest-benchmark suite); python (the latency report with
 # FUSEDKIT_NATIVE_LAUNCH=0: the Python path beside the default C++ one). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);
 # FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried pytest.txt of an earlier call) runs only
-# the tests that log does not report as passed.
+# the tests that log does not report as passed. The device's copy of the tree has no .git:
+# pass FUSEDKIT_COMMIT=<the commit> so the results name it.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
