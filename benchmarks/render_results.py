@@ -120,16 +120,19 @@ def latency(data: dict) -> str:
 
 
 def backward(data: dict) -> str:
-    body = []
-    for r in data["backward"]:
-        body.append([SHORT.get(r["dtype"], r["dtype"]), f"2^{r['n'].bit_length() - 1}", f"{r['fusedkit_bwd_us']:.1f}",
-                     f"{r['eager_bwd_us']:.1f}", ratio(r["eager_bwd_us"], r["fusedkit_bwd_us"]),
-                     f"{r['fusedkit_fwd_bwd_us']:.1f}", f"{r['eager_fwd_bwd_us']:.1f}",
-                     ratio(r["eager_fwd_bwd_us"], r["fusedkit_fwd_bwd_us"]),
-                     f"{r['fusedkit_saved_bytes'] / 2**20:.0f}", f"{r['eager_saved_bytes'] / 2**20:.0f}"])
     head = ["dtype", "n", "backward us", "eager backward us", "x eager", "fwd + bwd us", "eager fwd + bwd us",
             "x eager", "saved MiB", "eager saved MiB"]
-    text = "add_relu:\n\n" + table(head, body, "llrrrrrrrr")
+    parts = []
+    for op in dict.fromkeys(r.get("op", "add_relu") for r in data["backward"]):
+        body = []
+        for r in (r for r in data["backward"] if r.get("op", "add_relu") == op):
+            body.append([SHORT.get(r["dtype"], r["dtype"]), f"2^{r['n'].bit_length() - 1}",
+                         f"{r['fusedkit_bwd_us']:.1f}", f"{r['eager_bwd_us']:.1f}",
+                         ratio(r["eager_bwd_us"], r["fusedkit_bwd_us"]), f"{r['fusedkit_fwd_bwd_us']:.1f}",
+                         f"{r['eager_fwd_bwd_us']:.1f}", ratio(r["eager_fwd_bwd_us"], r["fusedkit_fwd_bwd_us"]),
+                         f"{r['fusedkit_saved_bytes'] / 2**20:.0f}", f"{r['eager_saved_bytes'] / 2**20:.0f}"])
+        parts.append(f"{op}:\n\n" + table(head, body, "llrrrrrrrr"))
+    text = "\n\n".join(parts)
     lin = data.get("linear_relu_training") or []
     if lin:
         text += "\n\nLinearReLU forward + backward against nn.Linear + nn.ReLU:\n\n" + table(

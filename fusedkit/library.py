@@ -1,5 +1,7 @@
 """fusedkit's own ops, with their derivatives beside them: the registry entries ``add``,
-``add_relu`` and ``relu_grad``, and the matmul's gradient.
+``add_relu`` and ``relu_grad``; the gates ``silu_mul``, ``gelu_mul`` and ``gelu_tanh_mul``
+and bias + GELU ``add_gelu`` and ``add_gelu_tanh`` with their gradients; the matmul
+activations' gradients and the matmul's own.
 
 Derivatives call the public dispatch (:mod:`fusedkit.dispatch`), so a gradient of a
 gradient is recorded, transformed or traced like any call; that is why they live here,
@@ -11,12 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from . import autograd, dispatch
-from .kernels import activations
-from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin
+import torch.nn.functional as F
 
-__all__ = ["ADD", "ADD_RELU", "GELU_GRAD", "GELU_TANH_GRAD", "RELU_GRAD", "SILU_GRAD", "activation_grad",
-           "matmul_backward"]
+from . import autograd, dispatch
+from .errors import ArgumentError
+from .kernels import activations
+from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin, result_dtype
+from .runtime import elementwise as ew
+
+__all__ = ["ADD", "ADD_GELU", "ADD_GELU_GRAD", "ADD_GELU_TANH", "ADD_GELU_TANH_GRAD", "ADD_RELU", "GELU_GRAD",
+           "GELU_MUL", "GELU_MUL_GRAD", "GELU_TANH_GRAD", "GELU_TANH_MUL", "GELU_TANH_MUL_GRAD", "RELU_GRAD", "SILU_GRAD",
+           "SILU_MUL", "SILU_MUL_GRAD", "activation_grad",
+           "gelu_entry", "matmul_backward"]
 
 
 def _add_backward(grad, saved, alpha):
@@ -88,7 +96,8 @@ def _aten_operands(grad, pre):
     no numbers and no broadcasting)."""
     dtype = torch.result_type(grad, pre)
     device = (grad if isinstance(grad, torch.Tensor) else pre).device
-    return torch.broadcast_tensors(*(torch.as_tensor(v, device=device).to(dtype) for v in (grad, pre)))
+    # (a number straight to ``dtype``: through the default dtype it would round to float32 first)
+    return torch.broadcast_tensors(*(torch.as_tensor(v, dtype=dtype, device=device) for v in (grad, pre)))
 
 
 def _activation_grad_entry(name: str, math, aten_backward, formula: str) -> ElementwiseKernel:
@@ -124,6 +133,139 @@ def activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | N
     if autograd.functorch_active() or (torch.is_grad_enabled() and (grad.requires_grad or saved.requires_grad)):
         return kernel.reference(grad, saved)
     return dispatch.elementwise(kernel, (grad, saved), None, None)
+
+
+# --- Gates (SwiGLU, GeGLU) and bias + GELU -----------------------------------------------
+# Each saves its inputs, never an intermediate (the activation is recomputed in the backward:
+# one more read, none of the forward's extra memory), and takes its gradients in one kernel.
+
+def _tensor(v) -> torch.Tensor:
+    """A number as a float64 0-d tensor (it promotes as the number would), a tensor as it is."""
+    return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+
+
+def _opmath(*values) -> tuple[list, torch.dtype]:
+    """The values with tensors of a half result dtype in float32, and that dtype: a
+    composition computing as the kernels do (float32, rounded once at the end), so a traced
+    backward gives what the eager one gives."""
+    dtype = result_dtype(values)
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return [v.to(wide) if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
+            for v in values], dtype
+
+
+def _needs_composition(*values) -> bool:
+    """Whether a gradient must be computed with differentiable torch ops: a gradient of it is
+    recorded (``create_graph``), a ``torch.func`` transform runs, or tracing sees it (Dynamo,
+    a dispatch mode, fake tensors); else fusedkit's kernels run it."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return (autograd.functorch_active() or dispatch.tracing(tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+_GELU_BACKWARD = {"none": torch.ops.aten.gelu_backward,
+                  "tanh": lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")}
+
+
+def _gate_grad_reference(approximate: str | None):
+    """The two gradients of ``act(a) * b`` with torch's ops (``None``: SiLU; else GELU's ``approximate``)."""
+    def reference(grad, a, b):
+        (grad, a, b), dtype = _opmath(grad, a, b)
+        a = _tensor(a)
+        if approximate is None:  # (aten's silu_backward has no derivative of its own: a second one needs this)
+            s = torch.sigmoid(a)
+            da, db = grad * b * (s * (1 + a * (1 - s))), grad * (a * s)
+        else:
+            da = _GELU_BACKWARD[approximate](*_aten_operands(grad * b, a))
+            db = grad * F.gelu(a, approximate=approximate)
+        return da.to(dtype), db.to(dtype)
+    return reference
+
+
+def _gate_grad_kernel(name: str, grad_math, approximate: str | None, act: str) -> ElementwiseKernel:
+    """Both gradients of ``act(a) * b`` from one read of grad, a and b: a two-output kernel,
+    unregistered (the registry's ops return one tensor); its reference is torch's ops."""
+    return ElementwiseKernel(
+        name=name, math=grad_math, reference=_gate_grad_reference(approximate), arg_names=("grad", "a", "b"),
+        dtypes=FLOAT_DTYPES, param=None, outputs=2, formula=f"(grad * b * {act}'(a), grad * {act}(a))",
+        unfused=("torch.mul", f"torch.ops.aten.{act.split('_')[0]}_backward"))
+
+
+SILU_MUL_GRAD = _gate_grad_kernel("silu_mul_grad", activations.silu_mul_grad_math, None, "silu")
+GELU_MUL_GRAD = _gate_grad_kernel("gelu_mul_grad", activations.gelu_mul_grad_math, "none", "gelu")
+GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_tanh_mul_grad_math, "tanh",
+                                       "gelu_tanh")
+
+
+def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None, act: str) -> ElementwiseKernel:
+    """``act(a) * b`` as a registry entry; its backward runs ``grad_kernel``."""
+    def backward(grad, saved, param):
+        a, b = saved
+        if _needs_composition(grad, a, b):
+            return grad_kernel.reference(grad, a, b)
+        return ew.run_pair(grad_kernel, (grad, a, b), None)
+
+    def reference(a, b):
+        a = _tensor(a)
+        return (F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)) * b
+
+    return register_builtin(ElementwiseKernel(
+        name=name, math=math, reference=reference, arg_names=("a", "b"), dtypes=FLOAT_DTYPES, param=None,
+        formula=f"{act}(a) * b", unfused=(f"torch.nn.functional.{act.split('_')[0]}", "torch.mul"),
+        saves="inputs", backward=backward))
+
+
+SILU_MUL = _gate_entry("silu_mul", activations.silu_mul_math, SILU_MUL_GRAD, None, "silu")
+GELU_MUL = _gate_entry("gelu_mul", activations.gelu_mul_math, GELU_MUL_GRAD, "none", "gelu")
+GELU_TANH_MUL = _gate_entry("gelu_tanh_mul", activations.gelu_tanh_mul_math, GELU_TANH_MUL_GRAD, "tanh",
+                            "gelu_tanh")
+
+
+def _add_gelu_grad_entry(name: str, math, approximate: str) -> ElementwiseKernel:
+    """The gradient through ``gelu(x + alpha * y)`` with respect to the sum, recomputed from x
+    and y. Its reference is PyTorch's backward op; it declares no backward of its own."""
+    def reference(grad, x, y, alpha=1):
+        (grad, x, y), dtype = _opmath(grad, x, y)
+        return _GELU_BACKWARD[approximate](*_aten_operands(grad, torch.add(_tensor(x), y, alpha=alpha))).to(dtype)
+    return register_builtin(ElementwiseKernel(
+        name=name, math=math, reference=reference, arg_names=("grad", "x", "y"), dtypes=FLOAT_DTYPES,
+        formula=f"grad * {'gelu' if approximate == 'none' else 'gelu_tanh'}'(x + alpha * y)",
+        unfused=("torch.add", "torch.ops.aten.gelu_backward")))
+
+
+ADD_GELU_GRAD = _add_gelu_grad_entry("add_gelu_grad", activations.add_gelu_grad_math, "none")
+ADD_GELU_TANH_GRAD = _add_gelu_grad_entry("add_gelu_tanh_grad", activations.add_gelu_tanh_grad_math, "tanh")
+
+
+def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str) -> ElementwiseKernel:
+    def backward(grad, saved, alpha):
+        x, y = saved
+        if _needs_composition(grad, x, y):
+            g = grad_kernel.reference(grad, x, y, alpha)
+            return g, g * alpha
+        g = dispatch.elementwise(grad_kernel, (grad, x, y), alpha, None)
+        # d/dy = alpha * d/dx, as torch's AddBackward scales it (one launch where alpha == 1).
+        return g, g if alpha == 1 else dispatch.elementwise(ADD, (0, g), alpha, None)
+
+    return register_builtin(ElementwiseKernel(
+        name=name, math=math,
+        reference=lambda x, y, alpha=1: F.gelu(torch.add(_tensor(x), y, alpha=alpha), approximate=approximate),
+        dtypes=FLOAT_DTYPES,
+        formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
+        unfused=("torch.add", "torch.nn.functional.gelu"), saves="inputs", backward=backward))
+
+
+ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, ADD_GELU_GRAD, "none")
+ADD_GELU_TANH = _add_gelu_entry("add_gelu_tanh", activations.add_gelu_tanh_math, ADD_GELU_TANH_GRAD, "tanh")
+
+
+def gelu_entry(kernels: dict, approximate, op: str) -> ElementwiseKernel:
+    """The entry of ``kernels`` ({"none": ..., "tanh": ...}) for GELU's ``approximate``, which
+    must be "none" or "tanh", as ``F.gelu`` requires."""
+    try:
+        return kernels[approximate]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"{op}(): approximate must be 'none' or 'tanh', got {approximate!r}") from None
 
 
 def matmul_backward(ctx, grad_out):

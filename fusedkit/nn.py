@@ -7,10 +7,10 @@ import numbers
 import torch
 from torch import nn
 
-from .ops import add_relu, linear_relu
+from .ops import add_relu, linear_relu, silu_mul
 from .runtime.layout import broadcast_shape
 
-__all__ = ["LinearReLU", "AddReLU"]
+__all__ = ["LinearReLU", "AddReLU", "SwiGLU"]
 
 
 class LinearReLU(nn.Linear):
@@ -65,3 +65,41 @@ class AddReLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, inplace={self.inplace}"
+
+
+class SwiGLU(nn.Module):
+    """The LLaMA MLP: ``down(silu_mul(gate(x), up(x)))``, its gate in one kernel
+    (``fusedkit.silu_mul``) where the eager ``F.silu(gate(x)) * up(x)`` runs two.
+
+    ``gate`` and ``up`` are ``nn.Linear(in_features, hidden_features)``, ``down`` is
+    ``nn.Linear(hidden_features, in_features)``, each with a bias when ``bias``; state dict
+    keys ``gate.weight``, ``up.weight``, ``down.weight`` (and ``.bias``). A LLaMA-style MLP's
+    state dict (``gate_proj``, ``up_proj``, ``down_proj``, as transformers' ``LlamaMLP``
+    names them) loads as it is. Input (..., in_features) -> output (..., in_features);
+    follows ``torch.autocast`` as ``nn.Linear`` does.
+    """
+
+    #: The LLaMA MLP's names for the three projections, loaded as this module's.
+    LLAMA_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    def __init__(self, in_features: int, hidden_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate = nn.Linear(in_features, hidden_features, **kw)
+        self.up = nn.Linear(in_features, hidden_features, **kw)
+        self.down = nn.Linear(hidden_features, in_features, **kw)
+        self.register_load_state_dict_pre_hook(self._llama_keys)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_mul(self.gate(x), self.up(x)))
+
+    @classmethod
+    def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            head, _, rest = key[len(prefix):].partition(".")
+            if head in cls.LLAMA_NAMES and rest:
+                state_dict[f"{prefix}{cls.LLAMA_NAMES[head]}.{rest}"] = state_dict.pop(key)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "
+                f"bias={self.gate.bias is not None}")

@@ -1,8 +1,8 @@
 """fusedkit's public ops: documented fronts over :mod:`fusedkit.dispatch`.
 
-``add`` and ``add_relu`` are the registry entries of those names; ``elementwise`` runs
-any entry; ``matmul``, ``matmul_relu`` and ``linear_relu`` are the matmul with a fused
-epilogue.
+``add``, ``add_relu``, ``silu_mul``, ``gelu_mul`` and ``add_gelu`` are registry entries
+(the last two pick theirs by ``approximate``); ``elementwise`` runs any entry; ``matmul``,
+``matmul_relu`` and ``linear_relu`` are the matmul with a fused epilogue.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import torch
 
 from . import dispatch
 from .errors import DTypeError, ShapeError, SignatureError
-from .library import ADD, ADD_RELU
+from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL, gelu_entry
 from .registry import ElementwiseKernel, get
 from .runtime.layout import broadcast_shape
 
-__all__ = ["add", "add_relu", "elementwise", "matmul", "matmul_relu", "linear_relu"]
+__all__ = ["add", "add_gelu", "add_relu", "elementwise", "gelu_mul", "linear_relu", "matmul", "matmul_relu",
+           "silu_mul"]
 
 #: What an operand may be: a tensor, or a host number standing for a scalar.
 Operand = typing.Union[torch.Tensor, float, int]
@@ -69,6 +70,38 @@ def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
     residual join does.
     """
     return dispatch.elementwise(ADD_RELU, (x, y), alpha, out)
+
+
+def silu_mul(a: Operand, b: Operand, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.silu(a) * b`` in one kernel, the SwiGLU gate of LLaMA-style MLPs: reads a and b once
+    and writes once, where the eager composition also writes and re-reads ``silu(a)``.
+
+    Shapes, dtypes (float16, bfloat16, float32, float64; half types compute in float32 and
+    round once), broadcasting, strided views, ``out=`` and errors as :func:`add`.
+    Differentiable: autograd keeps a and b (no intermediate) and takes both gradients in one
+    kernel.
+    """
+    return dispatch.elementwise(SILU_MUL, (a, b), None, out)
+
+
+_GELU_MUL = {"none": GELU_MUL, "tanh": GELU_TANH_MUL}
+_ADD_GELU = {"none": ADD_GELU, "tanh": ADD_GELU_TANH}
+
+
+def gelu_mul(a: Operand, b: Operand, *, approximate: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.gelu(a, approximate=approximate) * b`` in one kernel, the GeGLU gate; as
+    :func:`silu_mul`. ``approximate``: "none" (erf) or "tanh"; anything else raises
+    ``ArgumentError``, as ``F.gelu`` refuses it."""
+    return dispatch.elementwise(gelu_entry(_GELU_MUL, approximate, "gelu_mul"), (a, b), None, out)
+
+
+def add_gelu(x: Operand, y: Operand, *, alpha: float | int = 1, approximate: str = "none",
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.gelu(torch.add(x, y, alpha=alpha), approximate=approximate)`` in one kernel: a bias
+    or residual added before a GELU. Arguments and errors as :func:`add` (floating dtypes
+    only) and :func:`gelu_mul`. Differentiable: autograd keeps x and y (no sum) and takes
+    the gradient in one kernel."""
+    return dispatch.elementwise(gelu_entry(_ADD_GELU, approximate, "add_gelu"), (x, y), alpha, out)
 
 
 def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):

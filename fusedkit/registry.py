@@ -112,6 +112,9 @@ class ElementwiseKernel:
             where no gradient flows), each of the output's shape; ``saved`` is the
             output, the tuple of operands or None, per ``saves``. It should compute
             with fusedkit kernels. None: the kernel is not differentiable.
+        outputs: 1, or 2 for a kernel whose math returns a pair (a backward giving two
+            gradients from one read of its inputs; run by
+            :func:`fusedkit.runtime.elementwise.run_pair`, never registered).
         backward_kernels: optional ``backward_kernels(param) -> steps``, one per operand:
             ``(name, param)`` when that operand's gradient is the registered kernel
             ``name`` on ``(grad, output)`` with that parameter, None when it gets no
@@ -131,6 +134,7 @@ class ElementwiseKernel:
     saves: str = "none"
     backward: Callable[..., tuple] | None = None
     backward_kernels: Callable[..., tuple] | None = None
+    outputs: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -161,6 +165,8 @@ class ElementwiseKernel:
             raise ArgumentError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
         if self.backward is not None and not callable(self.backward):
             raise DTypeError(f"{self.name}: backward must be callable or None")
+        if self.outputs not in (1, 2):
+            raise ArgumentError(f"{self.name}: outputs must be 1 or 2, got {self.outputs!r}")
         if self.backward_kernels is not None and (self.backward is None or self.saves != "output"
                                                   or not callable(self.backward_kernels)):
             raise ArgumentError(f"{self.name}: backward_kernels states a backward on the saved output: it needs "
@@ -215,6 +221,9 @@ def register(kernel: ElementwiseKernel, *, replace: bool = False) -> Elementwise
     and a built-in name always."""
     if not isinstance(kernel, ElementwiseKernel):
         raise DTypeError(f"register() takes an ElementwiseKernel, got {type(kernel).__name__}")
+    if kernel.outputs != 1:
+        raise ArgumentError(f"{kernel.name!r} has {kernel.outputs} outputs; the registry's ops return one tensor "
+                            "(run a two-output kernel with fusedkit.runtime.elementwise.run_pair)")
     if kernel.name in BUILTIN_NAMES:
         raise ArgumentError(f"{kernel.name!r} is a built-in kernel and cannot be replaced; register yours "
                             "under another name")

@@ -115,6 +115,12 @@ def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, dtype
     dtype = dtype or actual.dtype
     tol = tolerance(dtype)
     got = actual.detach().to("cpu", expected.dtype)
+    if dtype.is_floating_point and expected.is_floating_point():
+        # Beyond the result dtype's range the result is what rounding gives: inf (fp32
+        # silu(1e20) * 1e20 is inf in torch too, 1e40 in the float64 reference).
+        big = expected.abs() > torch.finfo(dtype).max
+        if big.any():
+            expected = torch.where(big, expected.to(dtype).to(expected.dtype), expected)
     torch.testing.assert_close(got, expected.to(got.dtype).expand_as(got), atol=tol.atol, rtol=tol.rtol,
                                equal_nan=True, check_dtype=False)
     if check_signed_zero and got.is_floating_point():

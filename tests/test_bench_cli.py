@@ -73,10 +73,15 @@ def test_latency_report_runs(tmp_path):
 
 def test_backward_report_runs(tmp_path):
     _, data = bench_cli(tmp_path, "--backward", "--dtypes", "fp32", "--sizes", "4096", "--no-compile")
-    (row,) = data["backward"]
+    rows = {r["op"]: r for r in data["backward"]}
+    assert set(rows) == {"add_relu", "silu_mul", "gelu_tanh_mul", "add_gelu"}
+    row = rows["add_relu"]
     assert row["n"] == 4096 and row["bytes_backward"] == 3 * 4096 * 4
     # add_relu keeps only its output (x and y are not saved), as eager relu does
     assert row["fusedkit_saved_bytes"] == 4096 * 4 == row["eager_saved_bytes"]
+    # a gate keeps its inputs only; the eager composition keeps its intermediate (silu(a)) too
+    assert rows["silu_mul"]["fusedkit_saved_bytes"] == 0 < rows["silu_mul"]["eager_saved_bytes"]
+    assert rows["silu_mul"]["bytes_backward"] == 5 * 4096 * 4
     assert all(r["fusedkit_us"] > 0 and r["torch_us"] > 0 for r in data["linear_relu_training"])
 
 

@@ -259,7 +259,7 @@ def _stand_in_entry(recipe, monkeypatch):
 def test_direct_launch_arguments(monkeypatch):
     # What a cached launch passes, checked on any machine: grid, stream, function,
     # no launch metadata or hooks while the hook chains are empty, then the
-    # addresses (ints) of out, x, y and the unused slot, the scalar bit patterns,
+    # addresses (ints) of out, x, y, the unused slot and out2 (out), the scalar bit patterns,
     # the planned sizes and strides, and the compile-time constants.
     x, y = rand((37, 19), torch.float32, DEVICE), rand((37, 19), torch.float32, DEVICE)
     fusedkit.add_relu(x, y, alpha=2.0)
@@ -268,10 +268,10 @@ def test_direct_launch_arguments(monkeypatch):
     out = recipe.run((x, y), 2.0)
     (args,) = launcher.calls
     assert args[:9] == (3, 1, 1, 1234, 7, "packed", None, None, None)
-    assert args[9:13] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
-    assert all(type(p) is int for p in args[9:13])
-    assert args[13:17] == (0, 0, 0, ew.scalar_bits(2.0, torch.float32, "alpha"))
-    assert args[17:] == (*recipe.static_args, *recipe.constexprs)
+    assert args[9:14] == (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr(), out.data_ptr())
+    assert all(type(p) is int for p in args[9:14])
+    assert args[14:18] == (0, 0, 0, ew.scalar_bits(2.0, torch.float32, "alpha"))
+    assert args[18:] == (*recipe.static_args, *recipe.constexprs)
 
 
 class _StandInCudaLauncher:

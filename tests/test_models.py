@@ -35,7 +35,7 @@ def test_fused_model_matches_stock(name):
     calls = []
     import fusedkit
 
-    originals = {n: getattr(fusedkit, n) for n in ("add_relu", "matmul")}
+    originals = {n: getattr(fusedkit, n) for n in ("add_relu", "matmul", "silu_mul")}
 
     def spy(n):
         def call(*args, **kwargs):

@@ -23,7 +23,7 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
-from fusedkit.kernels.elementwise import NOT_SPECIALISED
+from fusedkit.kernels.elementwise import NOT_SPECIALISED, POINTER_ARGS
 from fusedkit.runtime import elementwise as ew
 from fusedkit.runtime import launch as fk_launch, native
 from fusedkit.library import ADD_RELU
@@ -54,11 +54,11 @@ def _triton_signature(recipe, bits):
     specialised integers equal to 1 and the constants as constexpr, other integers by
     their 32/64-bit class (the kernel's ``do_not_specialize`` names stay runtime)."""
     names = ew.elementwise_kernel.arg_names
-    values = (None,) * 4 + tuple(bits) + recipe.launch_tail
+    values = (None,) * POINTER_ARGS + tuple(bits) + recipe.launch_tail
     ptr = "*" + {torch.float32: "fp32", torch.bfloat16: "bf16"}[recipe.dtype]
     signature = {}
     for i, (name, value) in enumerate(zip(names, values)):
-        if i < 4:
+        if i < POINTER_ARGS:
             signature[name] = ptr
         elif name in ew.CONSTEXPR_NAMES or (value == 1 and name not in NOT_SPECIALISED):
             signature[name] = "constexpr"
@@ -99,7 +99,7 @@ def test_table_packs_what_tritons_launcher_gets(table):
 
     out = table.call(ADD_RELU, (x, y), 2.0)
     assert out.shape == recipe.shape and out.stride() == recipe.out_strides and out.dtype == torch.float32
-    pointers = (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr())
+    pointers = (out.data_ptr(), x.data_ptr(), y.data_ptr(), out.data_ptr(), out.data_ptr())  # (c, out2: out)
     assert table.last_params() == _expected_params(signature, values, pointers)
     # A new float object of the same value matches; the parameter is compared by value and type.
     assert table.call(ADD_RELU, (x, y), float("2.0")) is not None

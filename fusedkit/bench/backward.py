@@ -1,10 +1,12 @@
 """Backward and memory report: ``python -m fusedkit bench --backward``.
 
-For ``z = add_relu(x, y)`` with x, y requiring grad:
+For ``z = op(x, y)`` with x, y requiring grad, for each op of ``BACKWARD_OPS`` (add_relu,
+the SwiGLU and GeGLU gates, bias + GELU):
 - backward time (``torch.autograd.grad`` of a retained graph, ``do_bench`` median)
-  and GB/s over the bytes a backward must move (read the incoming gradient and
-  the saved output, write one gradient: alpha = 1 gives y the same tensor), for
-  fusedkit, eager ``torch.relu(x + y)`` and ``torch.compile`` of it;
+  and GB/s over the bytes the fused backward moves (add_relu: read the incoming gradient
+  and the saved output, write one gradient, alpha = 1 giving y the same tensor; a gate:
+  read the gradient, a and b, write both gradients; add_gelu: read the gradient, x and y,
+  write one), for fusedkit, the eager composition and ``torch.compile`` of it;
 - bytes saved for backward, counted with ``torch.autograd.graph.saved_tensors_hooks``
   (distinct storages), and the peak memory above the inputs of forward + backward
   (``torch.cuda.max_memory_allocated``), for the same three.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 import fusedkit
 
@@ -23,7 +26,7 @@ from .cases import timer
 from .progress import bar as progress_bar
 
 __all__ = ["keep_saved_buffers", "run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
-           "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
+           "BACKWARD_OPS", "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
 
 BACKWARD_SIZES = (1 << 24, 1 << 28)
 CPU_BACKWARD_SIZES = (1 << 10,)
@@ -34,6 +37,17 @@ CPU_LINEAR_TRAINING_SHAPES = ((32, 48, 40),)
 
 def _eager(x, y):
     return torch.relu(x + y)
+
+
+#: Each op of the report: (fusedkit's, the eager composition, tensors of n elements its
+#: fused backward reads and writes).
+BACKWARD_OPS = {
+    "add_relu": (fusedkit.add_relu, _eager, 3),
+    "silu_mul": (fusedkit.silu_mul, lambda a, b: F.silu(a) * b, 5),
+    "gelu_tanh_mul": (lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
+                      lambda a, b: F.gelu(a, approximate="tanh") * b, 5),
+    "add_gelu": (fusedkit.add_gelu, lambda x, y: F.gelu(x + y), 4),
+}
 
 
 def _saved_bytes(fn, x, y) -> int:
@@ -84,29 +98,35 @@ def keep_saved_buffers():
     return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
 
 
-def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True) -> list[dict]:
-    impls = {"fusedkit": fusedkit.add_relu, "eager": _eager}
-    if use_compile and device.type == "cuda":
-        impls["compiled"] = torch.compile(_eager)
-    with keep_saved_buffers():
-        return _run_backward(impls, dtypes, device, sizes)
-
-
-def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
+def run_backward(dtypes, device, sizes=BACKWARD_SIZES, use_compile=True, ops=tuple(BACKWARD_OPS)) -> list[dict]:
+    """One row per op, dtype and size (see the module's docstring)."""
     rows = []
-    bar = progress_bar(len(dtypes) * len(sizes), "add_relu backward")
+    with keep_saved_buffers():
+        for op in ops:
+            fused, eager, tensors = BACKWARD_OPS[op]
+            impls = {"fusedkit": fused, "eager": eager}
+            if use_compile and device.type == "cuda":
+                impls["compiled"] = torch.compile(eager)
+            rows += _run_backward(op, impls, tensors, dtypes, device, sizes)
+    return rows
+
+
+def _run_backward(op, impls, tensors, dtypes, device, sizes) -> list[dict]:
+    rows = []
+    eager = impls["eager"]
+    bar = progress_bar(len(dtypes) * len(sizes), f"{op} backward")
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
             g = torch.randn(n, device=device, dtype=dt)
-            row = {"dtype": str(dt).removeprefix("torch."), "n": n,
-                   "bytes_backward": 3 * n * x.element_size()}
+            row = {"op": op, "dtype": str(dt).removeprefix("torch."), "n": n,
+                   "bytes_backward": tensors * n * x.element_size()}
+            want = torch.autograd.grad(eager(x, y), (x, y), g)
             for name, fn in impls.items():
                 z = fn(x, y)
                 grads = torch.autograd.grad(z, (x, y), g, retain_graph=True)
-                want = torch.autograd.grad(_eager(x, y), (x, y), g)
                 for got, ref in zip(grads, want):
-                    torch.testing.assert_close(got, ref)
+                    torch.testing.assert_close(got, ref, **_tolerance(dt))
                 us = _time_us(lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True), device)
                 row[f"{name}_bwd_us"] = us
                 row[f"{name}_bwd_gbps"] = row["bytes_backward"] / us / 1e3
@@ -118,6 +138,13 @@ def _run_backward(impls, dtypes, device, sizes) -> list[dict]:
             bar.update()
     bar.close()
     return rows
+
+
+def _tolerance(dtype) -> dict:
+    """The check against the eager composition: fusedkit computes half types in float32 and
+    rounds once, the composition after each op (2 ulps of bf16 apart at most)."""
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=4e-3, atol=4e-3) \
+        if dtype == torch.float16 else {}
 
 
 def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[dict]:
@@ -157,15 +184,15 @@ def format_linear_table(rows: list[dict]) -> str:
 
 def format_backward_table(rows: list[dict]) -> str:
     impls = [k.removesuffix("_bwd_gbps") for k in rows[0] if k.endswith("_bwd_gbps")] if rows else []
-    head = f"{'dtype':<9} {'n':>10} " + " ".join(
+    head = f"{'op':<14} {'dtype':<9} {'n':>10} " + " ".join(
         f"{i + ' bwd us':>16} {'GB/s':>6} {'fwd+bwd us':>10} {'saved MB':>8} {'peak MB':>8}" for i in impls)
-    lines = ["add_relu backward (do_bench medians; GB/s over grad + saved output read, one gradient written)",
-             head, "-" * len(head)]
+    lines = ["Backward (do_bench medians; GB/s over what the fused backward reads and writes; saved: what autograd "
+             "keeps beyond the inputs)", head, "-" * len(head)]
     for r in rows:
         cells = []
         for i in impls:
-            peak = r[f"{i}_peak_bytes"]
+            peak = r.get(f"{i}_peak_bytes")
             cells.append(f"{r[f'{i}_bwd_us']:>16.1f} {r[f'{i}_bwd_gbps']:>6.0f} {r[f'{i}_fwd_bwd_us']:>10.1f} "
                          f"{r[f'{i}_saved_bytes'] / 1e6:>8.2f} {'-' if peak is None else format(peak / 1e6, '.2f'):>8}")
-        lines.append(f"{r['dtype']:<9} {r['n']:>10} " + " ".join(cells))
+        lines.append(f"{r.get('op', 'add_relu'):<14} {r['dtype']:<9} {r['n']:>10} " + " ".join(cells))
     return "\n".join(lines)

@@ -11,6 +11,9 @@ same model stock, eager and under ``torch.compile``, in one process:
   runs the up-projection, bias and activation as one ``fusedkit.matmul`` (its epilogue).
 - ``gpt2_block``: transformers' ``GPT2Block`` (layer norms, attention, residuals) with
   that MLP inside.
+- ``llama_mlp``: transformers' ``LlamaMLP`` at LLaMA-7B's sizes (4096 -> 11008 -> 4096,
+  SiLU gate); the fused model runs its gate, ``act_fn(gate_proj(x)) * up_proj(x)``, as one
+  ``fusedkit.silu_mul``.
 
 For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
 ``compiled``: ``torch.compile`` of the stock model):
@@ -216,6 +219,45 @@ def _mse(out, target):
     return F.mse_loss(out.float(), target.float())
 
 
+# --- LLaMA MLP (transformers) -----------------------------------------------------------
+
+#: LLaMA-7B's MLP: hidden 4096, intermediate 11008.
+LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008)
+LLAMA_SMALL = dict(hidden_size=32, intermediate_size=88)
+
+
+def _llama_mlp_forward(self, x):
+    """transformers' ``LlamaMLP.forward`` with its gate, ``act_fn(gate_proj(x)) * up_proj(x)``,
+    as one ``fusedkit.silu_mul``."""
+    return self.down_proj(fusedkit.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _build_llama_mlp(small: bool):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    sizes = LLAMA_SMALL if small else LLAMA_7B
+    # (heads only so the config validates: the MLP has no attention)
+    return LlamaMLP(LlamaConfig(**sizes, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4))
+
+
+def _fuse_llama(model) -> int:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    for m in mlps:
+        if m.config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"LlamaMLP activation {m.config.hidden_act!r}: silu_mul fuses SiLU gates")
+        m.forward = types.MethodType(_llama_mlp_forward, m)
+    return len(mlps)
+
+
+def _llama_batch(shape, gen, small):
+    n, t = shape
+    c = (LLAMA_SMALL if small else LLAMA_7B)["hidden_size"]
+    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+
+
 _IMAGES = Sizes(train=(64, 224), bs1=(1, 224), serve=(64, 224))
 _SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
 #: Training: 8 sequences of 1024 tokens; inference: one token of 1 and of 64 sequences (a decode
@@ -233,6 +275,8 @@ MODELS = {case.name: case for case in (
               _build_gpt2_mlp("relu"), _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
     ModelCase("gpt2_block", "transformers GPT2Block (medium), its MLP as in gpt2_mlp", "transformers",
               _build_gpt2_block, _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
+    ModelCase("llama_mlp", "transformers LlamaMLP (7B sizes), its SiLU gate through silu_mul", "transformers",
+              _build_llama_mlp, _fuse_llama, _llama_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
 )}
 
 

@@ -157,3 +157,67 @@ def gelu_tanh_grad_math(grad, pre):
 def silu_grad_math(grad, pre):
     """Registry math of ``silu_grad``."""
     return grad * silu_derivative(pre)
+
+
+# --- Gates and bias + GELU (the registry's silu_mul, gelu_mul, add_gelu, their gradients) ---
+
+@triton.jit
+def silu_mul_math(a, b):
+    """Registry math of ``silu_mul``: ``silu(a) * b``, the SwiGLU gate."""
+    return silu(a) * b
+
+
+@triton.jit
+def gelu_mul_math(a, b):
+    """Registry math of ``gelu_mul``: ``gelu(a) * b``, the GeGLU gate."""
+    return gelu(a) * b
+
+
+@triton.jit
+def gelu_tanh_mul_math(a, b):
+    """Registry math of ``gelu_tanh_mul``."""
+    return gelu_tanh(a) * b
+
+
+@triton.jit
+def add_gelu_math(x, y, alpha):
+    """Registry math of ``add_gelu``: ``gelu(x + alpha * y)``."""
+    return gelu(add_scaled(x, y, alpha))
+
+
+@triton.jit
+def add_gelu_tanh_math(x, y, alpha):
+    """Registry math of ``add_gelu_tanh``."""
+    return gelu_tanh(add_scaled(x, y, alpha))
+
+
+@triton.jit
+def add_gelu_grad_math(grad, x, y, alpha):
+    """Registry math of ``add_gelu_grad``: the gradient through ``gelu(x + alpha * y)`` with
+    respect to its sum, recomputed from x and y (nothing else is kept for it)."""
+    return grad * gelu_derivative(add_scaled(x, y, alpha))
+
+
+@triton.jit
+def add_gelu_tanh_grad_math(grad, x, y, alpha):
+    """Registry math of ``add_gelu_tanh_grad``."""
+    return grad * gelu_tanh_derivative(add_scaled(x, y, alpha))
+
+
+@triton.jit
+def silu_mul_grad_math(grad, a, b):
+    """Both gradients of ``silu(a) * b``, from one read of grad, a and b:
+    ``(grad * b * silu'(a), grad * silu(a))``."""
+    return grad * b * silu_derivative(a), grad * silu(a)
+
+
+@triton.jit
+def gelu_mul_grad_math(grad, a, b):
+    """Both gradients of ``gelu(a) * b``."""
+    return grad * b * gelu_derivative(a), grad * gelu(a)
+
+
+@triton.jit
+def gelu_tanh_mul_grad_math(grad, a, b):
+    """Both gradients of ``gelu_tanh(a) * b``."""
+    return grad * b * gelu_tanh_derivative(a), grad * gelu_tanh(a)

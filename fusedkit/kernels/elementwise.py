@@ -3,7 +3,9 @@
 A launch sees its problem as ``(batch, rows, cols)`` tiles (the host plans them:
 ``fusedkit.runtime.layout``); each program loads one tile of every operand through
 its strides, converts it as PyTorch would, applies ``FN`` and stores the result.
-Each registry entry compiles its own specialisation.
+Each registry entry compiles its own specialisation. With ``NUM_OUTPUTS == 2``, ``FN``
+returns a pair and the second value goes to ``out2_ptr``, laid out as ``out_ptr``: a
+backward that gives two gradients from one read of its inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import triton.language as tl
 
 from . import helpers
 
-__all__ = ["elementwise_kernel", "NOT_SPECIALISED"]
+__all__ = ["elementwise_kernel", "NOT_SPECIALISED", "POINTER_ARGS"]
+
+#: The kernel's leading pointer parameters: out, the three operand slots, out2 (the second
+#: output's; out's own address in a one-output launch).
+POINTER_ARGS = 5
 
 
 @triton.jit
@@ -43,14 +49,14 @@ NOT_SPECIALISED = ("a_bits", "b_bits", "c_bits", "param_bits", "size1", "size2",
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def elementwise_kernel(
-    out_ptr, a_ptr, b_ptr, c_ptr,
+    out_ptr, a_ptr, b_ptr, c_ptr, out2_ptr,
     a_bits, b_bits, c_bits, param_bits,
     size1, size2, size3, size_r, size_c, tiles_c, tiles_per_batch,
     o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
     a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
     b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
     c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
-    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr,
+    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr, NUM_OUTPUTS: tl.constexpr,
     SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
     RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr,
@@ -100,4 +106,8 @@ def elementwise_kernel(
                     result = FN(a, b, c)
             out_offsets = helpers.strided_offsets(i0, i1, i2, i3, rows, cols, o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
                                                   UNIT_R_MASK & 1, UNIT_C_MASK & 1, INT64)
-            helpers.store_result(out_ptr, out_offsets, result, mask, RESULT_DTYPE)
+            if NUM_OUTPUTS == 1:
+                helpers.store_result(out_ptr, out_offsets, result, mask, RESULT_DTYPE)
+            else:
+                helpers.store_result(out_ptr, out_offsets, result[0], mask, RESULT_DTYPE)
+                helpers.store_result(out2_ptr, out_offsets, result[1], mask, RESULT_DTYPE)

@@ -30,7 +30,7 @@ from ..errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
     ShapeError, SignatureError,
 )
-from ..kernels.elementwise import elementwise_kernel
+from ..kernels.elementwise import POINTER_ARGS, elementwise_kernel
 from ..registry import ElementwiseKernel, result_dtype
 from . import launch, native
 from .layout import (
@@ -39,7 +39,7 @@ from .layout import (
 )
 
 __all__ = ["BACKENDS", "Call", "KEPT", "KeptLaunch", "NEEDS_GRAD", "allocate_out", "backend_for", "call_key",
-           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_validated",
+           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_pair", "run_validated",
            "validate"]
 
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
@@ -323,10 +323,11 @@ def allocate_out(call: Call) -> torch.Tensor:
 
 
 def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
-                  dtype: torch.dtype | None = None):
+                  dtype: torch.dtype | None = None, out2: torch.Tensor | None = None):
     """``(grid, args, meta)`` of the launch that computes ``kernel`` into a non-empty ``out``;
     ``dtype`` is the result dtype when ``out`` has another one (it is rounded to ``dtype``,
-    then converted to ``out.dtype``, as PyTorch does).
+    then converted to ``out.dtype``, as PyTorch does). ``out2``: a two-output kernel's
+    second result, of ``out``'s shape, strides and dtype.
 
     Works on meta tensors too, so the code a call would compile can be inspected
     on a machine without a GPU (see ``fusedkit._codegen``).
@@ -358,9 +359,13 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
         _log.debug("%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets", kernel.name,
                    tuple(shape), dtype, out.dtype, plan.grid, plan.tile.block_r, plan.tile.block_c,
                    plan.tile.num_warps, "64-bit" if plan.int64 else "32-bit")
-    args = (out, *ptrs, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r, plan.size_c,
-            plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
+    if (out2 is not None) != (kernel.outputs == 2) or (
+            out2 is not None and (out2.shape != out.shape or out2.stride() != out.stride() or out2.dtype != out.dtype)):
+        raise ArgumentError(f"{kernel.name}: a two-output kernel takes out2 laid out as out; others none")
+    args = (out, *ptrs, out if out2 is None else out2, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r,
+            plan.size_c, plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
     meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
+                NUM_OUTPUTS=kernel.outputs,
                 SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
                 RESULT_DTYPE=_TL_DTYPE[dtype], COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype], COMPUTE_IS_FLOAT=is_float,
                 BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
@@ -369,14 +374,14 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
 
 
 def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Launch ``kernel`` on validated operands (tensors on ``out``'s device, or numbers) into ``out``,
-    under ``out``'s device and on its current stream; ``dtype`` is the result dtype when
-    ``out`` has another one."""
+                       dtype: torch.dtype | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch ``kernel`` on validated operands (tensors on ``out``'s device, or numbers) into ``out``
+    (and ``out2``, a two-output kernel's second result), under ``out``'s device and on its
+    current stream; ``dtype`` is the result dtype when ``out`` has another one."""
     if out.numel() == 0:
         return out
     try:
-        grid, args, meta = launch_config(kernel, operands, param, out, dtype)
+        grid, args, meta = launch_config(kernel, operands, param, out, dtype, out2)
     except TooManyDims:
         # More non-mergeable dims than the kernel walks: one launch per index of the
         # output's outermost dim, on views (broadcast operands expanded, never copied).
@@ -384,7 +389,8 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
         for i in range(out.shape[dim]):
             part = tuple(t.expand(out.shape).select(dim, i) if isinstance(t, torch.Tensor) else t
                          for t in operands)
-            launch_elementwise(kernel, part, param, out.select(dim, i), dtype)
+            launch_elementwise(kernel, part, param, out.select(dim, i), dtype,
+                               None if out2 is None else out2.select(dim, i))
         return out
     device = out.device
     with launch.serialised():
@@ -454,9 +460,9 @@ def run_validated(call: Call) -> torch.Tensor:
 # call that differs in any of it takes the full path above.
 
 CONSTEXPR_NAMES = launch.constexpr_names(elementwise_kernel)
-#: Kernel arguments before the planned sizes and strides: out, three operand slots,
-#: three scalar bit patterns and the parameter's.
-_PER_CALL_ARGS = 8
+#: Kernel arguments before the planned sizes and strides: the pointers (out, three operand
+#: slots, out2), three scalar bit patterns and the parameter's.
+_PER_CALL_ARGS = POINTER_ARGS + 4
 #: Kept launches by call signature (a full cache is cleared, the C++ table's with it).
 KEPT = launch.CallCache(native.clear)
 launch.register_cache(plan_elementwise.cache_clear)
@@ -570,6 +576,7 @@ class KeptLaunch:
             p = o if s is None else operands[s].data_ptr()
             ptrs.append(p)
             misaligned = (misaligned << 1) | (p % launch.ALIGNMENT != 0)
+        ptrs.append(o)  # out2: a kept launch has one output
         bits, classes = encoded
         spec = (misaligned | (o % launch.ALIGNMENT != 0) << len(self.tensor_slots), classes)
         entry = self.compiled.get(spec)
@@ -577,7 +584,7 @@ class KeptLaunch:
         if entry is not None and index == launch.current_device():
             launch.CompiledCache.run(entry, (*ptrs, *bits), index)
             return out
-        tensors = [out] + [out if s is None else operands[s] for s in self.tensor_slots]
+        tensors = [out] + [out if s is None else operands[s] for s in self.tensor_slots] + [out]
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._launch(spec, (*tensors, *bits), index)
         return out
@@ -621,7 +628,7 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
 
 def remember(key: tuple, call: Call, result: torch.Tensor) -> None:
     """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
+    if call.kernel.outputs != 1 or call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
         return
     kept = _make_kept(call.kernel, call.operands, call.param, result)
     if kept is not None:
@@ -633,7 +640,7 @@ def kept_launch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
     on ``out``'s device, or numbers; validated by the caller), whose results are laid out as
     ``out`` is: ``kept.run(operands, param)`` allocates one and launches, or returns None
     for the caller to take :func:`launch_elementwise`. None where launches are not kept."""
-    if backend_for(out.device) == "torch" or not launch.enabled():
+    if kernel.outputs != 1 or backend_for(out.device) == "torch" or not launch.enabled():
         return None
     return _make_kept(kernel, operands, param, out)
 
@@ -651,3 +658,31 @@ def run(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
         if key is not None and key is not NEEDS_GRAD:
             remember(key, call, result)
     return result
+
+
+def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both results of a two-output ``kernel`` (``outputs=2``: its math and its reference
+    return a pair) on ``operands``, each of their broadcast shape and result dtype, laid out
+    alike: validated, then one launch (the reference on the PyTorch backend). For eager
+    calls outside autograd (a backward's), as :func:`run` for one output."""
+    call = validate(kernel, operands, param, None)
+    if kernel.outputs != 2:
+        raise ArgumentError(f"{kernel.name}: run_pair() runs two-output kernels")
+    if backend_for(call.device) == "torch":
+        operands = call.operands
+        if call.dtype in (torch.float16, torch.bfloat16):  # as _run_reference: fp32 math, rounded once
+            operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t
+                             for t in operands)
+        args = operands + ((param,) if kernel.param is not None else ())
+        outs = (allocate_out(call), allocate_out(call))
+        with torch.autograd.grad_mode.no_grad():
+            for out, result in zip(outs, kernel.reference(*args)):
+                out.copy_(result.to(call.dtype))
+        return outs
+    out, out2 = allocate_out(call), allocate_out(call)
+    operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in call.operands)
+    if call.device.type != "cpu":  # host 0-d tensors as host numbers, as run_validated
+        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
+                         for t in operands)
+    launch_elementwise(kernel, operands, param, out, call.dtype, out2)
+    return out, out2

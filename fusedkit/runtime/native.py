@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import registry, settings
+from ..kernels.elementwise import POINTER_ARGS
 from . import launch
 
 __all__ = ["TABLE", "applies", "build", "clear", "enabled", "library_path", "register", "set_backward_factory"]
@@ -226,7 +227,7 @@ def launch_layout(kept, entry) -> tuple[str, list[int]] | None:
     """The table's ``kinds`` and ``values`` for the kernel parameters of a kept launch of
     ``kept``, in the order Triton 3.6 passes them (compile-time constants dropped)."""
     bits, _ = kept.last_param[1]
-    values = (0, 0, 0, 0, *bits, *kept.launch_tail)  # the kernel's signature order
+    values = (0,) * POINTER_ARGS + (*bits, *kept.launch_tail)  # the kernel's signature order
     signature = entry.compiled.src.signature
     if len(signature) != len(values):
         return None

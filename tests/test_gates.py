@@ -1,0 +1,245 @@
+"""The gates and bias + GELU: silu_mul, gelu_mul, add_gelu, their fused backward and nn.SwiGLU.
+
+The registry-driven suites (test_elementwise, test_autograd_compile) check each entry's
+forward against float64 and its gradients against torch's; this module checks what is
+particular to these ops: the public signatures, what autograd keeps, that the backward is
+one launch, transforms and compile, and the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand, views
+
+import fusedkit
+from fusedkit import library
+from fusedkit.kernels import activations
+from fusedkit.registry import ElementwiseKernel
+from fusedkit.runtime import elementwise as ew
+from fusedkit.testing import assert_matches_reference
+
+F64 = torch.float64
+
+
+def leaf(shape, dtype=F64):
+    return rand(shape, dtype, DEVICE).requires_grad_()
+
+
+GATES = [
+    (lambda a, b: fusedkit.silu_mul(a, b), lambda a, b: F.silu(a) * b),
+    (lambda a, b: fusedkit.gelu_mul(a, b), lambda a, b: F.gelu(a) * b),
+    (lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"), lambda a, b: F.gelu(a, approximate="tanh") * b),
+    (lambda a, b: fusedkit.add_gelu(a, b, alpha=-0.5), lambda a, b: F.gelu(torch.add(a, b, alpha=-0.5))),
+    (lambda a, b: fusedkit.add_gelu(a, b, approximate="tanh"), lambda a, b: F.gelu(a + b, approximate="tanh")),
+]
+GATE_IDS = ["silu_mul", "gelu_mul", "gelu_mul_tanh", "add_gelu_alpha", "add_gelu_tanh"]
+
+
+@pytest.mark.parametrize("fused,plain", GATES, ids=GATE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded_row", "col_strided"])
+def test_public_ops_forward_and_backward_match_torch(fused, plain, layout):
+    a = views((23, 17), F64, DEVICE)[layout] if layout != "contiguous" else rand((23, 17), F64, DEVICE)
+    a = a.detach().requires_grad_()  # a view as the leaf: its gradient has its shape
+    b = leaf((17,))  # broadcast: its gradient is summed over the rows
+    g = rand((23, 17), F64, DEVICE)
+    out = fused(a, b)
+    assert_matches_reference(out, plain(a.detach().cpu(), b.detach().cpu()))
+    ours = torch.autograd.grad(out, (a, b), g)
+    theirs = torch.autograd.grad(plain(a, b), (a, b), g)
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused,plain", GATES, ids=GATE_IDS)
+def test_half_types_compute_in_float32_and_round_once(fused, plain, dtype):
+    a, b = rand((31, 9), dtype, DEVICE), rand((31, 9), dtype, DEVICE)
+    out = fused(a, b)
+    assert out.dtype == dtype
+    assert_matches_reference(out, plain(a.cpu().double(), b.cpu().double()), dtype)
+
+
+def test_approximate_is_checked_before_anything_runs():
+    a = rand((4,), torch.float32, DEVICE)
+    out = torch.full((4,), 7.0, device=DEVICE)
+    for call in (lambda: fusedkit.gelu_mul(a, a, approximate="erf", out=out),
+                 lambda: fusedkit.add_gelu(a, a, approximate=None, out=out)):
+        with pytest.raises(fusedkit.ArgumentError, match="approximate must be 'none' or 'tanh'") as info:
+            call()
+        assert isinstance(info.value, ValueError)
+    assert torch.equal(out, torch.full((4,), 7.0, device=DEVICE))
+    with pytest.raises(fusedkit.DTypeError):
+        fusedkit.silu_mul(a, torch.ones(4, dtype=torch.int32, device=DEVICE))  # floating dtypes only
+
+
+def test_out_and_in_place():
+    a, b = rand((6, 5), torch.float32, DEVICE), rand((6, 5), torch.float32, DEVICE)
+    expected = F.silu(a.double()) * b.double()
+    out = torch.empty(6, 5, dtype=torch.float64, device=DEVICE)  # a dtype the result casts to
+    assert fusedkit.silu_mul(a, b, out=out) is out
+    assert_matches_reference(out, expected.cpu(), torch.float32)
+    assert fusedkit.silu_mul(a, b, out=a) is a  # in place on an input
+    assert_matches_reference(a, expected.cpu())
+
+
+@pytest.mark.parametrize("op", [fusedkit.silu_mul, fusedkit.gelu_mul, fusedkit.add_gelu])
+def test_autograd_keeps_the_inputs_and_no_intermediate(op):
+    a, b = leaf((40, 8), torch.float32), leaf((40, 8), torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        op(a, b)
+    assert sorted(t.data_ptr() for t in saved) == sorted((a.data_ptr(), b.data_ptr()))
+
+
+def _launches(monkeypatch):
+    calls = []
+    real = ew.launch_elementwise
+
+    def counted(kernel, *args, **kwargs):
+        calls.append(kernel.name)
+        return real(kernel, *args, **kwargs)
+    monkeypatch.setattr(ew, "launch_elementwise", counted)
+    return calls
+
+
+@pytest.mark.parametrize("op,alpha,expected", [
+    (fusedkit.silu_mul, None, ["silu_mul_grad"]),
+    (fusedkit.gelu_mul, None, ["gelu_mul_grad"]),
+    (fusedkit.add_gelu, 1, ["add_gelu_grad"]),
+    (fusedkit.add_gelu, 2.0, ["add_gelu_grad", "add"]),  # d/dy = alpha * d/dx
+])
+def test_backward_is_one_fused_launch(monkeypatch, op, alpha, expected):
+    if fusedkit.backend_for(DEVICE) == "torch":
+        pytest.skip("the PyTorch path launches no kernel")
+    a, b = leaf((16, 8), torch.float32), leaf((16, 8), torch.float32)
+    out = op(a, b) if alpha is None else op(a, b, alpha=alpha)
+    fusedkit.clear_caches()  # every launch takes launch_elementwise (none kept)
+    calls = _launches(monkeypatch)
+    ga, gb = torch.autograd.grad(out, (a, b), torch.ones_like(out))
+    assert calls == expected
+    if alpha == 1:
+        assert ga is gb or torch.equal(ga, gb)
+
+
+def test_two_output_kernels_stay_out_of_the_registry():
+    assert "silu_mul_grad" not in fusedkit.registry.names()
+    pair = ElementwiseKernel(name="pair", math=activations.silu_mul_grad_math, reference=lambda g, a, b: (g, g),
+                             arg_names=("g", "a", "b"), param=None, outputs=2, formula="pair", unfused=("x",))
+    with pytest.raises(fusedkit.ArgumentError, match="2 outputs"):
+        fusedkit.registry.register(pair)
+    with pytest.raises(fusedkit.ArgumentError, match="outputs must be 1 or 2"):
+        ElementwiseKernel(name="three", math=activations.silu_mul_grad_math, reference=lambda g, a, b: g,
+                          arg_names=("g", "a", "b"), param=None, outputs=3, formula="three", unfused=("x",))
+    with pytest.raises(fusedkit.ArgumentError, match="two-output"):
+        ew.run_pair(library.SILU_MUL, (rand((3,), torch.float32, DEVICE),) * 2, None)
+
+
+@pytest.mark.parametrize("kernel", [library.SILU_MUL_GRAD, library.GELU_MUL_GRAD, library.GELU_TANH_MUL_GRAD],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("layout", ["transposed", "expanded_col", "offset"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64])
+def test_run_pair_reads_strided_inputs_and_numbers(kernel, layout, dtype):
+    grad = rand((23, 17), dtype, DEVICE)
+    a = views((23, 17), dtype, DEVICE)[layout]
+    for operands in ((grad, a, 1.5), (grad, a, a.t().t()), (grad, -0.75, a)):
+        da, db = ew.run_pair(kernel, operands, None)
+        assert da.shape == db.shape == (23, 17) and da.stride() == db.stride() and da.dtype == dtype
+        wide = tuple(v.double().cpu() if isinstance(v, torch.Tensor) else v for v in operands)
+        ref_da, ref_db = kernel.reference(*wide)
+        assert_matches_reference(da, ref_da)
+        assert_matches_reference(db, ref_db)
+
+
+@pytest.mark.slow  # float64 gradcheck and gradgradcheck in the interpreter
+@pytest.mark.parametrize("op", [fusedkit.silu_mul, lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
+                                lambda a, b: fusedkit.add_gelu(a, b, alpha=0.5)], ids=["silu", "gelu_tanh", "add"])
+def test_second_derivatives(op):
+    a, b = leaf((4, 3)), leaf((3,))
+    assert torch.autograd.gradcheck(op, (a, b))
+    assert torch.autograd.gradgradcheck(op, (a, b))
+
+
+def test_torch_func_transforms():
+    from torch.func import grad, vmap
+    x, y = rand((5, 3), F64, DEVICE), rand((5, 3), F64, DEVICE)
+    for fused, plain in GATES:
+        torch.testing.assert_close(vmap(fused)(x, y), vmap(plain)(x, y))
+        torch.testing.assert_close(grad(lambda a: fused(a, y).sum())(x), grad(lambda a: plain(a, y).sum())(x))
+        torch.testing.assert_close(vmap(grad(lambda a, b: fused(a, b).sum()))(x, y),
+                                   vmap(grad(lambda a, b: plain(a, b).sum()))(x, y))
+
+
+@pytest.mark.slow  # torch.compile
+def test_compile_fullgraph_forward_and_backward():
+    def f(a, b, c):
+        return fusedkit.add_gelu(fusedkit.silu_mul(a, b), c, approximate="tanh").sum()
+    a, b, c = leaf((8, 6), torch.float32), leaf((8, 6), torch.float32), leaf((6,), torch.float32)
+    compiled = torch.compile(f, fullgraph=True)
+    got = torch.autograd.grad(compiled(a, b, c), (a, b, c))
+    expected = torch.autograd.grad(F.gelu(F.silu(a) * b + c, approximate="tanh").sum(), (a, b, c))
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# --- nn.SwiGLU ------------------------------------------------------------------------------
+
+class _LlamaStyleMLP(torch.nn.Module):
+    """The LLaMA MLP as people write it: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, h, bias=False)
+        self.up_proj = torch.nn.Linear(d, h, bias=False)
+        self.down_proj = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_swiglu_loads_a_llama_mlp_and_trains_to_the_same_loss():
+    torch.manual_seed(0)
+    ref = _LlamaStyleMLP(12, 20).to(DEVICE)
+    ours = fusedkit.nn.SwiGLU(12, 20, device=DEVICE)
+    assert ours.load_state_dict(ref.state_dict()).missing_keys == []
+    assert set(ours.state_dict()) == {"gate.weight", "up.weight", "down.weight"}
+    x, target = rand((7, 5, 12), torch.float32, DEVICE), rand((7, 5, 12), torch.float32, DEVICE)
+    losses = []
+    for model in (ref, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        run = []
+        for _ in range(4):
+            loss = F.mse_loss(model(x), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+
+
+def test_swiglu_loads_transformers_llama_mlp():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=24, hidden_act="silu", num_attention_heads=4,
+                                      num_key_value_heads=4)
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    ref = LlamaMLP(config).to(DEVICE)
+    ours = fusedkit.nn.SwiGLU(16, 24, device=DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    x = rand((3, 16), torch.float32, DEVICE)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_takes_what_linear_takes_and_follows_autocast():
+    m = fusedkit.nn.SwiGLU(8, 6, bias=True, device=DEVICE)
+    assert m(rand((8,), torch.float32, DEVICE)).shape == (8,)
+    assert m(rand((0, 8), torch.float32, DEVICE)).shape == (0, 8)
+    assert "hidden_features=6, bias=True" in repr(m)
+    device_type = "cuda" if DEVICE.type == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        y = m(rand((4, 8), torch.float32, DEVICE))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert m.gate.weight.grad.dtype == torch.float32
