@@ -56,7 +56,8 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu", "linear_relu", "nn", "registry",
+    "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu",
+    "linear_relu", "nn", "registry",
     "settings", "set_fp32_precision", "get_fp32_precision", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
     "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",

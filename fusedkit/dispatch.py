@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import autograd
-from .errors import FusedkitError, TracingError
+from .errors import FusedkitError, NotDifferentiableError, TracingError
 from .registry import ElementwiseKernel
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
@@ -36,6 +36,7 @@ _functorch = autograd.functorch_active
 #: Whether a profiler is recording: ranges cost host time only then.
 _profiling = torch._C._autograd._profiler_enabled
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_forward_ad = torch.autograd.forward_ad
 _KEPT = ew.KEPT
 _call_key = ew.call_key
 _NEEDS_GRAD = ew.NEEDS_GRAD
@@ -74,10 +75,22 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
     return _kept_or_first(kernel, operands, param, out)
 
 
+def _no_forward_ad(name: str, tensors) -> None:
+    """Refuse forward-mode AD (``torch.autograd.forward_ad``) in eager calls: the kernels have
+    no forward derivative, and the result would silently carry no tangent. A global read
+    unless a dual level is open."""
+    if _forward_ad._current_level >= 0 and not _functorch():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+                raise NotDifferentiableError(f"{name}(): forward-mode AD is not supported (an operand carries a "
+                                             "tangent); use the PyTorch composition under forward_ad")
+
+
 def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """An eager call the C++ table did not take: an ``out=None`` call outside any dispatch
     mode, transform or trace runs its kept launch, or autograd records it; everything else,
     and a first call (which keeps a launch for its signature), takes the full path."""
+    _no_forward_ad(kernel.name, (*operands, out))
     if out is not None or _dispatch_modes() or _functorch() or _jit_tracing():
         return _elementwise(kernel, operands, param, out, None)
     key = _call_key(kernel, operands, param)
@@ -144,6 +157,8 @@ def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
 
 
 def _matmul(a, b, bias, activation):
+    if not _is_compiling():
+        _no_forward_ad("matmul", (a, b, bias))
     if isinstance(a, torch.Tensor) and a.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
         a, b, bias = autocast(a.device.type, a, b, bias)
     key = None

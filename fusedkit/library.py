@@ -12,24 +12,27 @@ above the autograd layer, which receives them as data (a registry entry's ``back
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from . import autograd, dispatch
-from .errors import ArgumentError
 from .kernels import activations
 from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin, result_dtype
 from .runtime import elementwise as ew
 
 __all__ = ["ADD", "ADD_GELU", "ADD_GELU_GRAD", "ADD_GELU_TANH", "ADD_GELU_TANH_GRAD", "ADD_RELU", "GELU_GRAD",
-           "GELU_MUL", "GELU_MUL_GRAD", "GELU_TANH_GRAD", "GELU_TANH_MUL", "GELU_TANH_MUL_GRAD", "RELU_GRAD", "SILU_GRAD",
-           "SILU_MUL", "SILU_MUL_GRAD", "activation_grad",
-           "gelu_entry", "matmul_backward"]
+           "GELU_MUL", "GELU_MUL_GRAD", "GELU_TANH_GRAD", "GELU_TANH_MUL", "GELU_TANH_MUL_GRAD", "RELU_GRAD",
+           "SILU_GRAD", "SILU_MUL", "SILU_MUL_GRAD", "activation_grad", "matmul_backward"]
+
+
+def _scaled(grad, alpha):
+    """``alpha * grad`` as torch's AddBackward gives it: ``-0.0 + alpha * grad`` in one kernel
+    (-0.0, the sum's identity, keeps a -0.0 product's sign, which +0 would flip)."""
+    return grad if alpha == 1 else dispatch.elementwise(ADD, (-0.0, grad), alpha, None)
 
 
 def _add_backward(grad, saved, alpha):
-    # d/dx = grad itself (no copy); d/dy = alpha * grad, computed as 0 + alpha * grad.
-    return grad, grad if alpha == 1 else dispatch.elementwise(ADD, (0, grad), alpha, None)
+    # d/dx = grad itself (no copy); d/dy = alpha * grad.
+    return grad, _scaled(grad, alpha)
 
 
 def _add_relu_backward(grad, out, alpha):
@@ -139,7 +142,11 @@ def activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | N
 # Each saves its inputs, never an intermediate (the activation is recomputed in the backward:
 # one more read, none of the forward's extra memory), and takes its gradients in one kernel.
 
-def _tensor(v) -> torch.Tensor:
+#: Whether a profiler is recording (a C call).
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _float64_if_number(v) -> torch.Tensor:
     """A number as a float64 0-d tensor (it promotes as the number would), a tensor as it is."""
     return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
 
@@ -171,7 +178,7 @@ def _gate_grad_reference(approximate: str | None):
     """The two gradients of ``act(a) * b`` with torch's ops (``None``: SiLU; else GELU's ``approximate``)."""
     def reference(grad, a, b):
         (grad, a, b), dtype = _opmath(grad, a, b)
-        a = _tensor(a)
+        a = _float64_if_number(a)
         if approximate is None:  # (aten's silu_backward has no derivative of its own: a second one needs this)
             s = torch.sigmoid(a)
             da, db = grad * b * (s * (1 + a * (1 - s))), grad * (a * s)
@@ -197,16 +204,20 @@ GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_ta
                                        "gelu_tanh")
 
 
-def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None, act: str) -> ElementwiseKernel:
+def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None,
+                act: str) -> ElementwiseKernel:
     """``act(a) * b`` as a registry entry; its backward runs ``grad_kernel``."""
     def backward(grad, saved, param):
         a, b = saved
         if _needs_composition(grad, a, b):
             return grad_kernel.reference(grad, a, b)
+        if _profiling():  # a range as dispatch gives every other kernel
+            with torch.profiler.record_function(f"fusedkit::{grad_kernel.name}"):
+                return ew.run_pair(grad_kernel, (grad, a, b), None)
         return ew.run_pair(grad_kernel, (grad, a, b), None)
 
     def reference(a, b):
-        a = _tensor(a)
+        a = _float64_if_number(a)
         return (F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)) * b
 
     return register_builtin(ElementwiseKernel(
@@ -226,7 +237,8 @@ def _add_gelu_grad_entry(name: str, math, approximate: str) -> ElementwiseKernel
     and y. Its reference is PyTorch's backward op; it declares no backward of its own."""
     def reference(grad, x, y, alpha=1):
         (grad, x, y), dtype = _opmath(grad, x, y)
-        return _GELU_BACKWARD[approximate](*_aten_operands(grad, torch.add(_tensor(x), y, alpha=alpha))).to(dtype)
+        pre = torch.add(_float64_if_number(x), y, alpha=alpha)
+        return _GELU_BACKWARD[approximate](*_aten_operands(grad, pre)).to(dtype)
     return register_builtin(ElementwiseKernel(
         name=name, math=math, reference=reference, arg_names=("grad", "x", "y"), dtypes=FLOAT_DTYPES,
         formula=f"grad * {'gelu' if approximate == 'none' else 'gelu_tanh'}'(x + alpha * y)",
@@ -244,12 +256,12 @@ def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate
             g = grad_kernel.reference(grad, x, y, alpha)
             return g, g * alpha
         g = dispatch.elementwise(grad_kernel, (grad, x, y), alpha, None)
-        # d/dy = alpha * d/dx, as torch's AddBackward scales it (one launch where alpha == 1).
-        return g, g if alpha == 1 else dispatch.elementwise(ADD, (0, g), alpha, None)
+        return g, _scaled(g, alpha)  # d/dy = alpha * d/dx (the same tensor where alpha == 1)
 
     return register_builtin(ElementwiseKernel(
         name=name, math=math,
-        reference=lambda x, y, alpha=1: F.gelu(torch.add(_tensor(x), y, alpha=alpha), approximate=approximate),
+        reference=lambda x, y, alpha=1: F.gelu(torch.add(_float64_if_number(x), y, alpha=alpha),
+                                               approximate=approximate),
         dtypes=FLOAT_DTYPES,
         formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
         unfused=("torch.add", "torch.nn.functional.gelu"), saves="inputs", backward=backward))
@@ -257,15 +269,6 @@ def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate
 
 ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, ADD_GELU_GRAD, "none")
 ADD_GELU_TANH = _add_gelu_entry("add_gelu_tanh", activations.add_gelu_tanh_math, ADD_GELU_TANH_GRAD, "tanh")
-
-
-def gelu_entry(kernels: dict, approximate, op: str) -> ElementwiseKernel:
-    """The entry of ``kernels`` ({"none": ..., "tanh": ...}) for GELU's ``approximate``, which
-    must be "none" or "tanh", as ``F.gelu`` requires."""
-    try:
-        return kernels[approximate]
-    except (KeyError, TypeError):
-        raise ArgumentError(f"{op}(): approximate must be 'none' or 'tanh', got {approximate!r}") from None
 
 
 def matmul_backward(ctx, grad_out):

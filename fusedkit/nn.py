@@ -97,8 +97,10 @@ class SwiGLU(nn.Module):
     def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
         for key in [k for k in state_dict if k.startswith(prefix)]:
             head, _, rest = key[len(prefix):].partition(".")
-            if head in cls.LLAMA_NAMES and rest:
-                state_dict[f"{prefix}{cls.LLAMA_NAMES[head]}.{rest}"] = state_dict.pop(key)
+            target = f"{prefix}{cls.LLAMA_NAMES.get(head)}.{rest}"
+            # (both names present: the LLaMA key stays, and a strict load reports it unexpected)
+            if head in cls.LLAMA_NAMES and rest and target not in state_dict:
+                state_dict[target] = state_dict.pop(key)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "

@@ -13,8 +13,8 @@ import typing
 import torch
 
 from . import dispatch
-from .errors import DTypeError, ShapeError, SignatureError
-from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL, gelu_entry
+from .errors import ArgumentError, DTypeError, ShapeError, SignatureError
+from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL
 from .registry import ElementwiseKernel, get
 from .runtime.layout import broadcast_shape
 
@@ -88,11 +88,19 @@ _GELU_MUL = {"none": GELU_MUL, "tanh": GELU_TANH_MUL}
 _ADD_GELU = {"none": ADD_GELU, "tanh": ADD_GELU_TANH}
 
 
+def _by_approximate(kernels: dict, approximate, op: str) -> ElementwiseKernel:
+    """The entry for GELU's ``approximate``, "none" or "tanh" as ``F.gelu`` requires."""
+    kernel = kernels.get(approximate) if isinstance(approximate, str) else None
+    if kernel is None:
+        raise ArgumentError(f"{op}(): approximate must be 'none' or 'tanh', got {approximate!r}")
+    return kernel
+
+
 def gelu_mul(a: Operand, b: Operand, *, approximate: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.gelu(a, approximate=approximate) * b`` in one kernel, the GeGLU gate; as
     :func:`silu_mul`. ``approximate``: "none" (erf) or "tanh"; anything else raises
     ``ArgumentError``, as ``F.gelu`` refuses it."""
-    return dispatch.elementwise(gelu_entry(_GELU_MUL, approximate, "gelu_mul"), (a, b), None, out)
+    return dispatch.elementwise(_by_approximate(_GELU_MUL, approximate, "gelu_mul"), (a, b), None, out)
 
 
 def add_gelu(x: Operand, y: Operand, *, alpha: float | int = 1, approximate: str = "none",
@@ -101,7 +109,7 @@ def add_gelu(x: Operand, y: Operand, *, alpha: float | int = 1, approximate: str
     or residual added before a GELU. Arguments and errors as :func:`add` (floating dtypes
     only) and :func:`gelu_mul`. Differentiable: autograd keeps x and y (no sum) and takes
     the gradient in one kernel."""
-    return dispatch.elementwise(gelu_entry(_ADD_GELU, approximate, "add_gelu"), (x, y), alpha, out)
+    return dispatch.elementwise(_by_approximate(_ADD_GELU, approximate, "add_gelu"), (x, y), alpha, out)
 
 
 def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | None = None, **param):

@@ -167,6 +167,9 @@ class ElementwiseKernel:
             raise DTypeError(f"{self.name}: backward must be callable or None")
         if self.outputs not in (1, 2):
             raise ArgumentError(f"{self.name}: outputs must be 1 or 2, got {self.outputs!r}")
+        if self.outputs == 2 and (self.backward is not None or self.saves != "none"):
+            raise ArgumentError(f"{self.name}: a two-output kernel is a backward's, run outside autograd: it takes "
+                                "no backward and saves nothing")
         if self.backward_kernels is not None and (self.backward is None or self.saves != "output"
                                                   or not callable(self.backward_kernels)):
             raise ArgumentError(f"{self.name}: backward_kernels states a backward on the saved output: it needs "

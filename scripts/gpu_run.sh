@@ -36,6 +36,14 @@ fi
 # cat them into .gpu-cache.tgz and pass carry: [".gpu-cache.tgz"] (64 MiB at most).
 # A fixed path: Triton's cache index records absolute file paths, so a cache unpacked
 # anywhere else misses every kernel.
+# Peers the device image lacks (Liger-Kernel, for the model report's llama_mlp): wheels
+# carried in .gpu-wheels/ (git-ignored; pure-Python, built for Python 3.12) are unpacked into
+# a folder on PYTHONPATH for every stage: the image's venv is not writable.
+if compgen -G ".gpu-wheels/*.whl" > /dev/null; then
+  python3 -m pip install --quiet --no-deps --target /tmp/fusedkit-peers .gpu-wheels/*.whl \
+    && export PYTHONPATH="/tmp/fusedkit-peers${PYTHONPATH:+:$PYTHONPATH}" \
+    && echo "[peers] $(ls .gpu-wheels)" >> "$OUT/steps.txt"
+fi
 CACHE=/tmp/fusedkit-gpu-cache
 mkdir -p "$CACHE"
 [ -f .gpu-cache.tgz ] && tar xzf .gpu-cache.tgz -C "$CACHE" 2>/dev/null

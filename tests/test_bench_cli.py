@@ -137,3 +137,16 @@ def test_plots_without_matplotlib_fail_before_the_run(tmp_path, monkeypatch, cap
         main(["bench", "--plots", str(tmp_path / "p"), "--json", str(tmp_path / "r.json")])
     assert info.value.code == 2 and "--plots needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_results_name_the_checkout_commit(monkeypatch):
+    from fusedkit.bench.report import _commit
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout (a copied tree names its commit with FUSEDKIT_COMMIT)")
+    monkeypatch.delenv("FUSEDKIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert head and _commit().startswith(head)
+    monkeypatch.setenv("FUSEDKIT_COMMIT", "abc123")
+    assert _commit() == "abc123"

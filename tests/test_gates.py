@@ -167,9 +167,10 @@ def test_torch_func_transforms():
     x, y = rand((5, 3), F64, DEVICE), rand((5, 3), F64, DEVICE)
     for fused, plain in GATES:
         torch.testing.assert_close(vmap(fused)(x, y), vmap(plain)(x, y))
-        torch.testing.assert_close(grad(lambda a: fused(a, y).sum())(x), grad(lambda a: plain(a, y).sum())(x))
-        torch.testing.assert_close(vmap(grad(lambda a, b: fused(a, b).sum()))(x, y),
-                                   vmap(grad(lambda a, b: plain(a, b).sum()))(x, y))
+        for f, p in ((fused, plain),):  # (bound per pair: the lambdas below run now)
+            torch.testing.assert_close(grad(lambda a, f=f: f(a, y).sum())(x), grad(lambda a, p=p: p(a, y).sum())(x))
+            torch.testing.assert_close(vmap(grad(lambda a, b, f=f: f(a, b).sum()))(x, y),
+                                       vmap(grad(lambda a, b, p=p: p(a, b).sum()))(x, y))
 
 
 @pytest.mark.slow  # torch.compile
@@ -243,3 +244,51 @@ def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert m.gate.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", [fusedkit.add, fusedkit.add_gelu])
+def test_scaled_gradient_keeps_the_sign_of_zero(op):
+    # d/dy = alpha * grad, as torch's AddBackward: a -0.0 product stays -0.0.
+    x, y = torch.tensor([0.0, 1.0], device=DEVICE, requires_grad=True), leaf((2,), torch.float32)
+    g = torch.tensor([-0.0, 0.0], device=DEVICE)
+    plain = (lambda a, b: torch.add(a, b, alpha=2.0)) if op is fusedkit.add else \
+        (lambda a, b: F.gelu(torch.add(a, b, alpha=2.0)))
+    ours = torch.autograd.grad(op(x, y, alpha=2.0), (x, y), g)[1]
+    theirs = torch.autograd.grad(plain(x, y), (x, y), g)[1]
+    assert torch.equal(torch.signbit(ours), torch.signbit(theirs)) and torch.equal(ours, theirs)
+
+
+def test_a_two_output_kernel_is_refused_where_one_result_is_expected():
+    t = rand((4,), torch.float32, DEVICE)
+    out = torch.full((4,), 7.0, device=DEVICE)
+    with pytest.raises(fusedkit.ArgumentError, match="run_pair"):
+        fusedkit.elementwise(library.SILU_MUL_GRAD, t, t, t, out=out)
+    with pytest.raises(fusedkit.ArgumentError, match="run_pair"):
+        fusedkit.elementwise(library.SILU_MUL_GRAD, t, t, t)
+    assert torch.equal(out, torch.full((4,), 7.0, device=DEVICE))
+    with pytest.raises(fusedkit.ArgumentError, match="no backward"):
+        ElementwiseKernel(name="pair", math=activations.silu_mul_grad_math, reference=lambda g, a, b: (g, g),
+                          arg_names=("g", "a", "b"), param=None, outputs=2, formula="pair", unfused=("x",),
+                          saves="inputs", backward=lambda g, s, p: (g, g, g))
+
+
+def test_the_gate_backward_has_a_profiler_range():
+    a, b = leaf((8, 4), torch.float32), leaf((8, 4), torch.float32)
+    out = fusedkit.silu_mul(a, b)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.sum().backward()
+    assert "fusedkit::silu_mul_grad" in {e.name for e in prof.events()}
+
+
+def test_swiglu_strict_load_does_not_let_a_llama_key_overwrite_its_own():
+    m = fusedkit.nn.SwiGLU(4, 6, device=DEVICE)
+    state = m.state_dict()
+    state["gate_proj.weight"] = torch.zeros(6, 4, device=DEVICE)
+    with pytest.raises(RuntimeError, match="gate_proj.weight"):
+        m.load_state_dict(state, strict=True)
+    assert not torch.equal(m.gate.weight.detach(), torch.zeros(6, 4, device=DEVICE))
+    # nested in a parent module, under its prefix
+    parent = torch.nn.Sequential(fusedkit.nn.SwiGLU(4, 6, device=DEVICE))
+    llama = {f"0.{k}": v for k, v in _LlamaStyleMLP(4, 6).to(DEVICE).state_dict().items()}
+    parent.load_state_dict(llama)
+    torch.testing.assert_close(parent[0].up.weight, llama["0.up_proj.weight"])

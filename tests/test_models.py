@@ -101,3 +101,22 @@ def test_report_runs_end_to_end():
 def test_unavailable_names_the_package():
     case = dataclasses.replace(models.MODELS["resnet50"], package="no_such_package_fusedkit")
     assert "no_such_package_fusedkit" in models.unavailable(case)
+
+
+def test_peer_variants_run_where_they_import_and_work(monkeypatch):
+    """A peer library's fusion is one more variant where its package imports and its fusion
+    runs here; otherwise the report names why it is left out."""
+    name = next((n for n in CASES if models.unavailable(models.MODELS[n]) is None), None)
+    if name is None:
+        pytest.skip("neither torchvision nor transformers imports here")
+    case = models.MODELS[name]
+
+    def broken(model):
+        raise RuntimeError("no kernels for this device")
+    case = dataclasses.replace(case, peers=(("same", "torch", case.fuse), ("broken", "torch", broken),
+                                            ("absent", "no_such_package_fusedkit", case.fuse)))
+    monkeypatch.setitem(models.MODELS, name, case)
+    results, skipped = models.run_models([name], DEVICE, use_compile=False, small=True, progress=False, rounds=1)
+    assert {r.variant for r in results} == {"eager", "eager2", "fusedkit", "same"}
+    assert "no_such_package_fusedkit" in skipped[f"{name} absent"]
+    assert "no kernels for this device" in skipped[f"{name} broken"]

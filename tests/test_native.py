@@ -131,9 +131,10 @@ def test_table_refuses_every_other_call(table):
         "negated view": call(x, torch._neg_view(y)),
         "a subclass": call(x.as_subclass(_Sub), y),
     }
-    x.requires_grad_(True)
-    with torch.autograd.forward_ad.dual_level():
+    with torch.autograd.forward_ad.dual_level():  # a tangent, with and without requires_grad
         refused["a dual tensor"] = call(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), y)
+        x.requires_grad_(True)
+        refused["a dual tensor requiring grad"] = call(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), y)
     assert all(v is None for v in refused.values()), [k for k, v in refused.items() if v is not None]
     assert call(x, y).requires_grad  # a gradient: the table records the call
     with torch.no_grad():

@@ -509,3 +509,19 @@ def test_jit_trace_is_refused_not_recorded_without_the_kernel():
     with pytest.raises(fusedkit.TracingError, match="torch.jit.trace"):
         torch.jit.trace(lambda a: fusedkit.matmul(a, w, None, "relu"), (x,))
     assert isinstance(fusedkit.TracingError("x"), NotImplementedError)
+
+
+def test_forward_mode_ad_is_refused_not_answered_without_a_tangent():
+    import torch.autograd.forward_ad as fwAD
+    x, t, w = rand((3, 4), torch.float32, DEVICE), rand((3, 4), torch.float32, DEVICE), rand((4, 2), torch.float32,
+                                                                                               DEVICE)
+    for _ in range(2):  # the second time a kept launch (or the C++ table) would take the call
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x, t)
+            for call in (lambda: fusedkit.add_relu(dual, 1.0), lambda: fusedkit.add(x, dual),
+                         lambda: fusedkit.silu_mul(dual, x), lambda: fusedkit.matmul(dual, w)):
+                with pytest.raises(fusedkit.NotDifferentiableError, match="forward-mode AD"):
+                    call()
+            assert fusedkit.add_relu(x, 1.0).shape == (3, 4)  # no tangent: runs
+        fusedkit.add_relu(x, x)
+        fusedkit.matmul(x, w)

@@ -126,7 +126,7 @@ def _run_backward(op, impls, tensors, dtypes, device, sizes) -> list[dict]:
                 z = fn(x, y)
                 grads = torch.autograd.grad(z, (x, y), g, retain_graph=True)
                 for got, ref in zip(grads, want):
-                    torch.testing.assert_close(got, ref, **_tolerance(dt))
+                    torch.testing.assert_close(got, ref, **_TOLERANCE.get(dt, {}))
                 us = _time_us(lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True), device)
                 row[f"{name}_bwd_us"] = us
                 row[f"{name}_bwd_gbps"] = row["bytes_backward"] / us / 1e3
@@ -140,11 +140,9 @@ def _run_backward(op, impls, tensors, dtypes, device, sizes) -> list[dict]:
     return rows
 
 
-def _tolerance(dtype) -> dict:
-    """The check against the eager composition: fusedkit computes half types in float32 and
-    rounds once, the composition after each op (2 ulps of bf16 apart at most)."""
-    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=4e-3, atol=4e-3) \
-        if dtype == torch.float16 else {}
+#: The check against the eager composition: fusedkit computes half types in float32 and rounds
+#: once, the composition after each op (2 ulps apart at most).
+_TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
 def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[dict]:

@@ -13,7 +13,8 @@ same model stock, eager and under ``torch.compile``, in one process:
   that MLP inside.
 - ``llama_mlp``: transformers' ``LlamaMLP`` at LLaMA-7B's sizes (4096 -> 11008 -> 4096,
   SiLU gate); the fused model runs its gate, ``act_fn(gate_proj(x)) * up_proj(x)``, as one
-  ``fusedkit.silu_mul``.
+  ``fusedkit.silu_mul``. Where Liger-Kernel imports, its SwiGLU MLP forward is a variant
+  too (``liger``).
 
 For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
 ``compiled``: ``torch.compile`` of the stock model):
@@ -93,6 +94,9 @@ class ModelCase:
     small_sizes: Sizes
     lr: float
     channels_last: bool = False
+    #: Other libraries' fusions of the same sites, each a variant of its own where its package
+    #: imports: (variant name, package, fuse in place -> sites changed).
+    peers: tuple = ()
 
 
 # --- ResNet-50 (torchvision) ------------------------------------------------------------
@@ -252,6 +256,17 @@ def _fuse_llama(model) -> int:
     return len(mlps)
 
 
+def _fuse_llama_liger(model) -> int:
+    """The peer: Liger-Kernel's SwiGLU MLP forward (its fused SiLU-mul) on each LlamaMLP."""
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    for m in mlps:
+        m.forward = types.MethodType(LigerSwiGLUMLP.forward, m)
+    return len(mlps)
+
+
 def _llama_batch(shape, gen, small):
     n, t = shape
     c = (LLAMA_SMALL if small else LLAMA_7B)["hidden_size"]
@@ -276,7 +291,8 @@ MODELS = {case.name: case for case in (
     ModelCase("gpt2_block", "transformers GPT2Block (medium), its MLP as in gpt2_mlp", "transformers",
               _build_gpt2_block, _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
     ModelCase("llama_mlp", "transformers LlamaMLP (7B sizes), its SiLU gate through silu_mul", "transformers",
-              _build_llama_mlp, _fuse_llama, _llama_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
+              _build_llama_mlp, _fuse_llama, _llama_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05,
+              peers=(("liger", "liger_kernel", _fuse_llama_liger),)),
 )}
 
 
@@ -287,6 +303,28 @@ def unavailable(case: ModelCase) -> str | None:
         case.build(True)
     except Exception as exc:  # a missing package, or one built for another torch
         return f"{case.package} does not import here: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return None
+
+
+def _import_error(package: str) -> str | None:
+    """Why ``package`` does not import here, or None."""
+    try:
+        importlib.import_module(package)
+    except Exception as exc:  # missing, or built for another torch / triton
+        return f"{package} does not import here: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return None
+
+
+def _peer_error(case: ModelCase, fuse_peer, device) -> str | None:
+    """Why a peer's fusion of ``case`` does not run here (one small training step), or None: a
+    peer's kernels may not run in Triton's interpreter, say."""
+    try:
+        model = case.build(True).to(device)
+        fuse_peer(model)
+        x, t = _to_device(case, case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True), device)
+        case.loss(model(x), t).backward()
+    except Exception as exc:  # noqa: BLE001 - whatever the peer raises, the report goes on without it
+        return f"it fails here: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
     return None
 
 
@@ -372,7 +410,13 @@ def _time_ms(fn, device) -> float:
 
 
 def _variant_model(case, variant, stock, device):
-    model = fuse(case, stock) if variant == "fusedkit" else copy.deepcopy(stock)
+    peer = next((fuse_peer for name, _, fuse_peer in case.peers if name == variant), None)
+    if variant == "fusedkit":
+        model = fuse(case, stock)
+    else:
+        model = copy.deepcopy(stock)
+        if peer is not None and peer(model) == 0:
+            raise RuntimeError(f"{case.name}: the {variant} peer found no site to fuse")
     fmt = torch.channels_last if case.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=fmt)
     return model, (torch.compile(model, dynamic=False) if variant == "compiled" else model)
@@ -468,14 +512,22 @@ def run_models(names, device, use_compile=True, small: bool | None = None, progr
     cases = [MODELS[n] for n in names]
     rounds = _rounds(rounds, device)
     # A step per variant's loss run, and one per timing round.
-    bar = progress_bar(len(cases) * (len(variants) + rounds), "models", progress)
+    bar = progress_bar(sum(len(variants) + len(c.peers) + rounds for c in cases), "models", progress)
     for case in cases:
         reason = unavailable(case)
         if reason is not None:
             skipped[case.name] = reason
-            bar.update(len(variants) + rounds)
+            bar.update(len(variants) + len(case.peers) + rounds)
             continue
-        results += run_case(case, device, variants, small, bar, rounds)
+        peers = []
+        for name, package, fuse_peer in case.peers:
+            reason = _import_error(package) or _peer_error(case, fuse_peer, device)
+            if reason is None:
+                peers.append(name)
+            else:
+                skipped[f"{case.name} {name}"] = reason
+                bar.update()
+        results += run_case(case, device, variants + peers, small, bar, rounds)
         torch._dynamo.reset()
     bar.close()
     return results, skipped
@@ -510,5 +562,5 @@ def format_models_table(results: list[Result], skipped: dict) -> str:
                          f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
                          f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}")
     for name, reason in skipped.items():
-        lines.append(f"{name:<14} skipped: {reason}")
+        lines.append(f"{name:<24} skipped: {reason}")
     return "\n".join(lines)

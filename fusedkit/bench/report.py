@@ -193,16 +193,17 @@ def _fmt(v, spec="8.1f"):
 def format_table(rows: list[Row], gpu: bool = True) -> str:
     """The report's table. On a CPU only what means something there: the modelled bytes and
     the saving; the times, labelled, are the interpreter's and PyTorch's CPU kernels'."""
+    w = max([len("kernel"), *(len(r.kernel) for r in rows)])  # the kernel column fits the longest name
     if not gpu:
-        head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>8} {'MB fused':>9} {'MB unfused':>10} "
+        head = (f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>8} {'MB fused':>9} {'MB unfused':>10} "
                 f"{'saved':>6} {'interp us':>10} {'torch CPU us':>12}")
         lines = [head, "-" * len(head)]
         for r in rows:
-            lines.append(f"{r.kernel:<9} {r.layout:<10} {r.dtype:<8} {r.n:>8} {r.bytes_fused / 1e6:>9.3f} "
+            lines.append(f"{r.kernel:<{w}} {r.layout:<10} {r.dtype:<8} {r.n:>8} {r.bytes_fused / 1e6:>9.3f} "
                          f"{r.bytes_unfused / 1e6:>10.3f} {1 - r.bytes_fused / r.bytes_unfused:>6.0%} "
                          f"{r.fused_us:>10.0f} {r.unfused_us:>12.0f}")
         return "\n".join(lines)
-    head = (f"{'kernel':<9} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
+    head = (f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
             f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'tutor us':>9} {'add us':>9} {'GB/s':>7} "
             f"{'roof':>5} {'x unfus':>7} {'x compl':>7} {'x tutor':>7}")
     lines = [head, "-" * len(head)]
@@ -211,7 +212,7 @@ def format_table(rows: list[Row], gpu: bool = True) -> str:
         vs_compiled = r.compiled_us / r.fused_us if r.compiled_us else None
         vs_tutorial = r.tutorial_us / r.fused_us if r.tutorial_us else None
         lines.append(
-            f"{r.kernel:<9} {r.layout:<10} {r.dtype:<8} {r.n:>10} {r.bytes_fused / 1e6:>9.2f} "
+            f"{r.kernel:<{w}} {r.layout:<10} {r.dtype:<8} {r.n:>10} {r.bytes_fused / 1e6:>9.2f} "
             f"{r.bytes_unfused / 1e6:>9.2f} {_fmt(r.fused_us, '9.1f')} {_fmt(r.unfused_us, '9.1f')} "
             f"{_fmt(r.compiled_us, '9.1f')} {_fmt(r.tutorial_us, '9.1f')} {_fmt(r.torch_add_us, '9.1f')} "
             f"{r.fused_gbps:>7.0f} {share:>5} {r.unfused_us / r.fused_us:>7.2f} {_fmt(vs_compiled, '7.2f')} "
@@ -224,7 +225,7 @@ def _commit() -> str | None:
     else the checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkit/bench/ -> the checkout
     if os.environ.get("FUSEDKIT_COMMIT") or not os.path.isdir(os.path.join(root, ".git")):
         return os.environ.get("FUSEDKIT_COMMIT")
     try:

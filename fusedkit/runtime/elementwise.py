@@ -39,8 +39,8 @@ from .layout import (
 )
 
 __all__ = ["BACKENDS", "Call", "KEPT", "KeptLaunch", "NEEDS_GRAD", "allocate_out", "backend_for", "call_key",
-           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_pair", "run_validated",
-           "validate"]
+           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_pair",
+           "run_validated", "validate"]
 
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
@@ -185,7 +185,12 @@ def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
                         f"got {len(operands)}")
 
 
-def validate(kernel: ElementwiseKernel, operands: tuple, param, out) -> Call:
+def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: int = 1) -> Call:
+    """``outputs``: the results the caller takes (2: :func:`run_pair`)."""
+    if kernel.outputs != outputs:
+        raise ArgumentError(f"{kernel.name} gives {kernel.outputs} result(s): "
+                            + ("run it with fusedkit.runtime.elementwise.run_pair" if kernel.outputs == 2
+                               else "run_pair takes a two-output kernel"))
     check_arity(kernel, operands)
     for name, value in zip(kernel.arg_names, operands):
         _check_operand(kernel, name, value)
@@ -665,9 +670,7 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
     return a pair) on ``operands``, each of their broadcast shape and result dtype, laid out
     alike: validated, then one launch (the reference on the PyTorch backend). For eager
     calls outside autograd (a backward's), as :func:`run` for one output."""
-    call = validate(kernel, operands, param, None)
-    if kernel.outputs != 2:
-        raise ArgumentError(f"{kernel.name}: run_pair() runs two-output kernels")
+    call = validate(kernel, operands, param, None, outputs=2)
     if backend_for(call.device) == "torch":
         operands = call.operands
         if call.dtype in (torch.float16, torch.bfloat16):  # as _run_reference: fp32 math, rounded once

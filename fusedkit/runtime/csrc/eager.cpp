@@ -445,11 +445,9 @@ class Table {
       const at::Tensor& t = THPVariable_Unpack(obj);
       // (wrappers without storage, e.g. a transform's, and lazy negations are Python's)
       if (t.is_neg() || t.is_conj() || !t.has_storage()) return py::none();
-      if (grad_mode && t.requires_grad()) {
-        // Forward-mode AD (a dual tensor) is Python's to refuse or handle.
-        if (t._fw_grad(/*level=*/0).defined()) return py::none();
-        needs_grad = true;
-      }
+      // Forward-mode AD (a dual tensor, with or without requires_grad) is Python's to refuse.
+      if (t._fw_grad(/*level=*/0).defined()) return py::none();
+      if (grad_mode && t.requires_grad()) needs_grad = true;
       ts.push_back(&t);
     }
     const c10::Device device = ts[0]->device();
