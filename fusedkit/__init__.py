@@ -19,6 +19,8 @@ from .errors import (
     ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
     ShapeError, SignatureError, TracingError, UnknownKernelError,
 )
+from .fusion import FusionSite, advise, fuse
+from .memory import MemoryCounterMode
 from .ops import add, add_gelu, add_relu, elementwise, gelu_mul, linear_relu, matmul, matmul_relu, silu_mul
 from .runtime.elementwise import BACKENDS, backend_for
 from .runtime.launch import clear_caches
@@ -57,7 +59,7 @@ __version__ = _version()
 
 __all__ = [
     "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu",
-    "linear_relu", "nn", "registry",
+    "linear_relu", "nn", "registry", "MemoryCounterMode", "advise", "fuse", "FusionSite",
     "settings", "set_fp32_precision", "get_fp32_precision", "backend_for", "BACKENDS",
     "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
     "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",

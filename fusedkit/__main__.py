@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = commands.add_parser("advise", help="fusedkit.advise and fuse on the real models: sites, bytes, time",
+                            description="Find where fusedkit fuses the model report's stock models (fusedkit.advise), "
+                                        "and time the model fusedkit.fuse returns against the original.")
+    a.add_argument("--models", type=_choices("model", models), default=list(models),
+                   help=f"comma-separated, from {','.join(models)} (default: all)")
+    a.add_argument("--json", help="write sites, timings and environment to this JSON file")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
     commands.add_parser("build", help="build the C++ launch table ahead of the first call that would build it",
                         description="Build (or find) the C++ extension that launches repeated eager calls and "
                                     "records their autograd nodes; needs a C++ compiler and ninja. Without it "
@@ -127,13 +134,17 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "build":
         return build_native()
-    if args.plots and importlib.util.find_spec("matplotlib") is None:
+    if args.command == "bench" and args.plots and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plots needs matplotlib: pip install matplotlib (or fusedkit[bench])")
     if not torch.cuda.is_available() and not INTERPRETED:
         # Triton chooses the interpreter when it decorates the kernels, which has
         # happened already: start again with it on, so the report runs the real kernels.
         env = dict(os.environ, TRITON_INTERPRET="1")
         os.execve(sys.executable, [sys.executable, "-m", "fusedkit", *argv], env)
+    if args.command == "advise":
+        from .bench.advice import run_advise_command
+
+        return run_advise_command(args)
     from .bench import run_command
 
     return run_command(args)

@@ -21,7 +21,7 @@ LAYERS = (
     ("fusedkit.library",),
     ("fusedkit.ops",),
     ("fusedkit.nn",),
-    ("fusedkit.testing",),
+    ("fusedkit.testing", "fusedkit.memory", "fusedkit.fusion"),
     ("fusedkit",),  # the package's __init__: the public names
     ("fusedkit.bench", "fusedkit.__main__"),
 )

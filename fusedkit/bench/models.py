@@ -58,7 +58,7 @@ from .cases import timer
 from .progress import bar as progress_bar
 
 __all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
-           "fuse", "unavailable"]
+           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms"]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -349,7 +349,7 @@ class Result:
     max_loss_rel_diff: float | None = None  # against the stock eager run
 
 
-def _autocast(device):
+def autocast_for(device):
     # bf16 autocast on the GPU, as mixed-precision training runs; float32 on the CPU (the
     # interpreter's check of the same code).
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -363,7 +363,7 @@ def _to_device(case, batch, device):
 
 def _train_step(model, opt, case, batch, device):
     x, t = batch
-    with _autocast(device):
+    with autocast_for(device):
         loss = case.loss(model(x), t)
     loss.backward()
     opt.step()
@@ -401,7 +401,7 @@ def _peak_mb(step, device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _time_ms(fn, device) -> float:
+def time_ms(fn, device) -> float:
     if device.type == "cuda":
         import triton
 
@@ -409,7 +409,7 @@ def _time_ms(fn, device) -> float:
     return timer(device)(fn) / 1e3
 
 
-def _variant_model(case, variant, stock, device):
+def variant_model(case, variant, stock, device):
     peer = next((fuse_peer for name, _, fuse_peer in case.peers if name == variant), None)
     if variant == "fusedkit":
         model = fuse(case, stock)
@@ -422,7 +422,7 @@ def _variant_model(case, variant, stock, device):
     return model, (torch.compile(model, dynamic=False) if variant == "compiled" else model)
 
 
-def _prepared(case: ModelCase, small: bool, device):
+def prepared(case: ModelCase, small: bool, device):
     """The stock model (seeded) and its training batch and inference inputs on ``device``."""
     sizes = case.small_sizes if small else case.sizes
     torch.manual_seed(0)
@@ -437,8 +437,8 @@ def _prepared(case: ModelCase, small: bool, device):
 def training_step(case: ModelCase, variant: str, device, small: bool = False):
     """(step, check) for ``variant`` of ``case``: ``step()`` runs one training step; ``check()``
     asserts the last loss is finite (for pytest-benchmark)."""
-    stock, train, _ = _prepared(case, small, device)
-    module, run = _variant_model(case, variant, stock, device)
+    stock, train, _ = prepared(case, small, device)
+    module, run = variant_model(case, variant, stock, device)
     opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
     last = []
 
@@ -463,10 +463,10 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
     variant in turn, and each is the median over rounds: a host-bound step moves with the
     host's speed, which drifts within a process, and interleaving gives every variant the
     same drift."""
-    stock, train, infer = _prepared(case, small, device)
+    stock, train, infer = prepared(case, small, device)
     results, live = [], []
     for variant in variants:
-        module, run = _variant_model(case, variant, stock, device)
+        module, run = variant_model(case, variant, stock, device)
         opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
         r = Result(case.name, variant)
         # The loss run first (from the same weights for every variant): it also warms
@@ -484,12 +484,12 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
     for _ in range(_rounds(rounds, device)):
         for r, module, run, step in live:
-            samples[id(r)]["train"].append(_time_ms(step, device))
+            samples[id(r)]["train"].append(time_ms(step, device))
         for r, module, run, step in live:
             module.eval()
-            with torch.inference_mode(), _autocast(device):
+            with torch.inference_mode(), autocast_for(device):
                 for kind in ("bs1", "serve"):
-                    samples[id(r)][kind].append(_time_ms(functools.partial(run, infer[kind]), device))
+                    samples[id(r)][kind].append(time_ms(functools.partial(run, infer[kind]), device))
             module.train()
         if progress is not None:
             progress.update()

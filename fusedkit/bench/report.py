@@ -325,7 +325,7 @@ def _short(dtype_name: str) -> str:
     return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[dtype_name]
 
 
-def _report(env: dict, tables, json_path: str | None, payload: dict) -> None:
+def print_report(env: dict, tables, json_path: str | None, payload: dict) -> None:
     """Print the environment line and the tables (a blank line between), and save
     ``payload`` with the environment as JSON when asked."""
     print(" ".join(f"{k}={v}" for k, v in env.items()))
@@ -371,14 +371,14 @@ def run_command(args) -> int:
         brows = bb.run_backward(dtypes, device, args.sizes or default, use_compile=use_compile)
         lrows = bb.run_linear_training(dtypes, device,
                                        bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES)
-        _report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
+        print_report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
                 {"backward": brows, "linear_relu_training": lrows})
         return 0
     if args.models:
         from .models import format_models_table, run_models
 
         results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
-        _report(env, (format_models_table(results, skipped),), args.json,
+        print_report(env, (format_models_table(results, skipped),), args.json,
                 {"models": [vars(r) for r in results], "skipped": skipped})
         return 0
     if args.latency:
@@ -386,12 +386,12 @@ def run_command(args) -> int:
 
         result = run_latency(dtypes, device, args.sizes if args.sizes or not gpu else LATENCY_SIZES,
                              LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile, progress=progress)
-        _report(env, (format_latency_table(result),), args.json, result)
+        print_report(env, (format_latency_table(result),), args.json, result)
         return 0
     if args.matmul:
         shapes = args.shapes or (MATMUL_SHAPES if gpu else CPU_MATMUL_SHAPES)
         mrows = run_matmul(dtypes, device, shapes, progress=progress)
-        _report(env, (format_matmul_table(mrows),), args.json, {"matmul": mrows})
+        print_report(env, (format_matmul_table(mrows),), args.json, {"matmul": mrows})
         if args.plots:
             from .plots import plot_matmul
 

@@ -1,0 +1,306 @@
+"""Where fusedkit would fuse a model, and the model with it fused: :func:`advise` and :func:`fuse`.
+
+The model is traced with ``torch.fx`` (activation modules, and fusedkit's own, kept whole);
+each chain fusedkit has one kernel for is a :class:`FusionSite`:
+
+- ``add -> relu`` (``out += identity; relu(out)``, ``F.relu(a + b)``): ``fusedkit.add_relu``;
+- ``linear -> act`` (``nn.Linear``, ``F.linear`` or ``torch.addmm``, then ReLU, GELU, tanh
+  GELU or SiLU): ``fusedkit.matmul`` with the activation in its epilogue;
+- ``silu * mul`` / ``gelu * mul`` (a SwiGLU or GeGLU gate): ``fusedkit.silu_mul`` /
+  ``fusedkit.gelu_mul``;
+- ``add -> gelu`` (a bias or residual before a GELU): ``fusedkit.add_gelu``.
+
+A chain qualifies when its first op's result has no other user. ``bytes_saved`` is what the
+fused kernel does not move in one forward pass: the intermediate the eager pair writes and
+reads back (twice its bytes, from the shapes the example inputs give it).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.passes.shape_prop import ShapeProp
+
+from . import nn as fnn
+from .errors import FusedkitError, TracingError
+from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
+from .registry import tensor_read_bytes
+
+__all__ = ["FusionSite", "advise", "fuse"]
+
+#: Activation modules of other libraries kept whole by the tracer, by class name, and the
+#: activation each computes (transformers' GPT-2 ``gelu_new`` is ``NewGELUActivation``).
+FOREIGN_ACTIVATIONS = {"NewGELUActivation": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                       "GELUActivation": "gelu", "SiLUActivation": "silu"}
+_RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
+_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+
+
+@dataclass(frozen=True)
+class FusionSite:
+    """One chain of ops fusedkit runs as one kernel."""
+
+    pattern: str        # e.g. "add -> relu"
+    module: str         # the qualified name of the module holding it ("" for the model itself)
+    bytes_saved: int    # per forward pass, at the example inputs' shapes
+    replacement: str    # the fusedkit call that replaces it
+    nodes: tuple = field(default=(), compare=False, repr=False)  # the traced graph's nodes, first to last
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer, keeping activation modules (ours and transformers') whole."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return (type(m).__name__ in FOREIGN_ACTIVATIONS or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
+                or super().is_leaf_module(m, qualname))
+
+
+def _trace(model: torch.nn.Module) -> fx.GraphModule:
+    tracer = _Tracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # data-dependent control flow, unsupported Python: fx's own errors
+        raise TracingError(f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced graph; "
+                           "pass a submodule that traces, e.g. the MLP)") from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _activation(node: fx.Node, modules: dict) -> str | None:
+    """The activation ``node`` computes on its first argument ("relu", "gelu", "gelu_tanh",
+    "silu"), or None."""
+    if node.op == "call_module":
+        m = modules[node.target]
+        if isinstance(m, torch.nn.ReLU):
+            return "relu"
+        if isinstance(m, torch.nn.GELU):
+            return "gelu" if m.approximate == "none" else "gelu_tanh"
+        if isinstance(m, torch.nn.SiLU):
+            return "silu"
+        return FOREIGN_ACTIVATIONS.get(type(m).__name__)
+    if node.op == "call_function":
+        if node.target in _RELU_FUNCTIONS:
+            return "relu"
+        if node.target is F.gelu:
+            return "gelu" if node.kwargs.get("approximate", "none") == "none" else "gelu_tanh"
+        if node.target is F.silu:
+            return "silu"
+    if node.op == "call_method" and node.target in ("relu", "relu_"):
+        return "relu"
+    return None
+
+
+def _add_operands(node: fx.Node):
+    """``(x, y, alpha)`` of an elementwise add node, or None."""
+    if node.op == "call_function" and node.target in _ADD_FUNCTIONS and len(node.args) == 2:
+        alpha = node.kwargs.get("alpha", 1)
+        if set(node.kwargs) - {"alpha"}:
+            return None
+        return node.args[0], node.args[1], alpha
+    if node.op == "call_method" and node.target in ("add", "add_") and len(node.args) == 2:
+        return node.args[0], node.args[1], node.kwargs.get("alpha", 1)
+    return None
+
+
+def _linear_operands(node: fx.Node, modules: dict):
+    """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node, or None: an
+    ``nn.Linear`` (its weight is read transposed), ``F.linear`` or a plain ``torch.addmm``."""
+    if node.op == "call_module" and type(modules[node.target]) is torch.nn.Linear:
+        m = modules[node.target]
+        return node.args[0], f"{node.target}.weight", f"{node.target}.bias" if m.bias is not None else None, True
+    if node.op == "call_function" and node.target is F.linear:
+        args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
+        return args[0], args[1], args[2], True
+    if node.op == "call_function" and node.target is torch.addmm and not node.kwargs and len(node.args) == 3:
+        bias, x, w = node.args
+        return x, w, bias, False
+    return None
+
+
+def _only_user(node: fx.Node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _owner(node: fx.Node) -> list[str]:
+    stack = [k for k in (node.meta.get("nn_module_stack") or {}) if not (node.op == "call_module" and k == node.target)]
+    return stack[-1].split(".") if stack else []
+
+
+def _common_module(*nodes: fx.Node) -> str:
+    paths = [_owner(n) for n in nodes]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _intermediate_bytes(node: fx.Node) -> int:
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        return 0
+    t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    return tensor_read_bytes(t)
+
+
+def _name(arg) -> str:
+    """A call's argument as the replacement shows it: a node's name, a parameter's qualified
+    name, or a constant."""
+    return arg.name if isinstance(arg, fx.Node) else arg if isinstance(arg, str) else repr(arg)
+
+
+def _find(gm: fx.GraphModule) -> list[FusionSite]:
+    modules = dict(gm.named_modules())
+    sites, used = [], set()
+    for node in gm.graph.nodes:
+        if node in used:
+            continue
+        user = _only_user(node)
+        if user is None or user in used:
+            continue
+        act = _activation(user, modules)
+        linear = _linear_operands(node, modules)
+        add = _add_operands(node)
+        site = None
+        # (an activation feeding a mul is a gate's: silu_mul keeps less for the backward than
+        # the activation in the matmul's epilogue, and saves the same bytes)
+        gate_next = act in ("silu", "gelu", "gelu_tanh") and _is_mul(_only_user(user))
+        if linear is not None and act is not None and not gate_next:
+            x, w, b, _ = linear
+            site = ("linear -> " + act, f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if linear[3] else ''}, "
+                    f"{_name(b)}, activation={act!r})")
+        elif add is not None and act in ("relu", "gelu", "gelu_tanh"):
+            x, y, alpha = add
+            call = "add_relu" if act == "relu" else "add_gelu"
+            extra = "" if act != "gelu_tanh" else ", approximate='tanh'"
+            extra = (f", alpha={alpha!r}" if alpha != 1 else "") + extra
+            site = (f"add -> {act}", f"fusedkit.{call}({_name(x)}, {_name(y)}{extra})")
+        elif act is None and _activation(node, modules) in ("silu", "gelu", "gelu_tanh") and _is_mul(user):
+            gate = _activation(node, modules)
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            if other is node:
+                continue
+            call = "silu_mul" if gate == "silu" else "gelu_mul"
+            extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
+            site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
+        if site is None and linear is not None and _is_reshape(user):
+            # a linear layer on flattened rows, its result viewed back (transformers' Conv1D:
+            # addmm, then view), then the activation: the matmul takes the epilogue
+            after = _only_user(user)
+            act = None if after is None else _activation(after, modules)
+            if act is not None and not (act != "relu" and _is_mul(_only_user(after))):
+                x, w, b, transposed = linear
+                sites.append(FusionSite(f"linear -> {act}", _common_module(node, after), 2 * _intermediate_bytes(node),
+                                        f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
+                                        f"{_name(b)}, activation={act!r}), then {user.name}", (node, user, after)))
+                used.update((node, user, after))
+            continue
+        if site is None:
+            continue
+        used.update((node, user))
+        sites.append(FusionSite(site[0], _common_module(node, user), 2 * _intermediate_bytes(node), site[1],
+                                (node, user)))
+    return sites
+
+
+def _is_reshape(node: fx.Node) -> bool:
+    return ((node.op == "call_method" and node.target in ("view", "reshape"))
+            or (node.op == "call_function" and node.target is torch.reshape))
+
+
+def _is_mul(node: fx.Node | None) -> bool:
+    return node is not None and ((node.op == "call_function" and node.target in (operator.mul, torch.mul) and len(node.args) == 2
+             and not node.kwargs) or (node.op == "call_method" and node.target == "mul" and len(node.args) == 2))
+
+
+def _traced(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list[FusionSite]]:
+    gm = _trace(model)
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*example_inputs)
+    return gm, _find(gm)
+
+
+def advise(model: torch.nn.Module, *example_inputs) -> list[FusionSite]:
+    """The chains of ``model`` that fusedkit runs as one kernel (see the module's docstring),
+    in the order they run, with the bytes each saves at the example inputs' shapes. Runs the
+    model once on ``example_inputs`` (under ``torch.no_grad``) to learn them."""
+    return _traced(model, example_inputs)[1]
+
+
+def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
+    first, *middle, last = site.nodes
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    with graph.inserting_before(middle[0] if middle else last):
+        if site.pattern.startswith("linear"):
+            x, w, b, transposed = _linear_operands(first, modules)
+            w = graph.get_attr(w) if isinstance(w, str) else w
+            b = graph.get_attr(b) if isinstance(b, str) else b
+            if transposed:
+                w = graph.call_method("t", (w,))
+            new = graph.call_function(matmul, (x, w, b), {"activation": site.pattern.split(" -> ")[1]})
+        elif site.pattern.startswith("add"):
+            x, y, alpha = _add_operands(first)
+            act = site.pattern.split(" -> ")[1]
+            if act == "relu":
+                new = graph.call_function(add_relu, (x, y), {"alpha": alpha})
+            else:
+                new = graph.call_function(add_gelu, (x, y), {"alpha": alpha,
+                                                             "approximate": "tanh" if act == "gelu_tanh" else "none"})
+        else:
+            other = last.args[1] if last.args[0] is first else last.args[0]
+            if site.pattern.startswith("silu"):
+                new = graph.call_function(silu_mul, (first.args[0], other))
+            else:
+                approximate = "tanh" if site.pattern.startswith("gelu_tanh") else "none"
+                new = graph.call_function(gelu_mul, (first.args[0], other), {"approximate": approximate})
+    if middle:  # the view now reads the fused result, and stands for the activation's
+        (view,) = middle
+        new.meta = dict(first.meta)
+        view.replace_input_with(first, new)
+        last.replace_all_uses_with(view)
+    else:
+        new.meta = dict(last.meta)
+        last.replace_all_uses_with(new)
+    graph.erase_node(last)
+    graph.erase_node(first)
+
+
+#: How far the fused model's outputs may be from the original's, by dtype: a few roundings of
+#: each fused op, compounded over the layers after it.
+FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
+    """``model`` with every :func:`advise` site rewritten to its fusedkit call: a
+    ``torch.fx.GraphModule`` that shares ``model``'s parameters and submodules (training one
+    trains the other). Before it is returned, its outputs on ``example_inputs`` are checked
+    against ``model``'s (both in eval mode, without gradients; ``FUSE_TOLERANCE``); a
+    difference raises ``FusedkitError``."""
+    gm, sites = _traced(model, example_inputs)
+    for site in sites:
+        _rewrite(gm, site)
+    gm.graph.lint()
+    gm.recompile()
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            want, got = model(*example_inputs), gm(*example_inputs)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
+        if isinstance(w, torch.Tensor):
+            tol = FUSE_TOLERANCE.get(w.dtype, 0)
+            try:
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+            except AssertionError as err:
+                raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
+    gm.fusion_sites = sites
+    return gm

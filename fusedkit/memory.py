@@ -1,0 +1,199 @@
+"""Where a model's memory traffic goes: :class:`MemoryCounterMode` counts the modelled DRAM
+bytes every aten op reads and writes, per op and per module, forward and backward.
+
+Used as ``torch.utils.flop_counter.FlopCounterMode`` is::
+
+    with fusedkit.MemoryCounterMode(depth=2) as counter:
+        model(x).sum().backward()
+    counter.get_total_bytes(), counter.get_bytes_by_op(), counter.get_table()
+
+The byte model is the registry's (:func:`fusedkit.registry.tensor_read_bytes`): each tensor
+an op reads or writes moves its unique elements once (a broadcast operand is read once), in
+whole 32-byte sectors when its innermost dim is strided. Views and metadata ops move
+nothing; an allocation moves nothing until written; an in-place op reads and writes its
+target (an overwrite such as ``fill_`` or ``copy_`` only writes it); an ``out=`` argument is
+written, not read; a gather (``embedding``, ``index_select``, ``gather``) reads the rows it
+takes, not its whole source. A matmul reads each operand once: the model ignores the
+re-reads its tiling may make, as it ignores caches. fusedkit's own ops count as one op each,
+named after their kernel (``fusedkit.add_relu``). Only shapes, strides and dtypes are read,
+so it counts on any device, ``meta`` and fake tensors included.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+from .registry import Traffic, tensor_read_bytes
+
+__all__ = ["MemoryCounterMode", "op_traffic"]
+
+#: Ops that allocate without writing: they move nothing.
+ALLOCATING_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                            "empty_permuted"})
+#: In-place ops that overwrite their target without reading it.
+OVERWRITING_OPS = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
+                             "bernoulli_", "geometric_", "log_normal_", "cauchy_"})
+#: Gathers, by the name of their index argument: they read the indices and as many source
+#: elements as they write.
+GATHERING_OPS = {"embedding": "indices", "index_select": "index", "gather": "index"}
+#: The name of the whole-run row, as FlopCounterMode names it.
+GLOBAL = "Global"
+#: Bytes per unit of the table's figures.
+MB = 1e6
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct tensors (one passed twice is read once)."""
+    return sum(tensor_read_bytes(t) for t in {id(t): t for t in tensors}.values())
+
+
+def op_name(func, args) -> str:
+    """``aten.mm``; fusedkit's elementwise ops by their kernel: ``fusedkit.add_relu``."""
+    packet = func.overloadpacket
+    namespace = func.namespace
+    if namespace == "fusedkit" and packet.__name__ in ("elementwise", "elementwise_out") and args:
+        return f"fusedkit.{args[0]}"
+    return f"{namespace}.{packet.__name__}"
+
+
+def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
+    """The modelled DRAM bytes ``func(*args, **kwargs)`` read and wrote, given its result ``out``
+    (see the module's docstring for the rules)."""
+    schema = func._schema
+    name = func.overloadpacket.__name__
+    if name in ALLOCATING_OPS:
+        return Traffic(0, 0)
+    returns_new = [r.alias_info is None for r in schema.returns]
+    bound = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
+    written_args = [(a, v) for a, v in bound if a.alias_info is not None and a.alias_info.is_write]
+    if not written_args and not any(returns_new):
+        return Traffic(0, 0)  # a view (or a no-op returning its input)
+    outs = [t for t, new in zip(out if isinstance(out, (tuple, list)) else (out,), returns_new) if new]
+    written = _tensors(outs) + [t for _, v in written_args for t in _tensors(v)]
+    if name in GATHERING_OPS:
+        index = _tensors({a.name: v for a, v in bound}.get(GATHERING_OPS[name]))
+        return Traffic(_bytes(index) + _bytes(written), _bytes(written))
+    read = []
+    for arg, value in bound:
+        write = arg.alias_info is not None and arg.alias_info.is_write
+        if write and (arg.is_out or name in OVERWRITING_OPS):
+            continue  # written, not read
+        read += _tensors(value)
+    return Traffic(_bytes(read), _bytes(written))
+
+
+class _Counting(TorchDispatchMode):
+    """The dispatch mode: runs each op, then hands it to the counter."""
+
+    def __init__(self, counter: "MemoryCounterMode"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.counter._count(func, args, kwargs, out)
+        return out
+
+
+class MemoryCounterMode:
+    """Counts the modelled DRAM bytes read and written by every aten op run inside it, per
+    op and per module (by qualified name, as ``FlopCounterMode`` shows them), split into
+    forward and backward.
+
+    Args:
+        module: accepted for ``FlopCounterMode``'s signature; not needed (modules are found
+            as they run).
+        depth: how many levels of modules :meth:`get_table` shows by default.
+        display: print the table on leaving the context.
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None, depth: int = 2, display: bool = True):
+        self.depth = depth
+        self.display = display
+        #: counts[module][op] = [forward Traffic, backward Traffic]
+        self._counts: dict = defaultdict(lambda: defaultdict(lambda: [Traffic(0, 0), Traffic(0, 0)]))
+        self._tracker = None
+        self._mode = None
+
+    def __enter__(self) -> "MemoryCounterMode":
+        self._counts.clear()
+        self._tracker = ModuleTracker()
+        self._tracker.__enter__()
+        self._mode = _Counting(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._tracker.__exit__(*exc)
+        if self.display and exc[0] is None:
+            print(self.get_table())
+
+    def _count(self, func, args, kwargs, out) -> None:
+        traffic = op_traffic(func, args, kwargs, out)
+        if traffic.total == 0:
+            return
+        name = op_name(func, args)
+        phase = 1 if self._tracker.is_bw else 0
+        for module in set(self._tracker.parents):
+            cell = self._counts[module][name]
+            cell[phase] = cell[phase] + traffic
+
+    # --- Results --------------------------------------------------------------------------
+
+    def get_total_bytes(self) -> int:
+        """Bytes read plus bytes written by every op, forward and backward."""
+        return sum(f.total + b.total for f, b in self._counts[GLOBAL].values())
+
+    def get_bytes_by_op(self) -> dict[str, int]:
+        """Bytes read plus written per op (``aten.mm``, ``fusedkit.add_relu``), forward and backward."""
+        return {op: f.total + b.total for op, (f, b) in self._counts[GLOBAL].items()}
+
+    def get_traffic_by_module(self) -> dict[str, dict[str, tuple[Traffic, Traffic]]]:
+        """Per module (``Global`` for the whole run), per op: (forward, backward) Traffic, each
+        with ``read`` and ``written`` bytes."""
+        return {m: {op: tuple(cell) for op, cell in ops.items()} for m, ops in self._counts.items()}
+
+    def get_table(self, depth: int | None = None) -> str:
+        """The counts as a text table: each module to ``depth`` levels (``Global`` is level 0),
+        and under each the ops by bytes moved, in MB (10^6 bytes)."""
+        depth = self.depth if depth is None else depth
+        total = self.get_total_bytes()
+        modules = sorted((m for m in self._counts if m == GLOBAL or m.count(".") < depth), key=_module_order)
+        width = max([len("Module"), *(len(m) + 2 * _level(m) + 3 for m in modules)]) + max(
+            [0, *(len(op) for m in modules for op in self._counts[m])])
+        head = f"{'Module':<{width}} {'read MB':>10} {'written MB':>10} {'forward MB':>10} {'backward MB':>11} {'% total':>7}"
+        lines = [head, "-" * len(head)]
+        for m in modules:
+            ops = self._counts[m]
+            lines.append(_row(" " * _level(m) + m, ops.values(), total, width))
+            for op, cell in sorted(ops.items(), key=lambda kv: -(kv[1][0].total + kv[1][1].total)):
+                lines.append(_row(" " * _level(m) + " - " + op, [cell], total, width))
+        return "\n".join(lines)
+
+
+def _level(module: str) -> int:
+    return 0 if module == GLOBAL else module.count(".") + 1
+
+
+def _module_order(module: str):
+    return (module != GLOBAL, module)
+
+
+def _row(label: str, cells, total: int, width: int) -> str:
+    forward = sum((c[0] for c in cells), Traffic(0, 0))
+    backward = sum((c[1] for c in cells), Traffic(0, 0))
+    both = forward + backward
+    share = both.total / total if total else 0.0
+    return (f"{label:<{width}} {both.read / MB:>10.3f} {both.written / MB:>10.3f} {forward.total / MB:>10.3f} "
+            f"{backward.total / MB:>11.3f} {share:>7.1%}")

@@ -1,0 +1,185 @@
+"""fusedkit.advise and fusedkit.fuse: every site in a small ResNet block and in MLPs found,
+with its bytes; the fused model gives the same outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand
+from torch import nn
+
+import fusedkit
+from fusedkit import fusion
+
+F32 = 4
+
+
+class Bottleneck(nn.Module):
+    """torchvision's Bottleneck, as it is written (the join: ``out += identity; relu(out)``)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))  # conv -> bn -> relu: nothing fusedkit fuses
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class LlamaStyleMLP(nn.Module):
+    def __init__(self, d=16, h=24):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    """A GPT-style MLP with a GeGLU gate and a bias + GELU at its end."""
+
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.fc = nn.Linear(d, h)
+        self.act = nn.GELU(approximate="tanh")
+        self.value = nn.Linear(h, h)
+        self.out = nn.Linear(h, d, bias=False)
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = self.act(self.fc(x))                       # linear -> gelu_tanh
+        g = F.gelu(h) * self.value(h)                  # gelu * mul
+        return F.gelu(self.out(g) + self.bias)         # add -> gelu
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Bottleneck()
+        self.mlp = GeluMLP()
+        self.llama = LlamaStyleMLP()
+
+    def forward(self, images):
+        y = self.block(images).mean((2, 3))
+        return self.llama(self.mlp(torch.cat([y, y], 1)))
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net().to(DEVICE), rand((2, 8, 5, 5), torch.float32, DEVICE)
+
+
+def test_advise_finds_every_site_with_its_bytes():
+    net, images = _net()
+    sites = fusedkit.advise(net, images)
+    assert [(s.pattern, s.module) for s in sites] == [
+        ("add -> relu", "block"), ("linear -> gelu_tanh", "mlp"), ("gelu * mul", "mlp"), ("add -> gelu", "mlp"),
+        ("silu * mul", "llama")]
+    # each saves the write and the read of its intermediate: the join's (2, 8, 5, 5), the
+    # MLP's (2, 32) hidden activations and (2, 16) output, the gate's (2, 24)
+    assert [s.bytes_saved for s in sites] == [2 * 2 * 8 * 25 * F32, 2 * 2 * 32 * F32, 2 * 2 * 32 * F32,
+                                              2 * 2 * 16 * F32, 2 * 2 * 24 * F32]
+    assert sites[0].replacement.startswith("fusedkit.add_relu(")
+    assert sites[1].replacement.startswith("fusedkit.matmul(") and "activation='gelu_tanh'" in sites[1].replacement
+    assert "approximate" not in sites[2].replacement and sites[4].replacement.startswith("fusedkit.silu_mul(")
+
+
+def test_fuse_gives_the_same_outputs_and_gradients():
+    net, images = _net()
+    fused = fusedkit.fuse(net, images)
+    assert len(fused.fusion_sites) == 5
+    code = fused.code
+    for op in ("add_relu", "matmul", "gelu_mul", "add_gelu", "silu_mul"):
+        assert op in code
+    assert code.count("self.block.relu(") == 1  # the join's ReLU is gone; bn1's stays
+    net.eval()
+    fused.eval()
+    torch.testing.assert_close(fused(images), net(images), rtol=1e-5, atol=1e-6)
+    ours = torch.autograd.grad(fused(images).sum(), list(net.parameters()))
+    theirs = torch.autograd.grad(net(images).sum(), list(net.parameters()))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert all(p is q for p, q in zip(fused.parameters(), net.parameters()))  # shared: training one trains both
+
+
+def test_a_chain_whose_intermediate_has_another_user_is_left_alone():
+    class TwoUsers(nn.Module):
+        def forward(self, x, y):
+            s = x + y
+            return torch.relu(s) + s.sum()
+    x, y = rand((4, 3), torch.float32, DEVICE), rand((4, 3), torch.float32, DEVICE)
+    assert fusedkit.advise(TwoUsers(), x, y) == []
+    torch.testing.assert_close(fusedkit.fuse(TwoUsers(), x, y)(x, y), TwoUsers()(x, y))
+
+
+def test_alpha_and_functional_forms():
+    class Functional(nn.Module):
+        def forward(self, x, y, w, b):
+            h = F.relu(torch.add(x, y, alpha=2))
+            return F.silu(F.linear(h, w, b))
+    x, y = rand((4, 6), torch.float32, DEVICE), rand((4, 6), torch.float32, DEVICE)
+    w, b = rand((5, 6), torch.float32, DEVICE), rand((5,), torch.float32, DEVICE)
+    sites = fusedkit.advise(Functional(), x, y, w, b)
+    assert [s.pattern for s in sites] == ["add -> relu", "linear -> silu"]
+    assert "alpha=2" in sites[0].replacement
+    torch.testing.assert_close(fusedkit.fuse(Functional(), x, y, w, b)(x, y, w, b), Functional()(x, y, w, b))
+
+
+def test_transformers_mlps():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    x = rand((2, 5, 32), torch.float32, DEVICE)
+    gpt2 = GPT2MLP(128, transformers.GPT2Config(n_embd=32, n_inner=128, n_head=4, activation_function="gelu_new"))
+    llama = LlamaMLP(transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_attention_heads=4,
+                                              num_key_value_heads=4))
+    for model, pattern, hidden in ((gpt2, "linear -> gelu_tanh", 128), (llama, "silu * mul", 88)):
+        model = model.to(DEVICE).eval()
+        (site,) = fusedkit.advise(model, x)
+        assert site.pattern == pattern and site.bytes_saved == 2 * 10 * hidden * F32
+        torch.testing.assert_close(fusedkit.fuse(model, x)(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_fuse_refuses_a_model_whose_outputs_change(monkeypatch):
+    net, images = _net()
+    monkeypatch.setattr(fusion, "add_relu", lambda x, y, alpha=1: torch.relu(x + y) + 1)
+    with pytest.raises(fusedkit.FusedkitError, match="outputs differ"):
+        fusedkit.fuse(net, images)
+    assert net.training  # the check's eval mode is undone
+
+
+def test_an_untraceable_model_raises_a_tracing_error():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) if x.sum() > 0 else x
+    with pytest.raises(fusedkit.TracingError, match="torch.fx cannot trace DataDependent"):
+        fusedkit.advise(DataDependent(), rand((3,), torch.float32, DEVICE))
+
+
+def test_the_advise_command_on_the_report_models(tmp_path):
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("transformers")
+    out = tmp_path / "advice.json"
+    run = subprocess.run([sys.executable, "-m", "fusedkit", "advise", "--models", "llama_mlp", "--json",
+                          str(out), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    (site,) = data["sites"]
+    assert site["model"] == "llama_mlp" and site["pattern"] == "silu * mul" and site["bytes_saved"] > 0
+    (timing,) = data["timings"]
+    assert timing["fused_forward_ms"] > 0 and timing["original_train_ms"] > 0
+    assert "silu * mul" in run.stdout

@@ -1,0 +1,128 @@
+"""fusedkit.MemoryCounterMode: exact modelled bytes per op, per module, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand
+
+import fusedkit
+
+F32 = 4
+
+
+def count(fn, device=DEVICE):
+    with fusedkit.MemoryCounterMode(display=False) as counter:
+        fn()
+    return counter
+
+
+def traffic(counter, op):
+    forward, backward = counter.get_traffic_by_module()["Global"][op]
+    return forward + backward
+
+
+def test_exact_bytes_of_simple_ops():
+    x, y = rand((64, 48), torch.float32, DEVICE), rand((64, 48), torch.float32, DEVICE)
+    n = 64 * 48 * F32
+    c = count(lambda: torch.add(x, y))
+    assert c.get_bytes_by_op() == {"aten.add": 3 * n} and c.get_total_bytes() == 3 * n
+    assert count(lambda: torch.relu(x)).get_bytes_by_op() == {"aten.relu": 2 * n}
+    bias, w = rand((32,), torch.float32, DEVICE), rand((48, 32), torch.float32, DEVICE)
+    # addmm reads bias, x and w once and writes the (64, 32) result
+    assert count(lambda: torch.addmm(bias, x, w)).get_bytes_by_op() == {
+        "aten.addmm": (32 + 64 * 48 + 48 * 32 + 64 * 32) * F32}
+
+
+def test_broadcast_transposed_and_views():
+    x, row = rand((64, 48), torch.float32, DEVICE), rand((48,), torch.float32, DEVICE)
+    n = 64 * 48 * F32
+    # the broadcast operand is read once, not once per row
+    assert count(lambda: x + row).get_bytes_by_op() == {"aten.add": 2 * n + 48 * F32}
+    # a transposed operand moves the same bytes (its elements are dense, in another order)
+    t = rand((48, 64), torch.float32, DEVICE).t()
+    assert count(lambda: x + t).get_bytes_by_op() == {"aten.add": 3 * n}
+    # a column slice with stride 2 moves whole 32-byte sectors: twice its bytes
+    wide = rand((64, 96), torch.float32, DEVICE)
+    assert count(lambda: torch.relu(wide[:, ::2])).get_bytes_by_op() == {"aten.relu": 2 * n + n}
+    # views and metadata move nothing
+    c = count(lambda: (x.view(-1), x.t(), x[1:], x.expand(2, 64, 48), x.unsqueeze(0), x.detach(), x.shape))
+    assert c.get_total_bytes() == 0 and c.get_bytes_by_op() == {}
+
+
+def test_in_place_out_overwrites_and_allocations():
+    x, y = rand((64, 48), torch.float32, DEVICE), rand((64, 48), torch.float32, DEVICE)
+    n = 64 * 48 * F32
+    assert count(lambda: x.add_(y)).get_bytes_by_op() == {"aten.add_": 3 * n}  # reads x and y, writes x
+    out = torch.empty_like(x)
+    c = count(lambda: torch.add(x, y, out=out))
+    assert traffic(c, "aten.add").read == 2 * n and traffic(c, "aten.add").written == n  # out is not read
+    assert count(lambda: x.fill_(1.0)).get_bytes_by_op() == {"aten.fill_": n}
+    assert count(lambda: x.copy_(y)).get_bytes_by_op() == {"aten.copy_": 2 * n}
+    assert count(lambda: torch.empty(1000, 1000, device=DEVICE)).get_total_bytes() == 0
+    assert count(lambda: torch.zeros(10, device=DEVICE)).get_total_bytes() == 10 * F32
+    # a tensor passed twice is read once
+    assert count(lambda: torch.mul(x, x)).get_bytes_by_op() == {"aten.mul": 2 * n}
+
+
+def test_gathers_read_what_they_take():
+    table = rand((10000, 16), torch.float32, DEVICE)
+    idx = torch.tensor([[1, 5, 9]], device=DEVICE)
+    c = count(lambda: F.embedding(idx, table))
+    assert traffic(c, "aten.embedding").written == 3 * 16 * F32
+    assert traffic(c, "aten.embedding").read == 3 * 16 * F32 + 3 * 8
+
+
+def test_fusedkit_ops_are_named_by_kernel_and_counted_once():
+    x, bias = rand((64, 48), torch.float32, DEVICE), rand((48,), torch.float32, DEVICE)
+    n = 64 * 48 * F32
+    c = count(lambda: fusedkit.add_relu(x, bias))
+    assert c.get_bytes_by_op() == {"fusedkit.add_relu": 2 * n + 48 * F32}
+    # the eager pair it replaces moves the intermediate twice more
+    assert count(lambda: torch.relu(x + bias)).get_total_bytes() == 4 * n + 48 * F32
+    # a (64, 1) column of a row-major matrix: each element costs a 32-byte sector
+    c = count(lambda: fusedkit.silu_mul(x, x[:, :1]))
+    assert c.get_bytes_by_op() == {"fusedkit.silu_mul": 2 * n + 64 * 32}
+
+
+def test_modules_forward_and_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).to(DEVICE)
+    x = rand((64, 48), torch.float32, DEVICE)
+    with fusedkit.MemoryCounterMode(depth=2, display=False) as c:
+        model(x).sum().backward()
+    by_module = c.get_traffic_by_module()
+    assert {"Global", "Sequential", "Sequential.0", "Sequential.1", "Sequential.2"} <= set(by_module)
+    forward, backward = by_module["Sequential.1"]["aten.relu"]
+    assert forward.total == 2 * 64 * 32 * F32 and backward.total == 0
+    forward, backward = by_module["Sequential.1"]["aten.threshold_backward"]
+    assert forward.total == 0 and backward.total == 3 * 64 * 32 * F32
+    # a module's bytes are the sum of its children's and its own ops'
+    total = lambda m: sum(f.total + b.total for f, b in by_module[m].values())  # noqa: E731
+    assert total("Sequential") == sum(total(f"Sequential.{i}") for i in range(3))
+    table = c.get_table()
+    assert "Sequential.1" in table and "aten.threshold_backward" in table and "100.0%" in table
+    assert "Sequential.1" not in c.get_table(depth=1)
+
+
+def test_counts_on_the_meta_device_and_prints_on_exit(capsys):
+    a = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
+    with fusedkit.MemoryCounterMode() as c:
+        torch.mm(a, a.t())
+    assert c.get_bytes_by_op() == {"aten.mm": 3 * 4096 * 4096 * 2}  # reads a and a.t(), writes the product
+    assert "aten.mm" in capsys.readouterr().out
+
+
+def test_counts_fresh_each_time_and_leaves_no_mode_behind():
+    x = rand((16,), torch.float32, DEVICE)
+    counter = fusedkit.MemoryCounterMode(display=False)
+    for _ in range(2):
+        with counter:
+            torch.relu(x)
+        assert counter.get_total_bytes() == 2 * 16 * F32
+    assert torch._C._len_torch_dispatch_stack() == 0
+    with pytest.raises(ValueError, match="boom"), counter:
+        raise ValueError("boom")
+    assert torch._C._len_torch_dispatch_stack() == 0
