@@ -17,6 +17,8 @@ reads back (twice its bytes, from the shapes the example inputs give it).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -37,7 +39,7 @@ __all__ = ["FusionSite", "advise", "fuse"]
 FOREIGN_ACTIVATIONS = {"NewGELUActivation": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUTanh": "gelu_tanh",
                        "GELUActivation": "gelu", "SiLUActivation": "silu"}
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
-_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+_ADD_FUNCTIONS = (operator.add, torch.add)
 
 
 @dataclass(frozen=True)
@@ -94,31 +96,65 @@ def _activation(node: fx.Node, modules: dict) -> str | None:
     return None
 
 
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    """A call's argument by position or keyword."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _fresh(value, node: fx.Node) -> bool:
+    """Whether ``value`` is an intermediate only ``node`` uses: an in-place op on it changes
+    nothing anyone else sees (not an input, a parameter, or a tensor used again)."""
+    return (isinstance(value, fx.Node) and value.op in ("call_function", "call_method", "call_module")
+            and len(value.users) == 1)
+
+
 def _add_operands(node: fx.Node):
-    """``(x, y, alpha)`` of an elementwise add node, or None."""
-    if node.op == "call_function" and node.target in _ADD_FUNCTIONS and len(node.args) == 2:
-        alpha = node.kwargs.get("alpha", 1)
-        if set(node.kwargs) - {"alpha"}:
+    """``(x, y, alpha)`` of an elementwise add node, or None. An in-place add qualifies when
+    its target is a fresh intermediate (the fused result replaces it)."""
+    if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
+        if set(node.kwargs) - {"other", "alpha"} or len(node.args) + len(node.kwargs) < 2:
             return None
-        return node.args[0], node.args[1], alpha
-    if node.op == "call_method" and node.target in ("add", "add_") and len(node.args) == 2:
-        return node.args[0], node.args[1], node.kwargs.get("alpha", 1)
+        return _arg(node, 0, "input"), _arg(node, 1, "other"), node.kwargs.get("alpha", 1)
+    if node.op == "call_method" and node.target in ("add", "add_") and not set(node.kwargs) - {"other", "alpha"}:
+        x, y = node.args[0], _arg(node, 1, "other")
+        if y is None or (node.target == "add_" and not _fresh(x, node)):
+            return None
+        return x, y, node.kwargs.get("alpha", 1)
     return None
 
 
+def _shape(value):
+    meta = value.meta.get("tensor_meta") if isinstance(value, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
 def _linear_operands(node: fx.Node, modules: dict):
-    """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node, or None: an
+    """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node that
+    ``fusedkit.matmul`` takes (a 2-D weight, a bias of one value per output), or None: an
     ``nn.Linear`` (its weight is read transposed), ``F.linear`` or a plain ``torch.addmm``."""
     if node.op == "call_module" and type(modules[node.target]) is torch.nn.Linear:
         m = modules[node.target]
         return node.args[0], f"{node.target}.weight", f"{node.target}.bias" if m.bias is not None else None, True
     if node.op == "call_function" and node.target is F.linear:
-        args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
-        return args[0], args[1], args[2], True
+        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        ws, bs = _shape(w), _shape(b)
+        if ws is None or len(ws) != 2 or (b is not None and bs != ws[:1]):
+            return None
+        return x, w, b, True
     if node.op == "call_function" and node.target is torch.addmm and not node.kwargs and len(node.args) == 3:
         bias, x, w = node.args
+        ws, bs = _shape(w), _shape(bias)
+        if ws is None or bs != ws[1:]:
+            return None
         return x, w, bias, False
     return None
+
+
+def _in_place(node: fx.Node, modules: dict) -> bool:
+    """Whether an activation node writes its input (``inplace=True``, ``relu_``)."""
+    if node.op == "call_module":
+        return bool(getattr(modules[node.target], "inplace", False))
+    return node.kwargs.get("inplace", False) or node.target in (torch.relu_, "relu_")
 
 
 def _only_user(node: fx.Node):
@@ -126,7 +162,11 @@ def _only_user(node: fx.Node):
 
 
 def _owner(node: fx.Node) -> list[str]:
-    stack = [k for k in (node.meta.get("nn_module_stack") or {}) if not (node.op == "call_module" and k == node.target)]
+    """The qualified name of the module ``node`` runs in, as parts (its values: the keys of a
+    module called twice carry fx's ``@1`` suffix)."""
+    stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    if node.op == "call_module":
+        stack = [p for p in stack if p != node.target]
     return stack[-1].split(".") if stack else []
 
 
@@ -183,8 +223,8 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
         elif act is None and _activation(node, modules) in ("silu", "gelu", "gelu_tanh") and _is_mul(user):
             gate = _activation(node, modules)
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if other is node:
-                continue
+            if other is node or (_in_place(node, modules) and not _fresh(node.args[0], node)):
+                continue  # (an in-place activation whose input is used again: the rewrite would not mutate it)
             call = "silu_mul" if gate == "silu" else "gelu_mul"
             extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
             site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
@@ -218,10 +258,31 @@ def _is_mul(node: fx.Node | None) -> bool:
              and not node.kwargs) or (node.op == "call_method" and node.target == "mul" and len(node.args) == 2))
 
 
+@contextlib.contextmanager
+def _mode(model: torch.nn.Module, training: bool):
+    """``model`` in train or eval mode for a while; every submodule's own mode restored after."""
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, was in modes.items():
+            m.train(was)
+
+
+def _copies(inputs) -> tuple:
+    """The example inputs, tensors cloned: a model that writes its inputs in place leaves the
+    caller's as they were, and every run sees the same values."""
+    return tuple(torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs))
+
+
 def _traced(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list[FusionSite]]:
+    """The traced model and its sites; shapes are learnt by one run in eval mode without
+    gradients, on copies of the inputs (batch statistics, the random stream and the inputs
+    stay as they were)."""
     gm = _trace(model)
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*example_inputs)
+    with _mode(model, False), torch.no_grad():
+        ShapeProp(gm).propagate(*_copies(example_inputs))
     return gm, _find(gm)
 
 
@@ -278,29 +339,40 @@ FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4
 
 def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
     """``model`` with every :func:`advise` site rewritten to its fusedkit call: a
-    ``torch.fx.GraphModule`` that shares ``model``'s parameters and submodules (training one
-    trains the other). Before it is returned, its outputs on ``example_inputs`` are checked
-    against ``model``'s (both in eval mode, without gradients; ``FUSE_TOLERANCE``); a
-    difference raises ``FusedkitError``."""
+    ``torch.fx.GraphModule`` (its ``fusion_sites`` lists them) that shares ``model``'s
+    parameters and submodules (training one trains the other). It is a traced copy of
+    ``forward`` only: the model's other methods and attributes, and hooks on the model or on
+    the submodules the trace inlined, are not on it; inputs are positional. Before it is
+    returned, its outputs on copies of ``example_inputs`` are checked against ``model``'s
+    (both in eval mode, without gradients; ``FUSE_TOLERANCE``, autocast's dtype where it is
+    on): a difference raises ``FusedkitError``. A forward that reads ``self.training`` itself
+    raises ``TracingError``."""
     gm, sites = _traced(model, example_inputs)
+    with _mode(model, not model.training):
+        if _trace(model).code != gm.code:
+            raise TracingError(f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
+                               "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
+                               "the parts that do not")
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()
     gm.recompile()
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            want, got = model(*example_inputs), gm(*example_inputs)
-    finally:
-        for m, training in modes.items():
-            m.train(training)
+    with _mode(model, False), torch.no_grad():
+        want, got = model(*_copies(example_inputs)), gm(*_copies(example_inputs))
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
-        if isinstance(w, torch.Tensor):
-            tol = FUSE_TOLERANCE.get(w.dtype, 0)
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            tol = _tolerance(w)
             try:
                 torch.testing.assert_close(g, w, rtol=tol, atol=tol)
             except AssertionError as err:
                 raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
-    gm.fusion_sites = sites
+    gm.fusion_sites = [dataclasses.replace(site, nodes=()) for site in sites]
     return gm
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    """``FUSE_TOLERANCE`` of ``t``'s dtype, or of autocast's where autocast computed it."""
+    tol = FUSE_TOLERANCE.get(t.dtype, 0)
+    if t.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(t.device.type):
+        tol = max(tol, FUSE_TOLERANCE.get(torch.get_autocast_dtype(t.device.type), 0))
+    return tol

@@ -17,6 +17,11 @@ takes, not its whole source. A matmul reads each operand once: the model ignores
 re-reads its tiling may make, as it ignores caches. fusedkit's own ops count as one op each,
 named after their kernel (``fusedkit.add_relu``). Only shapes, strides and dtypes are read,
 so it counts on any device, ``meta`` and fake tensors included.
+
+Inside the counter fusedkit's calls go through their registered ops, so the counter sees
+each as one op. The backward of a gate (``silu_mul``, ``gelu_mul``) and of ``add_gelu``
+runs its torch composition there, as under any dispatch mode, so the counter shows that
+composition's bytes for it, not the fused kernel's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from .errors import FusedkitError
 from .registry import Traffic, tensor_read_bytes
 
 __all__ = ["MemoryCounterMode", "op_traffic"]
@@ -35,12 +41,24 @@ __all__ = ["MemoryCounterMode", "op_traffic"]
 #: Ops that allocate without writing: they move nothing.
 ALLOCATING_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                             "empty_permuted"})
+#: Views without an alias annotation in their schema: they move nothing either.
+UNANNOTATED_VIEWS = frozenset({"_unsafe_view", "_reshape_alias"})
+#: Ops that read their tensor arguments' shapes only: they write their result.
+SHAPE_ONLY_OPS = frozenset({"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+                            "new_zeros", "new_ones", "new_full"})
 #: In-place ops that overwrite their target without reading it.
 OVERWRITING_OPS = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
                              "bernoulli_", "geometric_", "log_normal_", "cauchy_"})
 #: Gathers, by the name of their index argument: they read the indices and as many source
 #: elements as they write.
-GATHERING_OPS = {"embedding": "indices", "index_select": "index", "gather": "index"}
+GATHERING_OPS = {"embedding": "indices", "index_select": "index", "gather": "index", "index": "indices"}
+#: In-place scatters, by their index and source arguments: they read those and write as many
+#: elements of their target as the source has (an accumulating one reads them too).
+SCATTERING_OPS = {"index_put_": ("indices", "values"), "index_add_": ("index", "source"),
+                  "index_copy_": ("index", "source"), "scatter_": ("index", "src"), "scatter_add_": ("index", "src"),
+                  "scatter_reduce_": ("index", "src"), "index_reduce_": ("index", "source")}
+#: Of those, the ones that read the elements they update.
+ACCUMULATING_OPS = frozenset({"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_"})
 #: The name of the whole-run row, as FlopCounterMode names it.
 GLOBAL = "Global"
 #: Bytes per unit of the table's figures.
@@ -70,23 +88,33 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
     (see the module's docstring for the rules)."""
     schema = func._schema
     name = func.overloadpacket.__name__
-    if name in ALLOCATING_OPS:
+    if name in ALLOCATING_OPS or name in UNANNOTATED_VIEWS or torch.Tag.inplace_view in func.tags:
         return Traffic(0, 0)
     returns_new = [r.alias_info is None for r in schema.returns]
     bound = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
+    by_name = {a.name: v for a, v in bound}
     written_args = [(a, v) for a, v in bound if a.alias_info is not None and a.alias_info.is_write]
     if not written_args and not any(returns_new):
         return Traffic(0, 0)  # a view (or a no-op returning its input)
-    outs = [t for t, new in zip(out if isinstance(out, (tuple, list)) else (out,), returns_new) if new]
-    written = _tensors(outs) + [t for _, v in written_args for t in _tensors(v)]
+    results = out if len(schema.returns) > 1 else (out,)  # (one return may be a list: foreach ops)
+    written = [t for value, new in zip(results, returns_new) if new for t in _tensors(value)]
+    written += [t for _, v in written_args for t in _tensors(v)]
     if name in GATHERING_OPS:
-        index = _tensors({a.name: v for a, v in bound}.get(GATHERING_OPS[name]))
+        index = _tensors(by_name.get(GATHERING_OPS[name]))
         return Traffic(_bytes(index) + _bytes(written), _bytes(written))
+    if name in SCATTERING_OPS:
+        index_name, source_name = SCATTERING_OPS[name]
+        index, source = _tensors(by_name.get(index_name)), _tensors(by_name.get(source_name))
+        touched = _bytes(source)
+        return Traffic(_bytes(index) + touched + (touched if name in ACCUMULATING_OPS else 0), touched)
+    if name in SHAPE_ONLY_OPS:
+        return Traffic(0, _bytes(written))
     read = []
     for arg, value in bound:
         write = arg.alias_info is not None and arg.alias_info.is_write
-        if write and (arg.is_out or name in OVERWRITING_OPS):
-            continue  # written, not read
+        # (``out`` written only: fusedkit's elementwise_out takes it positionally, not as a kwarg-only out)
+        if write and (arg.is_out or arg.name == "out" or name in OVERWRITING_OPS):
+            continue
         read += _tensors(value)
     return Traffic(_bytes(read), _bytes(written))
 
@@ -124,9 +152,15 @@ class MemoryCounterMode:
         self._counts: dict = defaultdict(lambda: defaultdict(lambda: [Traffic(0, 0), Traffic(0, 0)]))
         self._tracker = None
         self._mode = None
+        #: Ops whose tensors the byte model could not size (a jagged nested tensor), by name: how
+        #: many calls went uncounted.
+        self.uncounted: dict[str, int] = defaultdict(int)
 
     def __enter__(self) -> "MemoryCounterMode":
+        if self._mode is not None:
+            raise FusedkitError("MemoryCounterMode: this counter is counting already (use another one to nest)")
         self._counts.clear()
+        self.uncounted.clear()
         self._tracker = ModuleTracker()
         self._tracker.__enter__()
         self._mode = _Counting(self)
@@ -136,14 +170,19 @@ class MemoryCounterMode:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._tracker.__exit__(*exc)
+        self._mode = None
         if self.display and exc[0] is None:
             print(self.get_table())
 
     def _count(self, func, args, kwargs, out) -> None:
-        traffic = op_traffic(func, args, kwargs, out)
+        name = op_name(func, args)
+        try:
+            traffic = op_traffic(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - a tensor the model cannot size (a jagged nested tensor): not counted
+            self.uncounted[name] += 1
+            return
         if traffic.total == 0:
             return
-        name = op_name(func, args)
         phase = 1 if self._tracker.is_bw else 0
         for module in set(self._tracker.parents):
             cell = self._counts[module][name]
@@ -168,11 +207,14 @@ class MemoryCounterMode:
         """The counts as a text table: each module to ``depth`` levels (``Global`` is level 0),
         and under each the ops by bytes moved, in MB (10^6 bytes)."""
         depth = self.depth if depth is None else depth
+        depth = float("inf") if depth is None else depth  # (None: every level, as FlopCounterMode)
         total = self.get_total_bytes()
         modules = sorted((m for m in self._counts if m == GLOBAL or m.count(".") < depth), key=_module_order)
-        width = max([len("Module"), *(len(m) + 2 * _level(m) + 3 for m in modules)]) + max(
-            [0, *(len(op) for m in modules for op in self._counts[m])])
-        head = f"{'Module':<{width}} {'read MB':>10} {'written MB':>10} {'forward MB':>10} {'backward MB':>11} {'% total':>7}"
+        labels = [_level(m) + len(m) for m in modules]
+        labels += [_level(m) + 3 + len(op) for m in modules for op in self._counts[m]]
+        width = max([len("Module"), *labels])
+        head = (f"{'Module':<{width}} {'read MB':>10} {'written MB':>10} {'forward MB':>10} {'backward MB':>11} "
+                f"{'% total':>7}")
         lines = [head, "-" * len(head)]
         for m in modules:
             ops = self._counts[m]

@@ -183,3 +183,52 @@ def test_the_advise_command_on_the_report_models(tmp_path):
     (timing,) = data["timings"]
     assert timing["fused_forward_ms"] > 0 and timing["original_train_ms"] > 0
     assert "silu * mul" in run.stdout
+
+
+def test_keyword_linear_shapes_it_cannot_take_and_in_place_targets():
+    class Kw(nn.Module):
+        def forward(self, x, w, b, v):
+            h = F.relu(F.linear(x, weight=w, bias=b))     # keywords: x stays x
+            g = F.relu(F.linear(h, v))                     # a 1-D weight: not a matmul fusedkit takes
+            z = h.clone()
+            s = z.add_(h)                                  # in place on a fresh intermediate used again below
+            return g, torch.relu(s), z
+    x, w, b = rand((4, 6), torch.float32, DEVICE), rand((5, 6), torch.float32, DEVICE), rand((5,), torch.float32,
+                                                                                               DEVICE)
+    v = rand((5,), torch.float32, DEVICE)
+    sites = fusedkit.advise(Kw(), x, w, b, v)
+    assert [s.pattern for s in sites] == ["linear -> relu"]
+    assert sites[0].replacement.startswith("fusedkit.matmul(x, w.t(), b,")
+    fused = fusedkit.fuse(Kw(), x, w, b, v)
+    for got, want in zip(fused(x, w, b, v), Kw()(x, w, b, v)):
+        torch.testing.assert_close(got, want)
+
+
+def test_advise_leaves_the_model_and_inputs_as_they_were():
+    net, images = _net()
+    before = images.clone()
+    stats = net.block.bn1.running_mean.clone(), int(net.block.bn1.num_batches_tracked)
+    fusedkit.advise(net, images)
+    fusedkit.fuse(net, images)
+    assert torch.equal(images, before) and net.training
+    assert torch.equal(net.block.bn1.running_mean, stats[0]) and int(net.block.bn1.num_batches_tracked) == stats[1]
+
+
+def test_module_names_of_a_module_called_twice():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = LlamaStyleMLP()
+
+        def forward(self, x):
+            return self.mlp(self.mlp(x))
+    x = rand((3, 16), torch.float32, DEVICE)
+    assert [s.module for s in fusedkit.advise(Twice(), x)] == ["mlp", "mlp"]
+
+
+def test_a_forward_reading_self_training_is_refused():
+    class Functional(nn.Module):
+        def forward(self, x):
+            return F.dropout(torch.relu(x + 1), 0.5, training=self.training)
+    with pytest.raises(fusedkit.TracingError, match="self.training"):
+        fusedkit.fuse(Functional(), rand((4,), torch.float32, DEVICE))

@@ -126,3 +126,45 @@ def test_counts_fresh_each_time_and_leaves_no_mode_behind():
     with pytest.raises(ValueError, match="boom"), counter:
         raise ValueError("boom")
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_lists_shape_only_ops_in_place_views_and_unannotated_views():
+    xs = [rand((64, 48), torch.float32, DEVICE) for _ in range(3)]
+    n = 64 * 48 * F32
+    # an op returning a list counts every tensor of it
+    assert count(lambda: torch._foreach_sqrt(xs)).get_bytes_by_op() == {"aten._foreach_sqrt": 6 * n}
+    x = xs[0]
+    # *_like reads the shape only
+    assert count(lambda: torch.zeros_like(x)).get_bytes_by_op() == {"aten.zeros_like": n}
+    # in-place views and views without an alias annotation move nothing
+    y = x.clone()
+    assert count(lambda: y.unsqueeze_(0)).get_total_bytes() == 0
+    assert count(lambda: torch.ops.aten._unsafe_view(x, (48, 64))).get_total_bytes() == 0
+    # fusedkit's out= op writes out, reads x and y only
+    out = torch.empty_like(x)
+    c = count(lambda: fusedkit.add(x, xs[1], out=out))
+    assert traffic(c, "fusedkit.add").read == 2 * n and traffic(c, "fusedkit.add").written == n
+
+
+def test_gathers_and_scatters_move_the_rows_they_touch():
+    table = rand((10000, 16), torch.float32, DEVICE)
+    idx = torch.tensor([1, 5, 9], device=DEVICE)
+    rows = 3 * 16 * F32
+    c = count(lambda: table[idx])
+    assert traffic(c, "aten.index").read == rows + 3 * 8 and traffic(c, "aten.index").written == rows
+    src = rand((3, 16), torch.float32, DEVICE)
+    c = count(lambda: table.index_add_(0, idx, src))
+    assert traffic(c, "aten.index_add_").written == rows and traffic(c, "aten.index_add_").read == 3 * 8 + 2 * rows
+
+
+def test_what_cannot_be_sized_is_left_uncounted_not_raised():
+    nested = torch.nested.nested_tensor([rand((2, 3), torch.float32, DEVICE), rand((4, 3), torch.float32, DEVICE)],
+                                        layout=torch.jagged)
+    with fusedkit.MemoryCounterMode(display=False, depth=None) as c:
+        torch.relu(nested)
+    assert sum(c.uncounted.values()) >= 1
+    assert "Global" in c.get_table()
+    with pytest.raises(fusedkit.FusedkitError, match="counting already"), c:
+        with c:
+            pass
+    assert torch._C._len_torch_dispatch_stack() == 0
