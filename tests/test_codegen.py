@@ -73,6 +73,13 @@ for spec in fusedkit.registry.kernels():
         v = torch.empty(1000, device=M, dtype=dtype)
         compile_elementwise(spec, (v,) * spec.arity, v)
         r["dtypes"].append(f"{spec.name}:{dtype}")
+from fusedkit.library import SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD
+r["pairs"] = []
+for spec in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD):  # the two-output variant
+    for dtype in spec.dtypes:
+        v = torch.empty(1000, device=M, dtype=dtype)
+        c = compile_elementwise(spec, (v,) * 3, v, out2=torch.empty_like(v))
+        r["pairs"].append(f"{spec.name}:{dtype}:{c.asm['ttir'].count('tt.store')}")
 print(json.dumps(r))
 """
 
@@ -113,6 +120,14 @@ def test_every_registered_kernel_and_dtype_compiles_for_hopper(codegen):
 
     expected = [f"{k.name}:{d}" for k in fusedkit.registry.kernels() for d in k.dtypes]
     assert codegen["dtypes"] == expected
+
+
+def test_two_output_kernels_compile_for_hopper_with_two_stores(codegen):
+    from fusedkit.library import GELU_MUL_GRAD, GELU_TANH_MUL_GRAD, SILU_MUL_GRAD
+
+    # each tile stored twice, masked and unmasked: four stores
+    assert codegen["pairs"] == [f"{k.name}:{d}:4" for k in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD)
+                                for d in k.dtypes]
 
 
 FALLBACK = """

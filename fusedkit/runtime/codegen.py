@@ -98,14 +98,15 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
 
 
 def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.Tensor, param=1,
-                        target: GPUTarget = HOPPER):
-    """Compile the launch ``elementwise(kernel, *operands, out=out)`` would make.
+                        target: GPUTarget = HOPPER, out2: torch.Tensor | None = None):
+    """Compile the launch ``elementwise(kernel, *operands, out=out)`` would make (``out2``: a
+    two-output kernel's second result, as ``run_pair`` passes it).
 
     ``operands`` and ``out`` may be meta tensors (``device="meta"``), so sizes past
     2**31 elements cost no memory. Returns Triton's compiled kernel; its ``asm``
     dict holds the ``ttir``, ``ttgir``, ``llir`` and ``ptx``.
     """
-    _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out)
+    _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out, out2=out2)
     num_warps = meta.pop("num_warps")
     return _compile(elementwise_kernel, args, meta, num_warps, target)
 
