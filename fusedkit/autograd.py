@@ -26,9 +26,10 @@ from .errors import ArgumentError, NotDifferentiableError, UnknownKernelError
 from .registry import get, result_dtype
 from .runtime import elementwise, matmul, native
 
-__all__ = ["EagerElementwise", "EagerMatmul", "FuncElementwise", "FuncMatmul", "call_autograd", "call_functorch",
-           "call_op", "elementwise_op", "elementwise_out_op", "functorch_active", "matmul_functorch", "matmul_op",
-           "matmul_setup_context", "native_backward", "record_matmul", "register_matmul_backward"]
+__all__ = ["EagerElementwise", "EagerMatmul", "FuncElementwise", "FuncMatmul", "PAIRS", "call_autograd",
+           "call_functorch", "call_op", "call_pair", "elementwise_op", "elementwise_out_op", "elementwise_pair_op",
+           "functorch_active", "matmul_functorch", "matmul_op", "matmul_setup_context", "native_backward",
+           "record_matmul", "register_matmul_backward", "register_pair"]
 
 #: Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active; a C call. Its
 #: wrapped tensors have no storage, so a launch waits until none is.
@@ -237,6 +238,41 @@ def _elementwise_out_vmap(info, in_dims, name, tensors, tensor_slots, scalars, p
 
 
 torch.library.register_vmap(elementwise_out_op, _elementwise_out_vmap)
+
+
+#: Two-output kernels by name (``ElementwiseKernel(outputs=2)``: backwards' kernels, kept out
+#: of the registry), for ``fusedkit::elementwise_pair``; :func:`register_pair` adds one.
+PAIRS: dict = {}
+
+
+def register_pair(kernel) -> None:
+    """Let ``fusedkit::elementwise_pair`` run the two-output ``kernel`` by its name."""
+    PAIRS[kernel.name] = kernel
+
+
+@torch.library.custom_op("fusedkit::elementwise_pair", mutates_args=())
+def elementwise_pair_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int],
+                        scalars: list[Scalar]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both results of a two-output kernel: the registered op a dispatch mode sees (a byte
+    counter, ``make_fx``) where an eager backward would call ``run_pair`` directly."""
+    kernel = PAIRS[name]
+    return elementwise.run_pair(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None)
+
+
+@elementwise_pair_op.register_fake
+def _(name, tensors, tensor_slots, scalars):
+    kernel = PAIRS[name]
+    with torch.no_grad():
+        call = elementwise.validate(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None, None,
+                                    outputs=2)
+    return elementwise.allocate_out(call), elementwise.allocate_out(call)
+
+
+def call_pair(kernel, operands: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both results of a two-output ``kernel`` (registered with :func:`register_pair`) through
+    ``fusedkit::elementwise_pair``."""
+    tensors, slots, scalars = _split(operands)
+    return elementwise_pair_op(kernel.name, tensors, slots, scalars)
 
 
 def _check_registered(kernel) -> None:

@@ -24,7 +24,7 @@ from .runtime import elementwise as ew
 from .runtime import matmul as mm
 from .runtime import launch, native
 
-__all__ = ["elementwise", "matmul", "tracing"]
+__all__ = ["elementwise", "matmul", "observed", "tracing"]
 
 _is_compiling = torch.compiler.is_compiling
 #: ``torch.jit.trace`` recording: calls go through the registered op, which it records.
@@ -52,6 +52,14 @@ def tracing(tensors, out=None) -> bool:
         if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
             return True
     return isinstance(out, torch.Tensor) and type(out) not in _PLAIN
+
+
+def observed(tensors) -> bool:
+    """True when a Python dispatch mode watches eager calls on plain tensors (a byte or FLOP
+    counter, ``make_fx``), not while compiling or under a ``torch.func`` transform: fusedkit's
+    kernels run there, through registered ops the mode sees."""
+    return (bool(_dispatch_modes()) and not _is_compiling() and not _functorch()
+            and all(type(t) in _PLAIN for t in tensors if isinstance(t, torch.Tensor)))
 
 
 def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:

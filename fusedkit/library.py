@@ -163,11 +163,22 @@ def _opmath(*values) -> tuple[list, torch.dtype]:
 
 def _needs_composition(*values) -> bool:
     """Whether a gradient must be computed with differentiable torch ops: a gradient of it is
-    recorded (``create_graph``), a ``torch.func`` transform runs, or tracing sees it (Dynamo,
-    a dispatch mode, fake tensors); else fusedkit's kernels run it."""
+    recorded (``create_graph``), a ``torch.func`` transform runs, or a trace sees it (Dynamo,
+    fake tensors); else fusedkit's kernels run it (through registered ops a watching dispatch
+    mode sees: ``dispatch.observed``)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return (autograd.functorch_active() or dispatch.tracing(tensors)
+    return (autograd.functorch_active() or (dispatch.tracing(tensors) and not dispatch.observed(tensors))
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def _pair(kernel: ElementwiseKernel, operands: tuple):
+    """Both results of a two-output kernel: launched, or through ``fusedkit::elementwise_pair``
+    where a dispatch mode watches; in a profiler range as dispatch gives every other kernel."""
+    run = autograd.call_pair if dispatch.observed(operands) else (lambda k, ops: ew.run_pair(k, ops, None))
+    if _profiling():
+        with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
+            return run(kernel, operands)
+    return run(kernel, operands)
 
 
 _GELU_BACKWARD = {"none": torch.ops.aten.gelu_backward,
@@ -202,6 +213,8 @@ SILU_MUL_GRAD = _gate_grad_kernel("silu_mul_grad", activations.silu_mul_grad_mat
 GELU_MUL_GRAD = _gate_grad_kernel("gelu_mul_grad", activations.gelu_mul_grad_math, "none", "gelu")
 GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_tanh_mul_grad_math, "tanh",
                                        "gelu_tanh")
+for _kernel in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD):
+    autograd.register_pair(_kernel)
 
 
 def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None,
@@ -211,10 +224,7 @@ def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: st
         a, b = saved
         if _needs_composition(grad, a, b):
             return grad_kernel.reference(grad, a, b)
-        if _profiling():  # a range as dispatch gives every other kernel
-            with torch.profiler.record_function(f"fusedkit::{grad_kernel.name}"):
-                return ew.run_pair(grad_kernel, (grad, a, b), None)
-        return ew.run_pair(grad_kernel, (grad, a, b), None)
+        return _pair(grad_kernel, (grad, a, b))
 
     def reference(a, b):
         a = _float64_if_number(a)

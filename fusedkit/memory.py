@@ -19,9 +19,7 @@ named after their kernel (``fusedkit.add_relu``). Only shapes, strides and dtype
 so it counts on any device, ``meta`` and fake tensors included.
 
 Inside the counter fusedkit's calls go through their registered ops, so the counter sees
-each as one op. The backward of a gate (``silu_mul``, ``gelu_mul``) and of ``add_gelu``
-runs its torch composition there, as under any dispatch mode, so the counter shows that
-composition's bytes for it, not the fused kernel's.
+each as one op, backward kernels included (a gate's two gradients: ``fusedkit.silu_mul_grad``).
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def op_name(func, args) -> str:
     """``aten.mm``; fusedkit's elementwise ops by their kernel: ``fusedkit.add_relu``."""
     packet = func.overloadpacket
     namespace = func.namespace
-    if namespace == "fusedkit" and packet.__name__ in ("elementwise", "elementwise_out") and args:
+    if namespace == "fusedkit" and packet.__name__ in ("elementwise", "elementwise_out", "elementwise_pair") and args:
         return f"fusedkit.{args[0]}"
     return f"{namespace}.{packet.__name__}"
 

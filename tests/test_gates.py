@@ -292,3 +292,11 @@ def test_swiglu_strict_load_does_not_let_a_llama_key_overwrite_its_own():
     llama = {f"0.{k}": v for k, v in _LlamaStyleMLP(4, 6).to(DEVICE).state_dict().items()}
     parent.load_state_dict(llama)
     torch.testing.assert_close(parent[0].up.weight, llama["0.up_proj.weight"])
+
+
+def test_the_pair_op_passes_opcheck():
+    from fusedkit.autograd import elementwise_pair_op
+    for dtype in (torch.float32, torch.bfloat16, F64):
+        g, a, b = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (5, 6), (6,)))
+        torch.library.opcheck(elementwise_pair_op, ("silu_mul_grad", [g, a, b], [0, 1, 2], []))
+        torch.library.opcheck(elementwise_pair_op, ("gelu_tanh_mul_grad", [g, a], [0, 1], [1.5]))

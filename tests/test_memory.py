@@ -168,3 +168,19 @@ def test_what_cannot_be_sized_is_left_uncounted_not_raised():
         with c:
             pass
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_fused_backward_kernels_are_counted_as_one_op():
+    a, b = (rand((64, 48), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    n = 64 * 48 * F32
+    out = fusedkit.silu_mul(a, b)
+    g = torch.ones_like(out)
+    with fusedkit.MemoryCounterMode(display=False) as c:
+        torch.autograd.grad(out, (a, b), g)
+    # reads grad, a and b, writes both gradients: 5n, where the eager composition's backward moves more
+    assert c.get_bytes_by_op() == {"fusedkit.silu_mul_grad": 5 * n}
+    x, y = (t.detach().requires_grad_() for t in (a, b))
+    out = fusedkit.add_gelu(x, y)
+    with fusedkit.MemoryCounterMode(display=False) as c:
+        torch.autograd.grad(out, (x, y), g)
+    assert c.get_bytes_by_op() == {"fusedkit.add_gelu_grad": 4 * n}
