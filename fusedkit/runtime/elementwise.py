@@ -407,20 +407,36 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
     return out
 
 
-def _run_reference(call: Call) -> torch.Tensor:
+def _reference_result(call: Call):
+    """The registry reference on a validated call (a pair for a two-output kernel)."""
     operands = call.operands
     if call.dtype in (torch.float16, torch.bfloat16):
         # Half types in float32, rounded once at the end: the arithmetic of torch's CUDA
         # kernels and of fusedkit's own (torch's CPU kernels would round alpha to the half type).
         operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t
                          for t in operands)
-    args = operands + ((call.param,) if call.kernel.param is not None else ())
-    result = call.kernel.reference(*args)
+    return call.kernel.reference(*operands, *((call.param,) if call.kernel.param is not None else ()))
+
+
+def _run_reference(call: Call) -> torch.Tensor:
+    result = _reference_result(call)
     # Same layout and dtype as the kernel path (and the op's fake implementation).
     out = call.out if call.out is not None else allocate_out(call)
     with torch.autograd.grad_mode.no_grad():
         out.copy_(result.to(call.dtype))  # rounded to the result dtype first when ``out`` has another
     return out
+
+
+def _launch_operands(call: Call) -> tuple:
+    """A validated call's operands as the kernel reads them."""
+    # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
+    operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in call.operands)
+    if call.device.type != "cpu":
+        # Host 0-d tensors become host numbers (after promotion, which treats them as
+        # tensors): a kernel cannot read host memory.
+        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
+                         for t in operands)
+    return operands
 
 
 def run_validated(call: Call) -> torch.Tensor:
@@ -442,15 +458,7 @@ def run_validated(call: Call) -> torch.Tensor:
         result = _run_reference(call)
     else:
         result = out if out is not None else allocate_out(call)
-        # A lazily negated view (``z.conj().imag``) holds the un-negated values in memory.
-        operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
-                         for t in call.operands)
-        if call.device.type != "cpu":
-            # Host 0-d tensors become host numbers (after promotion, which treats them as
-            # tensors): a kernel cannot read host memory.
-            operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
-                             for t in operands)
-        launch_elementwise(call.kernel, operands, call.param, result, call.dtype)
+        launch_elementwise(call.kernel, _launch_operands(call), call.param, result, call.dtype)
     if out is not None and not out.is_inference():
         torch.autograd.graph.increment_version(out)
     return result
@@ -671,21 +679,11 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
     alike: validated, then one launch (the reference on the PyTorch backend). For eager
     calls outside autograd (a backward's), as :func:`run` for one output."""
     call = validate(kernel, operands, param, None, outputs=2)
-    if backend_for(call.device) == "torch":
-        operands = call.operands
-        if call.dtype in (torch.float16, torch.bfloat16):  # as _run_reference: fp32 math, rounded once
-            operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t
-                             for t in operands)
-        args = operands + ((param,) if kernel.param is not None else ())
-        outs = (allocate_out(call), allocate_out(call))
-        with torch.autograd.grad_mode.no_grad():
-            for out, result in zip(outs, kernel.reference(*args)):
-                out.copy_(result.to(call.dtype))
-        return outs
     out, out2 = allocate_out(call), allocate_out(call)
-    operands = tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in call.operands)
-    if call.device.type != "cpu":  # host 0-d tensors as host numbers, as run_validated
-        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
-                         for t in operands)
-    launch_elementwise(kernel, operands, param, out, call.dtype, out2)
+    if backend_for(call.device) == "torch":
+        with torch.autograd.grad_mode.no_grad():
+            for dst, result in zip((out, out2), _reference_result(call)):
+                dst.copy_(result.to(call.dtype))
+    else:
+        launch_elementwise(kernel, _launch_operands(call), param, out, call.dtype, out2)
     return out, out2
