@@ -203,17 +203,21 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
         user = _only_user(node)
         if user is None or user in used:
             continue
-        act = _activation(user, modules)
+        # A linear layer on flattened rows whose result is viewed back before the activation
+        # (transformers' Conv1D: addmm, then view): the view stays, the matmul takes the epilogue.
         linear = _linear_operands(node, modules)
+        middle = (user,) if linear is not None and _is_reshape(user) else ()
+        last = _only_user(user) if middle else user
+        act = None if last is None else _activation(last, modules)
         add = _add_operands(node)
         site = None
-        # (an activation feeding a mul is a gate's: silu_mul keeps less for the backward than
-        # the activation in the matmul's epilogue, and saves the same bytes)
-        gate_next = act in ("silu", "gelu", "gelu_tanh") and _is_mul(_only_user(user))
-        if linear is not None and act is not None and not gate_next:
-            x, w, b, _ = linear
-            site = ("linear -> " + act, f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if linear[3] else ''}, "
-                    f"{_name(b)}, activation={act!r})")
+        if linear is not None and act is not None and not _feeds_gate(last, act):
+            x, w, b, transposed = linear
+            then = f", then {user.name}" if middle else ""
+            site = (f"linear -> {act}", f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
+                    f"{_name(b)}, activation={act!r}){then}")
+        elif middle:
+            continue
         elif add is not None and act in ("relu", "gelu", "gelu_tanh"):
             x, y, alpha = add
             call = "add_relu" if act == "relu" else "add_gelu"
@@ -228,24 +232,18 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
             call = "silu_mul" if gate == "silu" else "gelu_mul"
             extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
             site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
-        if site is None and linear is not None and _is_reshape(user):
-            # a linear layer on flattened rows, its result viewed back (transformers' Conv1D:
-            # addmm, then view), then the activation: the matmul takes the epilogue
-            after = _only_user(user)
-            act = None if after is None else _activation(after, modules)
-            if act is not None and not (act != "relu" and _is_mul(_only_user(after))):
-                x, w, b, transposed = linear
-                sites.append(FusionSite(f"linear -> {act}", _common_module(node, after), 2 * _intermediate_bytes(node),
-                                        f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
-                                        f"{_name(b)}, activation={act!r}), then {user.name}", (node, user, after)))
-                used.update((node, user, after))
-            continue
         if site is None:
             continue
-        used.update((node, user))
-        sites.append(FusionSite(site[0], _common_module(node, user), 2 * _intermediate_bytes(node), site[1],
-                                (node, user)))
+        nodes = (node, *middle, last)
+        used.update(nodes)
+        sites.append(FusionSite(site[0], _common_module(node, last), 2 * _intermediate_bytes(node), site[1], nodes))
     return sites
+
+
+def _feeds_gate(act_node: fx.Node, act: str) -> bool:
+    """Whether a SiLU or GELU feeds a mul: a gate's, which silu_mul / gelu_mul take (keeping less
+    for the backward than the activation in the matmul's epilogue, saving the same bytes)."""
+    return act in ("silu", "gelu", "gelu_tanh") and _is_mul(_only_user(act_node))
 
 
 def _is_reshape(node: fx.Node) -> bool:
