@@ -223,7 +223,7 @@ def test_module_names_of_a_module_called_twice():
         def forward(self, x):
             return self.mlp(self.mlp(x))
     x = rand((3, 16), torch.float32, DEVICE)
-    assert [s.module for s in fusedkit.advise(Twice(), x)] == ["mlp", "mlp"]
+    assert [s.module for s in fusedkit.advise(Twice().to(DEVICE), x)] == ["mlp", "mlp"]
 
 
 def test_a_forward_reading_self_training_is_refused():

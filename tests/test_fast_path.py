@@ -424,6 +424,26 @@ def test_direct_launch_after_the_first_call():
     assert bool(entry.head) == fk_launch.RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
 
 
+def test_two_output_launches_are_kept_with_both_results():
+    # A gate's backward (run_pair) keeps its launch as one-output calls do; each call gets
+    # two new tensors, and new values and a misaligned view are read correctly.
+    from fusedkit.library import SILU_MUL_GRAD
+    base = rand((3 * 97 + 1,), torch.float32, DEVICE)
+    g, b = rand((3, 97), torch.float32, DEVICE), rand((3, 97), torch.float32, DEVICE)
+    seen = []
+    for a in (base[:291].view(3, 97), base[1:].view(3, 97), base[:291].view(3, 97)):
+        da, db = ew.run_pair(SILU_MUL_GRAD, (g, a, b), None)
+        ref_da, ref_db = SILU_MUL_GRAD.reference(g.double(), a.double(), b.double())
+        torch.testing.assert_close(da, ref_da.float())
+        torch.testing.assert_close(db, ref_db.float())
+        seen += [da.data_ptr(), db.data_ptr()]
+        assert da.data_ptr() != db.data_ptr()
+    recipe = ew.KEPT[ew.call_key(SILU_MUL_GRAD, (g, base[:291].view(3, 97), b), None)]
+    assert recipe.pair and len(ew.KEPT) == 1
+    if ON_GPU:
+        assert len(recipe.compiled) == 2  # aligned and misaligned a
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_misaligned_view_takes_its_own_kernel(dtype):

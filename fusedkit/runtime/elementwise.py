@@ -514,11 +514,12 @@ class KeptLaunch:
 
     __slots__ = ("kernel", "shape", "out_strides", "dtype", "device", "index", "slots", "tensor_slots",
                  "host_numbers", "operand_signature", "like", "static_args", "constexprs", "launch_tail", "meta",
-                 "grid", "compiled", "last_param")
+                 "grid", "compiled", "last_param", "pair")
 
     def __init__(self, kernel: ElementwiseKernel, result: torch.Tensor, operands: tuple, slots: tuple,
                  static_args: tuple, constexprs: tuple, meta: dict, grid: tuple[int, int, int] | None):
         self.kernel = kernel
+        self.pair = kernel.outputs == 2  # a two-output kernel's: both results laid out alike
         self.shape, self.out_strides = result.shape, tuple(result.stride())
         self.dtype, self.device, self.index = result.dtype, result.device, result.device.index
         #: Per kernel operand slot: the operand's index for a tensor, ``~index`` for a
@@ -569,17 +570,16 @@ class KeptLaunch:
         self.last_param = (param, encoded)  # with host numbers, only the check is reused
         return encoded
 
-    def run(self, operands: tuple, param) -> torch.Tensor | None:
-        """Launch on new operands of this signature; None sends the call down the full path."""
+    def run(self, operands: tuple, param):
+        """Launch on new operands of this signature: the result (a two-output kernel's pair),
+        or None, which sends the call down the full path."""
         encoded = self._bits(operands, param)
         if encoded is None:
             return None
-        if self.like is None:
-            out = torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
-        else:
-            out = operands[self.like].new_empty_strided(self.shape, self.out_strides)
+        out = self._empty(operands)
+        out2 = self._empty(operands) if self.pair else out
         if self.grid is None:
-            return out
+            return (out, out2) if self.pair else out
         # Addresses, not tensors: Triton's launcher takes either, and skips a
         # data_ptr() call and a driver pointer query per argument for an int.
         o = out.data_ptr()
@@ -589,18 +589,28 @@ class KeptLaunch:
             p = o if s is None else operands[s].data_ptr()
             ptrs.append(p)
             misaligned = (misaligned << 1) | (p % launch.ALIGNMENT != 0)
-        ptrs.append(o)  # out2: a kept launch has one output
+        o2 = out2.data_ptr()
+        ptrs.append(o2)  # out2: ``out`` again for a one-output kernel, never written
         bits, classes = encoded
-        spec = (misaligned | (o % launch.ALIGNMENT != 0) << len(self.tensor_slots), classes)
+        misaligned |= (o % launch.ALIGNMENT != 0) << len(self.tensor_slots)
+        if self.pair:
+            misaligned |= (o2 % launch.ALIGNMENT != 0) << (len(self.tensor_slots) + 1)
+        spec = (misaligned, classes)
         entry = self.compiled.get(spec)
         index = self.index
+        result = (out, out2) if self.pair else out
         if entry is not None and index == launch.current_device():
             launch.CompiledCache.run(entry, (*ptrs, *bits), index)
-            return out
-        tensors = [out] + [out if s is None else operands[s] for s in self.tensor_slots] + [out]
+            return result
+        tensors = [out] + [out if s is None else operands[s] for s in self.tensor_slots] + [out2]
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._launch(spec, (*tensors, *bits), index)
-        return out
+        return result
+
+    def _empty(self, operands: tuple) -> torch.Tensor:
+        if self.like is None:
+            return torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
+        return operands[self.like].new_empty_strided(self.shape, self.out_strides)
 
     def _launch(self, spec, per_call: tuple, index):
         entry = self.compiled.get(spec)
@@ -611,7 +621,7 @@ class KeptLaunch:
                 compiled = elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
             self.compiled.put(spec, compiled, self.grid, self.launch_tail)
             entry = self.compiled.get(spec)
-            if entry is not None and spec[0] == 0:  # compiled for aligned pointers: C++ may launch it
+            if entry is not None and spec[0] == 0 and not self.pair:  # aligned, one result: C++ may launch it
                 native.register(self, entry)
 
 
@@ -630,7 +640,8 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
     grid, static_args, constexprs, meta = None, (), (), {}
     if result.numel() > 0:
         try:
-            grid_1d, args, meta = launch_config(kernel, operands, param, result)
+            grid_1d, args, meta = launch_config(kernel, operands, param, result,
+                                                out2=result if kernel.outputs == 2 else None)
         except TooManyDims:  # launched in parts by launch_elementwise
             return None
         grid = (grid_1d[0], 1, 1)
@@ -641,7 +652,7 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
 
 def remember(key: tuple, call: Call, result: torch.Tensor) -> None:
     """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.kernel.outputs != 1 or call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
+    if call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
         return
     kept = _make_kept(call.kernel, call.operands, call.param, result)
     if kept is not None:
@@ -676,8 +687,15 @@ def run(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
 def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output ``kernel`` (``outputs=2``: its math and its reference
     return a pair) on ``operands``, each of their broadcast shape and result dtype, laid out
-    alike: validated, then one launch (the reference on the PyTorch backend). For eager
-    calls outside autograd (a backward's), as :func:`run` for one output."""
+    alike: validated, then one launch (the reference on the PyTorch backend), kept as
+    :func:`run` keeps one-output calls: a backward's Python launch took 130 us of host time
+    at 2^24 elements on the H200 host where its kernel took 41. For eager calls outside autograd
+    (a backward's), as :func:`run` for one output."""
+    key = call_key(kernel, operands, param)
+    kept = None if key is NEEDS_GRAD else KEPT.get(key)
+    result = None if kept is None else kept.run(operands, param)
+    if result is not None:
+        return result
     call = validate(kernel, operands, param, None, outputs=2)
     out, out2 = allocate_out(call), allocate_out(call)
     if backend_for(call.device) == "torch":
@@ -686,4 +704,6 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
                 dst.copy_(result.to(call.dtype))
     else:
         launch_elementwise(kernel, _launch_operands(call), param, out, call.dtype, out2)
+        if key is not None and key is not NEEDS_GRAD:
+            remember(key, call, out)
     return out, out2
