@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = p.add_mutually_exclusive_group()
     report.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead")
     report.add_argument("--backward", action="store_true",
-                        help="the backward and memory report instead (add_relu, the gates, bias + GELU) (against eager and compiled torch)")
+                        help="the backward and memory report instead (add_relu, the gates, bias + GELU; against eager and compiled torch)")
     report.add_argument("--latency", action="store_true",
                         help="the small-tensor report instead: host time per call against torch")
     models = tuple(MODELS)
