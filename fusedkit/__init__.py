@@ -57,6 +57,10 @@ def _version() -> str:
 
 __version__ = _version()
 
+from . import sharding as _sharding  # noqa: E402
+
+_sharding.ensure_registered()  # (DTensor's rules, where torch.distributed.tensor is imported already)
+
 __all__ = [
     "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu",
     "linear_relu", "nn", "registry", "MemoryCounterMode", "advise", "fuse", "FusionSite",

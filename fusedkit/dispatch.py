@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autograd
+from . import autograd, sharding
 from .errors import FusedkitError, NotDifferentiableError, TracingError
 from .registry import ElementwiseKernel
 from .runtime import elementwise as ew
@@ -134,6 +134,8 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
         # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
         return autograd.call_op(kernel, operands, param, out)
     if tracing(operands, out):
+        if not _is_compiling():
+            sharding.ensure_registered()  # (a DTensor operand needs the ops' rules)
         return autograd.call_op(kernel, operands, param, out)
     call = ew.validate(kernel, operands, param, out)
     if call.needs_grad:
@@ -198,6 +200,8 @@ def _matmul_2d(a2, b, bias, activation, needs_grad: bool):
     if _functorch() and not _is_compiling():
         return autograd.matmul_functorch(a2, b, bias, activation)
     if tracing((a2, b, bias)):
+        if not _is_compiling():
+            sharding.ensure_registered()
         return autograd.matmul_op(a2, b, bias, activation, needs_grad and activation in mm.NEEDS_PRE)[0]
     if needs_grad:
         return autograd.record_matmul(a2, b, bias, activation)

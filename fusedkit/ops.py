@@ -12,7 +12,7 @@ import typing
 
 import torch
 
-from . import dispatch
+from . import dispatch, sharding
 from .errors import ArgumentError, DTypeError, ShapeError, SignatureError
 from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL
 from .registry import ElementwiseKernel, get
@@ -160,8 +160,33 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     Each is raised before any launch. Under ``torch.autocast`` the operands are cast to
     the autocast dtype first, as ``F.linear`` casts them (float64 stays float64). Under
     ``torch.profiler`` each call is a ``fusedkit::matmul`` range.
+
+    ``DTensor`` operands (tensor parallelism) run on their shards by the rules of
+    :mod:`fusedkit.sharding`; where K is sharded (a row-parallel layer) the product is a
+    partial sum, reduced before the bias and activation run, in one fused kernel for ReLU and
+    GELU (eager; a compiled row-parallel call gathers its operands instead).
     """
+    if activation is not None and not torch.compiler.is_compiling() and sharding.k_sharded(a, b):
+        return _reduced_then_activated(a, b, bias, activation)
     return dispatch.matmul(a, b, bias, activation)
+
+
+def _reduced_then_activated(a, b, bias, activation: str) -> torch.Tensor:
+    """A row-parallel ``act(a @ b + bias)``: an activation does not distribute over the
+    shards' partial sums, so the product is reduced (to replicated, where a row-parallel
+    layer's result goes) and then bias and activation run."""
+    from torch.distributed.tensor import Replicate
+
+    if a.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
+        a, b, bias = dispatch.autocast(a.device.type, a, b, bias)
+    product = dispatch.matmul(a, b, None, None)
+    product = product.redistribute(product.device_mesh, [Replicate()] * product.device_mesh.ndim)
+    shift = 0 if bias is None else bias
+    if activation == "relu":
+        return add_relu(product, shift)
+    if activation in ("gelu", "gelu_tanh"):
+        return add_gelu(product, shift, approximate="none" if activation == "gelu" else "tanh")
+    return torch.nn.functional.silu(product + shift)  # (no fused add + SiLU entry)
 
 
 def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

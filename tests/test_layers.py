@@ -16,7 +16,7 @@ LAYERS = (
     ("fusedkit.kernels",),
     ("fusedkit.registry",),
     ("fusedkit.runtime",),
-    ("fusedkit.autograd",),
+    ("fusedkit.autograd", "fusedkit.sharding"),  # the custom ops and their DTensor rules
     ("fusedkit.dispatch",),
     ("fusedkit.library",),
     ("fusedkit.ops",),
