@@ -14,7 +14,8 @@ torch model trained in one process on the whole batches:
 - ``tp``: tensor parallel over the ranks (``ColwiseParallel`` up-projections,
   ``RowwiseParallel`` down-projections: one ``nn.Linear``, one ``LinearReLU``, whose ReLU
   runs after the reduction), every rank on the whole batch; DTensor weights and activations
-  reach fusedkit's ops, which run on their shards (``fusedkit.sharding``).
+  reach fusedkit's ops, which run on their shards (``fusedkit.sharding``); and a ``SwiGLU``
+  (gate and up column-parallel, down row-parallel).
 - ``checkpoint``: the FSDP2 model's state saved with ``torch.distributed.checkpoint``, loaded
   into a fresh fused model sharded the same way, and one more step from each.
 
@@ -223,6 +224,17 @@ def main() -> int:
         plan[f"blocks.{i}.down"] = RowwiseParallel()
     parallelize_module(tp, mesh, plan)
     compare("tp", result, tp, train(tp, batches, device, shard=False), torch_trained, torch_run)
+
+    # A LLaMA-style MLP: gate and up column-parallel, down row-parallel; silu_mul on the shards.
+    swiglu = fusedkit.nn.SwiGLU(DIM, HIDDEN).to(device)
+    plain = copy.deepcopy(swiglu)
+    parallelize_module(swiglu, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(6, DIM, device=device)
+    out, want = swiglu(x), plain.down(torch.nn.functional.silu(plain.gate(x)) * plain.up(x))
+    mean_loss(out).backward()
+    mean_loss(want).backward()
+    result["tp_swiglu_out_diff"] = max_diff([out], [want])
+    result["tp_swiglu_grad_diff"] = max_diff([p.grad for p in swiglu.parameters()], [p.grad for p in plain.parameters()])
 
     # The rules themselves: fusedkit's ops on DTensors give DTensors placed as a rule says.
     result["rules"] = check_rules(mesh, device)

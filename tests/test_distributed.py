@@ -55,6 +55,11 @@ def test_parallel_training_matches_the_torch_model(result, form):
         assert result[f"{form}_{what}"] < tol, (form, what, result[f"{form}_{what}"])
 
 
+def test_swiglu_tensor_parallel(result):
+    tol = GPU_TOLERANCE if result["backend"] == "nccl" else TOLERANCE
+    assert result["tp_swiglu_out_diff"] < tol and result["tp_swiglu_grad_diff"] < tol
+
+
 def test_ddp_of_the_earlier_models(result):
     tol = GPU_TOLERANCE if result["backend"] == "nccl" else TOLERANCE
     assert result["ddp_linear_relu_mlp_param_diff"] < tol and result["ddp_conv_block_param_diff"] < tol
