@@ -84,6 +84,22 @@ def ncu(data: dict) -> str:
     return table(head, body, "lrrrrrrl") + "\n\n" + footnote(data["environment"], "ncu")
 
 
+def traffic(data: dict) -> str:
+    """Per case: how many ops above the floor agree, the step's totals, and each op that differs."""
+    body, differs = [], []
+    for case, rows in (data.get("traffic") or {}).items():
+        judged = [r for r in rows if r.get("agrees") is not None]
+        body.append([case, len(rows), len(judged), sum(r["agrees"] for r in judged),
+                     f"{sum(r['read'] for r in rows) / 1e6:.1f}", f"{sum(r.get('dram_read') or 0 for r in rows) / 1e6:.1f}"])
+        differs += [[case, f"`{r['op']}`", f"{r['read'] / 1e6:.2f}", f"{r['dram_read'] / 1e6:.2f}",
+                     f"{100 * r['error']:+.1f}%"] for r in judged if not r["agrees"]]
+    out = table(["case", "ops", "ops reading over 1 MB", "reads within 10%", "model read MB", "DRAM read MB"], body)
+    if differs:
+        out += "\n\nThe ops whose reads differ by more than 10%:\n\n" + table(
+            ["case", "op", "model read MB", "DRAM read MB", "error"], differs, "llrrr")
+    return out + "\n\n" + footnote(data["environment"], "traffic")
+
+
 def matmul(data: dict) -> str:
     body = [[f"{r['m']} x {r['n']} x {r['k']}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fusedkit_tflops']:.1f}",
              f"{r['cublaslt_epilogue_tflops']:.1f}", f"{r['addmm_relu_tflops']:.1f}", f"{r['matmul_bare_tflops']:.1f}",
@@ -233,7 +249,8 @@ def headline(reports: dict) -> str | None:
     return table(["case", "against", "speed-up", "fusedkit"], rows[:8], "llrl") + "\n\n" + note
 
 
-RENDERERS = {"models": models, "elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency, "backward": backward}
+RENDERERS = {"models": models, "elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency,
+             "backward": backward, "traffic": traffic}
 
 
 def replace_region(text: str, name: str, body: str) -> str:

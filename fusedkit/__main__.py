@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead")
     report.add_argument("--backward", action="store_true",
                         help="the backward and memory report instead (add_relu, the gates, bias + GELU; against eager and compiled torch)")
+    report.add_argument("--traffic", action="store_true",
+                        help="the byte counter against Nsight Compute's DRAM bytes, op by op, in a ResNet-50 "
+                             "Bottleneck's and a SwiGLU MLP's training step instead (GPU with ncu on PATH)")
     report.add_argument("--latency", action="store_true",
                         help="the small-tensor report instead: host time per call against torch")
     models = tuple(MODELS)

@@ -374,6 +374,16 @@ def run_command(args) -> int:
         print_report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
                 {"backward": brows, "linear_relu_training": lrows})
         return 0
+    if args.traffic:
+        from .ncu import ncu_available
+        from .traffic import format_traffic, run_traffic
+
+        if not gpu or not ncu_available():
+            print("--traffic needs a CUDA GPU and Nsight Compute's ncu on PATH")
+            return 1
+        results = run_traffic()
+        print_report(env, (format_traffic(results),), args.json, {"traffic": results})
+        return 0
     if args.models:
         from .models import format_models_table, run_models
 
