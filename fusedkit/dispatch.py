@@ -134,8 +134,8 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
         # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
         return autograd.call_op(kernel, operands, param, out)
     if tracing(operands, out):
-        if not _is_compiling():
-            sharding.ensure_registered()  # (a DTensor operand needs the ops' rules)
+        if not _is_compiling() and sharding.has_dtensor((*operands, out)):
+            return _distributed(kernel, operands, param, out)
         return autograd.call_op(kernel, operands, param, out)
     call = ew.validate(kernel, operands, param, out)
     if call.needs_grad:
@@ -144,6 +144,21 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
     if key is not None:
         ew.remember(key, call, result)
     return result
+
+
+def _distributed(kernel: ElementwiseKernel, operands: tuple, param, out) -> torch.Tensor:
+    """A call on DTensors: validated as any call (fusedkit's errors, not a failed sharding
+    propagation), then the registered op on the shards (:mod:`fusedkit.sharding`'s rules). An
+    ``out=`` gets the result copied in, as torch writes a DTensor ``out`` (a rule would give
+    the kernel a redistributed temporary in its place)."""
+    sharding.ensure_registered()
+    ew.validate(kernel, operands, param, out)
+    result = autograd.call_op(kernel, operands, param, None)
+    if out is None:
+        return result
+    with torch.autograd.grad_mode.no_grad():
+        out.copy_(result)
+    return out
 
 
 #: Device types whose autocast state :func:`matmul` follows.

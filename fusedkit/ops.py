@@ -16,6 +16,7 @@ from . import dispatch, sharding
 from .errors import ArgumentError, DTypeError, ShapeError, SignatureError
 from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL
 from .registry import ElementwiseKernel, get
+from .runtime import matmul as mm
 from .runtime.layout import broadcast_shape
 
 __all__ = ["add", "add_gelu", "add_relu", "elementwise", "gelu_mul", "linear_relu", "matmul", "matmul_relu",
@@ -173,14 +174,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 def _reduced_then_activated(a, b, bias, activation: str) -> torch.Tensor:
     """A row-parallel ``act(a @ b + bias)``: an activation does not distribute over the
-    shards' partial sums, so the product is reduced (to replicated, where a row-parallel
-    layer's result goes) and then bias and activation run."""
+    shards' partial sums, so the product's partial sums are reduced (replicated there, where
+    a row-parallel layer's result goes) and then bias and activation run."""
     from torch.distributed.tensor import Replicate
 
     if a.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
         a, b, bias = dispatch.autocast(a.device.type, a, b, bias)
+    mm.validate(a, b, bias, activation, "matmul")
     product = dispatch.matmul(a, b, None, None)
-    product = product.redistribute(product.device_mesh, [Replicate()] * product.device_mesh.ndim)
+    # Only the partial sums are reduced: a dim sharded over another mesh dim stays sharded.
+    product = product.redistribute(product.device_mesh,
+                                   [Replicate() if p.is_partial() else p for p in product.placements])
     shift = 0 if bias is None else bias
     if activation == "relu":
         return add_relu(product, shift)

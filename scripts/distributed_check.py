@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -149,29 +150,41 @@ def compare(name, result, fused_model, fused_run, torch_model, torch_run):
 
 
 def check_rules(mesh, device) -> dict:
-    """Each rule on one call: ``{case: [result placements, largest difference from torch]}``."""
+    """Each rule on one call: ``{case: [result placements, largest difference from torch,
+    {collective: count}]}`` (the collectives the call ran, from ``CommDebugMode``)."""
     def spread(t, *placements):
         return distribute_tensor(t.to(device), mesh, list(placements))
 
     x, w, b = torch.randn(6, DIM), torch.randn(HIDDEN, DIM), torch.randn(HIDDEN)
     h, y = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN)
+    # case: (the operands, distributed outside the counted region; the call; torch's result)
     cases = {
-        "linear_relu_colwise": (lambda: fusedkit.linear_relu(spread(x, Replicate()), spread(w, Shard(0)), spread(b, Shard(0))),
-                                torch.relu(x @ w.t() + b)),
-        "linear_relu_rowwise": (lambda: fusedkit.linear_relu(spread(h, Shard(1)), spread(w.t().contiguous(), Shard(1)),
-                                                              spread(x[0], Replicate())),
-                                torch.relu(h @ w + x[0])),
-        "matmul_rowwise_partial": (lambda: fusedkit.matmul(spread(h, Shard(1)), spread(w, Shard(0))), h @ w),
-        "add_relu_broadcast": (lambda: fusedkit.add_relu(spread(h, Shard(1)), spread(b, Shard(0))), torch.relu(h + b)),
-        "silu_mul_rows": (lambda: fusedkit.silu_mul(spread(h, Shard(0)), spread(y, Shard(0))),
+        "linear_relu_colwise": (lambda: (spread(x, Replicate()), spread(w, Shard(0)), spread(b, Shard(0))),
+                                fusedkit.linear_relu, torch.relu(x @ w.t() + b)),
+        "linear_relu_rowwise": (lambda: (spread(h, Shard(1)), spread(w.t().contiguous(), Shard(1)),
+                                         spread(x[0], Replicate())),
+                                fusedkit.linear_relu, torch.relu(h @ w + x[0])),
+        "matmul_rowwise_partial": (lambda: (spread(h, Shard(1)), spread(w, Shard(0))), fusedkit.matmul, h @ w),
+        "add_relu_broadcast": (lambda: (spread(h, Shard(1)), spread(b, Shard(0))), fusedkit.add_relu,
+                               torch.relu(h + b)),
+        "silu_mul_rows": (lambda: (spread(h, Shard(0)), spread(y, Shard(0))), fusedkit.silu_mul,
                           torch.nn.functional.silu(h) * y),
-        "add_relu_out": (lambda: fusedkit.add_relu(spread(h, Shard(0)), spread(y, Shard(0)),
-                                                   out=spread(torch.empty_like(h), Shard(0))), torch.relu(h + y)),
+        "add_relu_out": (lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(torch.full_like(h, -7.0), Shard(0))),
+                         lambda p, q, o: fusedkit.add_relu(p, q, out=o), torch.relu(h + y)),
+        # an out= placed otherwise than the result: written all the same (copied in, as torch does)
+        "add_relu_out_replicated": (lambda: (spread(h, Shard(0)), spread(y, Shard(0)),
+                                             spread(torch.full_like(h, -7.0), Replicate())),
+                                    lambda p, q, o: fusedkit.add_relu(p, q, out=o), torch.relu(h + y)),
     }
     found = {}
-    for name, (run, want) in cases.items():
-        got = run()
-        found[name] = [[str(p) for p in got.placements], (got.full_tensor().cpu() - want).abs().max().item()]
+    for name, (operands, call, want) in cases.items():
+        args = operands()
+        with CommDebugMode() as comms:
+            got = call(*args)
+        if len(args) == 3 and got is not args[2] and "out" in name:
+            raise AssertionError(f"{name}: out= returned another tensor")
+        counts = {str(k).split(".")[-1]: v for k, v in comms.get_comm_counts().items() if v}
+        found[name] = [[str(p) for p in got.placements], (got.full_tensor().cpu() - want).abs().max().item(), counts]
     return found
 
 

@@ -23,9 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 #: The fp32 matmul on a GPU runs TF32 products (tf32x3 by default) against torch's fp32 ones.
 GPU_TOLERANCE = 1e-3
-#: The placement each rule gives its case (scripts/distributed_check.py's check_rules).
-RULES = {"linear_relu_colwise": ["S(1)"], "linear_relu_rowwise": ["R"], "matmul_rowwise_partial": ["P(sum)"],
-         "add_relu_broadcast": ["S(1)"], "silu_mul_rows": ["S(0)"], "add_relu_out": ["S(0)"]}
+#: Per case of scripts/distributed_check.py's check_rules: the result's placements and the
+#: collectives the call runs: none but a row-parallel activation's reduction, and the gather
+#: an ``out=`` placed otherwise than the result needs (nothing is gathered to compute).
+RULES = {"linear_relu_colwise": (["S(1)"], {}), "linear_relu_rowwise": (["R"], {"all_reduce": 1}),
+         "matmul_rowwise_partial": (["P(sum)"], {}), "add_relu_broadcast": (["S(1)"], {}),
+         "silu_mul_rows": (["S(0)"], {}), "add_relu_out": (["S(0)"], {}),
+         "add_relu_out_replicated": (["R"], {"all_gather_into_tensor": 1})}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +71,12 @@ def test_ddp_of_the_earlier_models(result):
 
 @pytest.mark.parametrize("case", sorted(RULES))
 def test_ops_on_dtensors_follow_their_rules(result, case):
-    placements, diff = result["rules"][case]
-    assert placements == RULES[case]
+    placements, diff, comms = result["rules"][case]
+    want_placements, want_comms = RULES[case]
+    assert placements == want_placements
     assert diff < (GPU_TOLERANCE if result["backend"] == "nccl" else TOLERANCE) * 10
+    if result["world"] > 1:  # (a one-rank mesh may skip its collectives)
+        assert comms == want_comms
 
 
 def test_checkpoint_round_trip(result):

@@ -444,6 +444,18 @@ def test_two_output_launches_are_kept_with_both_results():
         assert len(recipe.compiled) == 2  # aligned and misaligned a
 
 
+def test_a_kept_two_output_launch_answers_run_pair_only():
+    from fusedkit.library import SILU_MUL, SILU_MUL_GRAD
+
+    g, a, b = (rand((2, 5), torch.float32, DEVICE) for _ in range(3))
+    ew.run_pair(SILU_MUL_GRAD, (g, a, b), None)
+    with pytest.raises(fusedkit.ArgumentError):
+        ew.run(SILU_MUL_GRAD, (g, a, b), None)  # a one-output call of a two-output kernel
+    ew.run(SILU_MUL, (a, b), None)
+    with pytest.raises(fusedkit.ArgumentError):
+        ew.run_pair(SILU_MUL, (a, b), None)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_misaligned_view_takes_its_own_kernel(dtype):

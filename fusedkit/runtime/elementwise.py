@@ -675,7 +675,8 @@ def run(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
     else validated, launched and kept."""
     key = call_key(kernel, operands, param)
     kept = None if key is NEEDS_GRAD else KEPT.get(key)
-    result = None if kept is None else kept.run(operands, param)
+    # (a two-output kernel's kept launch answers run_pair only: here the full path refuses it)
+    result = None if kept is None or kept.pair else kept.run(operands, param)
     if result is None:
         call = validate(kernel, operands, param, None)
         result = run_validated(call)
@@ -693,7 +694,7 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
     (a backward's), as :func:`run` for one output."""
     key = call_key(kernel, operands, param)
     kept = None if key is NEEDS_GRAD else KEPT.get(key)
-    result = None if kept is None else kept.run(operands, param)
+    result = None if kept is None or not kept.pair else kept.run(operands, param)
     if result is not None:
         return result
     call = validate(kernel, operands, param, None, outputs=2)
