@@ -100,6 +100,29 @@ def traffic(data: dict) -> str:
     return out + "\n\n" + footnote(data["environment"], "traffic")
 
 
+def advise(data: dict) -> str:
+    """Per model: the sites found by pattern, bytes saved, and the fused model's times against
+    the original's, with the forward's saving predicted from its bytes."""
+    patterns: dict[str, dict[str, int]] = {}
+    for site in data.get("sites") or []:
+        counts = patterns.setdefault(site["model"], {})
+        counts[site["pattern"]] = counts.get(site["pattern"], 0) + 1
+    body = []
+    for t in data.get("timings") or []:
+        found = ", ".join(f"{n} x `{p}`" for p, n in sorted(patterns.get(t["model"], {}).items()))
+        predicted = "-" if t.get("predicted_ms") is None else f"{t['predicted_ms']:.3f}"
+        body.append([f"`{t['model']}`", found or "none", f"{t['bytes_saved'] / 1e6:.1f}",
+                     f"{t['original_forward_ms']:.3f}", f"{t['fused_forward_ms']:.3f}",
+                     ratio(t["original_forward_ms"], t["fused_forward_ms"]), predicted,
+                     f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}",
+                     ratio(t["original_train_ms"], t["fused_train_ms"])])
+    body += [[f"`{name}`", f"not traced: {why}", "-", "-", "-", "-", "-", "-", "-"]
+             for name, why in (data.get("skipped") or {}).items()]
+    head = ["model", "sites", "saved MB a forward", "forward ms", "fused forward ms", "x", "predicted ms saved",
+            "measured ms saved", "train step x"]
+    return table(head, body, "llrrrrrrr") + "\n\n" + footnote(data["environment"], "advise")
+
+
 def matmul(data: dict) -> str:
     body = [[f"{r['m']} x {r['n']} x {r['k']}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fusedkit_tflops']:.1f}",
              f"{r['cublaslt_epilogue_tflops']:.1f}", f"{r['addmm_relu_tflops']:.1f}", f"{r['matmul_bare_tflops']:.1f}",
@@ -250,7 +273,7 @@ def headline(reports: dict) -> str | None:
 
 
 RENDERERS = {"models": models, "elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency,
-             "backward": backward, "traffic": traffic}
+             "backward": backward, "traffic": traffic, "advise": advise}
 
 
 def replace_region(text: str, name: str, body: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed benchmark results of this machine's GPU and the tables built from them:
-#   bash scripts/results.sh [REPORT ...]    reports: models elementwise ncu matmul latency backward traffic (default: all)
+#   bash scripts/results.sh [REPORT ...]    reports: models elementwise ncu matmul latency backward traffic advise (default: all)
 # Each report writes benchmarks/results/<gpu>/<report>.txt (what it printed) and .json (the
 # numbers and the environment: GPU, driver, torch, triton, fusedkit version and commit, date);
 # the elementwise and matmul reports also their plots. Then docs/results.md and the README's
@@ -13,7 +13,7 @@ gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].low
   || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
-reports=${*:-models elementwise ncu matmul latency backward traffic}
+reports=${*:-models elementwise ncu matmul latency backward traffic advise}
 rc=0
 report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $dir/NAME.{txt,json}
   local name=$1; shift
@@ -30,6 +30,9 @@ for r in $reports; do case $r in
   latency) report latency --latency ;;
   backward) report backward --backward --dtypes bf16 ;;
   traffic) report traffic --traffic ;;
+  advise) echo "[results] advise: python -m fusedkit advise" >&2
+          "$py" -m fusedkit advise --no-progress --json "$dir/advise.json" > "$dir/advise.txt" 2>&1 \
+            || { echo "[results] advise failed: see $dir/advise.txt" >&2; rc=1; } ;;
   *) echo "unknown report $r" >&2; rc=1 ;;
 esac; done
 "$py" benchmarks/render_results.py "$dir" || rc=1
