@@ -14,8 +14,9 @@ torch model trained in one process on the whole batches:
 - ``tp``: tensor parallel over the ranks (``ColwiseParallel`` up-projections,
   ``RowwiseParallel`` down-projections: one ``nn.Linear``, one ``LinearReLU``, whose ReLU
   runs after the reduction), every rank on the whole batch; DTensor weights and activations
-  reach fusedkit's ops, which run on their shards (``fusedkit.sharding``); and a ``SwiGLU``
-  (gate and up column-parallel, down row-parallel).
+  reach fusedkit's ops, which run on their shards (``fusedkit.sharding``); the same model
+  compiled whole (``torch.compile(fullgraph=True)``); and a ``SwiGLU`` (gate and up
+  column-parallel, down row-parallel).
 - ``checkpoint``: the FSDP2 model's state saved with ``torch.distributed.checkpoint``, loaded
   into a fresh fused model sharded the same way, and one more step from each.
 
@@ -237,6 +238,18 @@ def main() -> int:
         plan[f"blocks.{i}.down"] = RowwiseParallel()
     parallelize_module(tp, mesh, plan)
     compare("tp", result, tp, train(tp, batches, device, shard=False), torch_trained, torch_run)
+
+    # The tensor-parallel model compiled whole (fullgraph): DTensors through fusedkit's ops in a graph.
+    compiled = copy.deepcopy(fused0)
+    parallelize_module(compiled, mesh, plan)
+    compiled_run = torch.compile(compiled, fullgraph=True)
+    x = batches[0].to(device)
+    out, want = compiled_run(x), torch0(x)
+    mean_loss(out).backward()
+    mean_loss(want).backward()
+    result["tp_compiled_out_diff"] = max_diff([out], [want])
+    result["tp_compiled_grad_diff"] = max_diff([p.grad for p in compiled.parameters()], [p.grad for p in torch0.parameters()])
+    torch0.zero_grad(set_to_none=True)
 
     # A LLaMA-style MLP: gate and up column-parallel, down row-parallel; silu_mul on the shards.
     swiglu = fusedkit.nn.SwiGLU(DIM, HIDDEN).to(device)

@@ -59,9 +59,10 @@ def test_parallel_training_matches_the_torch_model(result, form):
         assert result[f"{form}_{what}"] < tol, (form, what, result[f"{form}_{what}"])
 
 
-def test_swiglu_tensor_parallel(result):
+@pytest.mark.parametrize("case", ["tp_swiglu", "tp_compiled"])
+def test_more_tensor_parallel_models(result, case):
     tol = GPU_TOLERANCE if result["backend"] == "nccl" else TOLERANCE
-    assert result["tp_swiglu_out_diff"] < tol and result["tp_swiglu_grad_diff"] < tol
+    assert result[f"{case}_out_diff"] < tol and result[f"{case}_grad_diff"] < tol
 
 
 def test_ddp_of_the_earlier_models(result):
