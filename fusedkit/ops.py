@@ -165,9 +165,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     ``DTensor`` operands (tensor parallelism) run on their shards by the rules of
     :mod:`fusedkit.sharding`; where K is sharded (a row-parallel layer) the product is a
     partial sum, reduced before the bias and activation run, in one fused kernel for ReLU and
-    GELU (eager; a compiled row-parallel call gathers its operands instead).
+    GELU.
     """
-    if activation is not None and not torch.compiler.is_compiling() and sharding.k_sharded(a, b):
+    if activation is not None and sharding.k_sharded(a, b):
         return _reduced_then_activated(a, b, bias, activation)
     return dispatch.matmul(a, b, bias, activation)
 
@@ -176,15 +176,11 @@ def _reduced_then_activated(a, b, bias, activation: str) -> torch.Tensor:
     """A row-parallel ``act(a @ b + bias)``: an activation does not distribute over the
     shards' partial sums, so the product's partial sums are reduced (replicated there, where
     a row-parallel layer's result goes) and then bias and activation run."""
-    from torch.distributed.tensor import Replicate
-
     if a.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
         a, b, bias = dispatch.autocast(a.device.type, a, b, bias)
     mm.validate(a, b, bias, activation, "matmul")
-    product = dispatch.matmul(a, b, None, None)
     # Only the partial sums are reduced: a dim sharded over another mesh dim stays sharded.
-    product = product.redistribute(product.device_mesh,
-                                   [Replicate() if p.is_partial() else p for p in product.placements])
+    product = sharding.reduce_partial(dispatch.matmul(a, b, None, None))
     shift = 0 if bias is None else bias
     if activation == "relu":
         return add_relu(product, shift)

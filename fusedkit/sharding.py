@@ -16,9 +16,10 @@ inputs each op computes on its local shards, and what placement the result then 
   row-parallel layer's activation runs after the reduction: :mod:`fusedkit.dispatch`).
 
 The rules are registered when ``fusedkit`` is imported after ``torch.distributed.tensor``,
-else the first time an eager call sees a tensor subclass (:func:`ensure_registered`), so
+else the first time an eager call sees a DTensor (:func:`ensure_registered`), so
 ``import fusedkit`` does not import ``torch.distributed`` (0.4 s). A program that compiles a
-tensor-parallel model before any eager call imports ``torch.distributed.tensor`` first.
+tensor-parallel model before any eager call must import ``torch.distributed.tensor`` before
+``fusedkit`` (``parallelize_module``'s import does).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ import torch
 
 from . import autograd  # noqa: F401 - defines the torch.ops.fusedkit ops the rules are for
 
-__all__ = ["ensure_registered", "has_dtensor", "k_sharded"]
+__all__ = ["ensure_registered", "has_dtensor", "k_sharded", "reduce_partial"]
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _registered = False
+#: DTensor's classes, once the rules are registered (module globals: a compiled graph reads
+#: them without an import).
+_DTensor = None
+_Replicate = None
 
 
 def ensure_registered() -> None:
@@ -56,12 +61,21 @@ def has_dtensor(values) -> bool:
 def k_sharded(a, b) -> bool:
     """Whether a matmul's operands are DTensors sharded along the contraction dim K (``a``'s
     last dim or ``b``'s first), so the local products are partial sums."""
-    if (type(a) in _PLAIN and type(b) in _PLAIN) or _DTENSOR_MODULE not in sys.modules:
+    if type(a) in _PLAIN and type(b) in _PLAIN:
         return False  # (the eager path's check: two type lookups)
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(t, DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
+    if _DTensor is None:
+        if torch.compiler.is_compiling():
+            return False  # (no DTensor has reached fusedkit eagerly, nor been imported before it)
+        ensure_registered()
+        if _DTensor is None:
+            return False
+    return any(isinstance(t, _DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
                for t, dim in ((a, -1), (b, 0)))
+
+
+def reduce_partial(t):
+    """DTensor ``t`` with its partial sums reduced (replicated there); other placements kept."""
+    return t.redistribute(t.device_mesh, [_Replicate() if p.is_partial() else p for p in t.placements])
 
 
 def _pointwise(out_shape, inputs) -> list[tuple[list, list]]:
@@ -86,6 +100,7 @@ def _broadcast(shapes) -> tuple[int, ...]:
 
 
 def _register() -> None:
+    global _DTensor, _Replicate
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
     from torch.distributed.tensor.experimental import register_sharding
@@ -119,3 +134,4 @@ def _register() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     for op in (ops.elementwise.default, ops.matmul.default):
         propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
+    _DTensor, _Replicate = DTensor, Replicate
