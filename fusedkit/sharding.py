@@ -19,7 +19,7 @@ The rules are registered when ``fusedkit`` is imported after ``torch.distributed
 else the first time an eager call sees a DTensor (:func:`ensure_registered`), so
 ``import fusedkit`` does not import ``torch.distributed`` (0.4 s). A program that compiles a
 tensor-parallel model before any eager call must import ``torch.distributed.tensor`` before
-``fusedkit`` (``parallelize_module``'s import does).
+``fusedkit`` (importing ``torch.distributed.tensor.parallel`` does).
 """
 
 from __future__ import annotations
