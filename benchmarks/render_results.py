@@ -91,8 +91,10 @@ def traffic(data: dict) -> str:
         judged = [r for r in rows if r.get("agrees") is not None]
         body.append([case, len(rows), len(judged), sum(r["agrees"] for r in judged),
                      f"{sum(r['read'] for r in rows) / 1e6:.1f}", f"{sum(r.get('dram_read') or 0 for r in rows) / 1e6:.1f}"])
-        differs += [[case, f"`{r['op']}`", f"{r['read'] / 1e6:.2f}", f"{r['dram_read'] / 1e6:.2f}",
-                     f"{100 * r['error']:+.1f}%"] for r in judged if not r["agrees"]]
+        differs += [[case, f"`{r['op']}`", f"{r['read'] / 1e6:.2f}",
+                     "no kernel measured" if r.get("dram_read") is None else f"{r['dram_read'] / 1e6:.2f}",
+                     "-" if r.get("error") is None else f"{100 * r['error']:+.1f}%"]
+                    for r in judged if not r["agrees"]]
     out = table(["case", "ops", "ops reading over 1 MB", "reads within 10%", "model read MB", "DRAM read MB"], body)
     if differs:
         out += "\n\nThe ops whose reads differ by more than 10%:\n\n" + table(
@@ -116,7 +118,7 @@ def advise(data: dict) -> str:
                      ratio(t["original_forward_ms"], t["fused_forward_ms"]), predicted,
                      f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}",
                      ratio(t["original_train_ms"], t["fused_train_ms"])])
-    body += [[f"`{name}`", f"not traced: {why}", "-", "-", "-", "-", "-", "-", "-"]
+    body += [[f"`{name}`", f"skipped: {why}".replace("|", "/"), "-", "-", "-", "-", "-", "-", "-"]
              for name, why in (data.get("skipped") or {}).items()]
     head = ["model", "sites", "saved MB a forward", "forward ms", "fused forward ms", "x", "predicted ms saved",
             "measured ms saved", "train step x"]

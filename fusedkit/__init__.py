@@ -59,7 +59,7 @@ __version__ = _version()
 
 from . import sharding as _sharding  # noqa: E402
 
-_sharding.ensure_registered()  # (DTensor's rules, where torch.distributed.tensor is imported already)
+_sharding.install()  # DTensor's rules: now if torch.distributed.tensor is imported, else with its import
 
 __all__ = [
     "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu",

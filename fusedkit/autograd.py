@@ -385,6 +385,9 @@ def matmul_setup_context(ctx, inputs, output):
     output (ReLU) or the pre-activation (GELU, SiLU), in the input dtype."""
     a, b, bias, activation, store_pre = inputs
     out, pre = output
+    # The op's second output (pre) never gets a gradient: no zeros for it (a dispatch mode
+    # saw an M x N aten.zeros in the backward that an eager step never runs).
+    ctx.set_materialize_grads(False)
     ctx.activation = activation
     ctx.has_bias = bias is not None
     # ReLU's backward needs only the output; GELU/SiLU need the pre-activation,
@@ -406,6 +409,8 @@ def register_matmul_backward(backward) -> None:
 
 
 def _op_backward(ctx, grad_out, _grad_pre):
+    if grad_out is None:  # (not materialised: nothing flows back through out)
+        return None, None, None, None, None
     return (*_matmul_backward(ctx, grad_out), None, None)
 
 
@@ -430,6 +435,8 @@ class EagerMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None, None, None
         if torch.is_grad_enabled() and ctx.activation in matmul.NEEDS_PRE:
             # The saved pre-activation carries no graph, so a second derivative would
             # silently miss its term.
@@ -454,6 +461,8 @@ class FuncMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_pre):
+        if grad_out is None:
+            return None, None, None, None, None
         return (*_matmul_backward(ctx, grad_out), None, None)
 
     @staticmethod

@@ -15,22 +15,24 @@ inputs each op computes on its local shards, and what placement the result then 
   (``Partial``), only without an activation, which does not distribute over a sum (a
   row-parallel layer's activation runs after the reduction: :mod:`fusedkit.dispatch`).
 
-The rules are registered when ``fusedkit`` is imported after ``torch.distributed.tensor``,
-else the first time an eager call sees a DTensor (:func:`ensure_registered`), so
-``import fusedkit`` does not import ``torch.distributed`` (0.4 s). A program that compiles a
-tensor-parallel model before any eager call must import ``torch.distributed.tensor`` before
-``fusedkit`` (importing ``torch.distributed.tensor.parallel`` does).
+The rules are registered as ``torch.distributed.tensor`` is imported, before or after
+``fusedkit`` (no DTensor exists before): at ``import fusedkit`` when it is imported already,
+else by a finder on ``sys.meta_path`` that registers them right after its import. So
+``import fusedkit`` does not import ``torch.distributed`` (0.4 s), and a compiled
+tensor-parallel model finds the rules even when no eager call came first.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
+import warnings
 
 import torch
 
 from . import autograd  # noqa: F401 - defines the torch.ops.fusedkit ops the rules are for
 
-__all__ = ["ensure_registered", "has_dtensor", "k_sharded", "reduce_partial"]
+__all__ = ["ensure_registered", "has_dtensor", "install", "k_sharded", "reduce_partial"]
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -49,13 +51,58 @@ def ensure_registered() -> None:
         _registered = True
 
 
+class _Loader(importlib.abc.Loader):
+    """``torch.distributed.tensor``'s own loader, registering the rules once it has run."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+        try:
+            ensure_registered()
+        except Exception as exc:  # noqa: BLE001 - never break the user's import; DTensor calls will say
+            warnings.warn(f"fusedkit: DTensor sharding rules not registered: {exc!r}", RuntimeWarning, stacklevel=2)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds ``torch.distributed.tensor`` as the other finders do, with :class:`_Loader` around
+    its loader (which takes this finder off ``sys.meta_path`` once the module has run: a bare
+    ``importlib.util.find_spec`` imports nothing)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _DTENSOR_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if isinstance(finder, _Finder):
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Register the rules now if ``torch.distributed.tensor`` is imported, else as it is."""
+    if _DTENSOR_MODULE in sys.modules:
+        ensure_registered()
+    elif torch.distributed.is_available() and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
 def has_dtensor(values) -> bool:
     """Whether any of ``values`` is a DTensor (a check for calls already off the eager path)."""
-    if _DTENSOR_MODULE not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(v, DTensor) for v in values)
+    if _DTensor is None:
+        if _DTENSOR_MODULE not in sys.modules:
+            return False
+        ensure_registered()
+    return any(isinstance(v, _DTensor) for v in values)
 
 
 def k_sharded(a, b) -> bool:
@@ -65,7 +112,7 @@ def k_sharded(a, b) -> bool:
         return False  # (the eager path's check: two type lookups)
     if _DTensor is None:
         if torch.compiler.is_compiling():
-            return False  # (no DTensor has reached fusedkit eagerly, nor been imported before it)
+            return False  # (registered with DTensor's import: none exists)
         ensure_registered()
         if _DTensor is None:
             return False

@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -239,16 +240,24 @@ def main() -> int:
     parallelize_module(tp, mesh, plan)
     compare("tp", result, tp, train(tp, batches, device, shard=False), torch_trained, torch_run)
 
-    # The tensor-parallel model compiled whole (fullgraph): DTensors through fusedkit's ops in a graph.
+    # The tensor-parallel model compiled whole (fullgraph): DTensors through fusedkit's ops in a
+    # graph, whose collectives are counted in the forward and backward graphs AOT autograd makes.
     compiled = copy.deepcopy(fused0)
     parallelize_module(compiled, mesh, plan)
-    compiled_run = torch.compile(compiled, fullgraph=True)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+    compiled_run = torch.compile(compiled, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
     x = batches[0].to(device)
     out, want = compiled_run(x), torch0(x)
     mean_loss(out).backward()
     mean_loss(want).backward()
     result["tp_compiled_out_diff"] = max_diff([out], [want])
     result["tp_compiled_grad_diff"] = max_diff([p.grad for p in compiled.parameters()], [p.grad for p in torch0.parameters()])
+    result["tp_compiled_collectives"] = {name: sum(code.count(f"{name}.default(") for code in graphs)
+                                         for name in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")}
     torch0.zero_grad(set_to_none=True)
 
     # A LLaMA-style MLP: gate and up column-parallel, down row-parallel; silu_mul on the shards.

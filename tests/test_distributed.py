@@ -65,6 +65,13 @@ def test_more_tensor_parallel_models(result, case):
     assert result[f"{case}_out_diff"] < tol and result[f"{case}_grad_diff"] < tol
 
 
+def test_compiled_tensor_parallel_gathers_nothing(result):
+    # A row-parallel LinearReLU reduces its partial sums in the graph too (it gathered the
+    # operands when only eager calls took the split: 2 all_gathers in these graphs).
+    found = result["tp_compiled_collectives"]
+    assert found["all_gather_into_tensor"] == 0 and found["all_reduce"] >= 1, found
+
+
 def test_ddp_of_the_earlier_models(result):
     tol = GPU_TOLERANCE if result["backend"] == "nccl" else TOLERANCE
     assert result["ddp_linear_relu_mlp_param_diff"] < tol and result["ddp_conv_block_param_diff"] < tol

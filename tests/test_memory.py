@@ -184,3 +184,14 @@ def test_fused_backward_kernels_are_counted_as_one_op():
     with fusedkit.MemoryCounterMode(display=False) as c:
         torch.autograd.grad(out, (x, y), g)
     assert c.get_bytes_by_op() == {"fusedkit.add_gelu_grad": 4 * n}
+
+
+def test_a_matmul_backward_allocates_no_gradient_for_its_saved_pre_activation():
+    # The op's second output (the pre-activation kept for GELU's backward) gets no gradient:
+    # no M x N zeros in the counted backward, as in an eager step.
+    a = rand((16, 32), torch.float32, DEVICE).requires_grad_()
+    w = rand((32, 24), torch.float32, DEVICE).requires_grad_()
+    with fusedkit.MemoryCounterMode(display=False) as counter:
+        fusedkit.matmul(a, w, None, "gelu").sum().backward()
+    assert "aten.zeros" not in counter.get_bytes_by_op()
+    assert a.grad is not None and w.grad is not None

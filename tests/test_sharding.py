@@ -40,3 +40,20 @@ def test_rules_are_registered_once_dtensor_is_imported():
         assert known[op].static_argnum == 0  # the kernel name and the activation are in the cache key
     assert fusedkit.add_relu(torch.ones(2), -2.0).tolist() == [0.0, 0.0]  # plain tensors as before
 
+
+
+def test_rules_register_with_dtensors_import_before_or_after_fusedkit():
+    # A fresh process: fusedkit first does not import torch.distributed.tensor, and its later
+    # import registers the rules (a compiled model may meet a DTensor before any eager call).
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib.util, fusedkit\n"
+            "from fusedkit import sharding\n"
+            "assert 'torch.distributed.tensor' not in sys.modules\n"
+            "importlib.util.find_spec('torch.distributed.tensor')\n"
+            "assert not sharding._registered\n"
+            "import torch.distributed.tensor\n"
+            "assert sharding._registered and sharding._DTensor is torch.distributed.tensor.DTensor\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -33,12 +33,14 @@ def test_compare_judges_ops_above_the_floor_at_ten_percent():
     measured = {"c/0|big": RangeCounters("c/0|big", ["k"], read=int(2.1 * mb), written=0),
                 "c/1|off": RangeCounters("c/1|off", ["k", "k2"], read=int(2.3 * mb), written=mb),
                 "c/2|small": RangeCounters("c/2|small", ["k"], read=5000, written=0)}
+    ops.append({"range": "c/4|lost", "op": "lost", "read": 2 * mb, "written": 0})  # its kernel not measured
     rows = {r["op"]: r for r in traffic.compare(ops, measured)}
+    assert rows["lost"]["agrees"] is False and rows["lost"]["error"] is None
     assert rows["big"]["agrees"] is True and abs(rows["big"]["error"] - 0.05) < 1e-3
     assert rows["off"]["agrees"] is False and rows["off"]["kernels"] == 2
     assert rows["small"]["agrees"] is None and rows["view"]["agrees"] is None and rows["view"]["kernels"] == 0
     table = traffic.format_traffic({"c": list(rows.values())})
-    assert "DIFFERS" in table and "1 of 2 ops reading over" in table
+    assert "DIFFERS" in table and "1 of 3 ops reading over" in table and "NO KERNEL MEASURED" in table
 
 
 def test_the_report_needs_a_gpu_and_ncu():

@@ -126,12 +126,14 @@ def target(cases: list[str], device=None, small: bool = False) -> dict[str, list
 
 def compare(model_ops: list[dict], measured: dict) -> list[dict]:
     """One row per op: its model, what ncu read for its range (``parse_ncu_csv``), the reads'
-    relative error and whether it agrees (None: reads below :data:`MIN_BYTES`, or no kernel)."""
+    relative error and whether it agrees (None: reads below :data:`MIN_BYTES`; False, with no
+    error, for an op reading more whose range measured no kernel: nothing to set beside it)."""
     rows = []
     for op in model_ops:
         counters = measured.get(op["range"])
         row = dict(op, model=op["read"] + op["written"], kernels=0 if counters is None else len(counters.kernels),
-                   dram_read=None, dram_written=None, error=None, agrees=None)
+                   dram_read=None, dram_written=None, error=None,
+                   agrees=False if counters is None and op["read"] >= MIN_BYTES else None)
         if counters is not None:
             row.update(dram_read=counters.read, dram_written=counters.written, kernel_names=counters.kernels[:3])
             if op["read"]:
@@ -169,6 +171,10 @@ def format_traffic(results: dict[str, list[dict]]) -> str:
     for case, rows in results.items():
         judged = [r for r in rows if r["agrees"] is not None]
         for r in judged:
+            if r["dram_read"] is None:
+                lines.append(f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {'-':>10} {'-':>7} "
+                             f"{r['written'] / 1e6:>11.2f} {'-':>10}  0  NO KERNEL MEASURED")
+                continue
             lines.append(f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {r['dram_read'] / 1e6:>10.2f} "
                          f"{100 * r['error']:>6.1f}% {r['written'] / 1e6:>11.2f} {r['dram_written'] / 1e6:>10.2f}  "
                          f"{r['kernels']}{'' if r['agrees'] else '  DIFFERS'}")
