@@ -289,7 +289,14 @@ def main(argv: list[str]) -> int:
         return 2
     folder = Path(argv[0])
     reports = {name: load(folder, name) for name in RENDERERS}
-    bodies = {name: RENDERERS[name](data) for name, data in reports.items() if data is not None}
+    bodies, failed = {}, []
+    for name, data in reports.items():
+        if data is None:
+            continue
+        try:
+            bodies[name] = RENDERERS[name](data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # one bad file: the others still render
+            failed.append(f"{name} ({type(exc).__name__}: {exc})")
     head = headline(reports)
     if head:
         bodies["headline"] = head
@@ -299,6 +306,9 @@ def main(argv: list[str]) -> int:
             text = replace_region(text, name, body)
         target.write_text(text)
     print(f"rendered {', '.join(sorted(bodies)) or 'nothing'} from {folder}")
+    if failed:
+        print(f"could not render: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
