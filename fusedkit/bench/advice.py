@@ -16,6 +16,7 @@ import fusedkit
 
 from . import models as M
 from .progress import bar as progress_bar
+from .report import copy_roof_gbps, environment, print_report
 
 __all__ = ["format_advice", "run_advice", "run_advise_command"]
 
@@ -31,18 +32,8 @@ def _step(model, case, x, target):
     return run
 
 
-#: Bytes the copy that measures the bandwidth roof moves each way (1 GiB: far above L2).
-ROOF_COPY_BYTES = 1 << 30
-
-
-def copy_roof_gbps(device) -> float | None:
-    """The copy bandwidth measured now (GB/s, read + written), the rate a saved byte is
-    predicted to save time at; None off a GPU."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(ROOF_COPY_BYTES, dtype=torch.uint8, device=device)
-    ms = M.time_ms(lambda: src.clone(), device)
-    return 2 * ROOF_COPY_BYTES / ms / 1e6
+#: bf16 elements of the copy that measures the bandwidth roof (1 GiB each way: far above L2).
+ROOF_COPY_ELEMENTS = 1 << 29
 
 
 def run_advice(names, device, small: bool | None = None, progress=True) -> tuple[list, list, dict]:
@@ -50,7 +41,8 @@ def run_advice(names, device, small: bool | None = None, progress=True) -> tuple
     predicts the forward's saving from its bytes saved at the copy roof (``predicted_ms``)."""
     small = device.type != "cuda" if small is None else small
     sites, timings, skipped = [], [], {}
-    roof = copy_roof_gbps(device)
+    # The rate a saved byte is predicted to save time at: the copy bandwidth measured now.
+    roof = copy_roof_gbps(torch.bfloat16, device, ROOF_COPY_ELEMENTS) if device.type == "cuda" else None
     bar = progress_bar(len(names), "advise", progress)
     for name in names:
         case = M.MODELS[name]
@@ -119,8 +111,6 @@ def format_advice(sites: list, timings: list, skipped: dict) -> str:
 
 
 def run_advise_command(args) -> int:
-    from .report import environment, print_report
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)
     if device.type != "cuda":

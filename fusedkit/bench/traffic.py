@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fusedkit
 from fusedkit.memory import op_name, op_traffic
 
+from .models import autocast_for
 from .ncu import METRICS, parse_ncu_csv
 
 __all__ = ["CASES", "MIN_BYTES", "TOLERANCE", "compare", "format_traffic", "run_traffic"]
@@ -82,7 +82,7 @@ def _build(case: str, device, small: bool):
         n, side = (2, 8) if small else (32, 56)
         model = Bottleneck(256, 64).to(device).to(memory_format=torch.channels_last)
         x = torch.randn(n, 256, side, side, device=device).to(memory_format=torch.channels_last)
-        with _autocast(device):
+        with autocast_for(device):
             model = fusedkit.fuse(model, x)
         return model, x
     if case == "swiglu":
@@ -91,17 +91,8 @@ def _build(case: str, device, small: bool):
     raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
 
 
-@contextmanager
-def _autocast(device):
-    if device.type == "cuda":
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            yield
-    else:
-        yield
-
-
 def _step(model, x):
-    with _autocast(x.device):
+    with autocast_for(x.device):
         out = model(x)
     out.float().square().mean().backward()
 
