@@ -151,7 +151,6 @@ def _distributed(kernel: ElementwiseKernel, operands: tuple, param, out) -> torc
     propagation), then the registered op on the shards (:mod:`fusedkit.sharding`'s rules). An
     ``out=`` gets the result copied in, as torch writes a DTensor ``out`` (a rule would give
     the kernel a redistributed temporary in its place)."""
-    sharding.ensure_registered()
     ew.validate(kernel, operands, param, out)
     result = autograd.call_op(kernel, operands, param, None)
     if out is None:
@@ -215,8 +214,6 @@ def _matmul_2d(a2, b, bias, activation, needs_grad: bool):
     if _functorch() and not _is_compiling():
         return autograd.matmul_functorch(a2, b, bias, activation)
     if tracing((a2, b, bias)):
-        if not _is_compiling():
-            sharding.ensure_registered()
         return autograd.matmul_op(a2, b, bias, activation, needs_grad and activation in mm.NEEDS_PRE)[0]
     if needs_grad:
         return autograd.record_matmul(a2, b, bias, activation)

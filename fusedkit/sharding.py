@@ -97,25 +97,16 @@ def install() -> None:
 
 
 def has_dtensor(values) -> bool:
-    """Whether any of ``values`` is a DTensor (a check for calls already off the eager path)."""
-    if _DTensor is None:
-        if _DTENSOR_MODULE not in sys.modules:
-            return False
-        ensure_registered()
-    return any(isinstance(v, _DTensor) for v in values)
+    """Whether any of ``values`` is a DTensor (a check for calls already off the eager path).
+    ``_DTensor`` is None only where no DTensor exists: the rules register with its import."""
+    return _DTensor is not None and any(isinstance(v, _DTensor) for v in values)
 
 
 def k_sharded(a, b) -> bool:
     """Whether a matmul's operands are DTensors sharded along the contraction dim K (``a``'s
     last dim or ``b``'s first), so the local products are partial sums."""
-    if type(a) in _PLAIN and type(b) in _PLAIN:
+    if (type(a) in _PLAIN and type(b) in _PLAIN) or _DTensor is None:
         return False  # (the eager path's check: two type lookups)
-    if _DTensor is None:
-        if torch.compiler.is_compiling():
-            return False  # (registered with DTensor's import: none exists)
-        ensure_registered()
-        if _DTensor is None:
-            return False
     return any(isinstance(t, _DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
                for t, dim in ((a, -1), (b, 0)))
 
