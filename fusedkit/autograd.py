@@ -60,8 +60,10 @@ def _param(kernel, param):
     return param if kernel.param is not None else None
 
 
+# The ops take their tensors first: torch 2.11's DTensor looks for the device mesh in an op's
+# first argument only (with the kernel's name first, every tensor-parallel call failed there).
 @torch.library.custom_op("fusedkit::elementwise", mutates_args=())
-def elementwise_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int], scalars: list[Scalar],
+def elementwise_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar],
                    param: Scalar) -> torch.Tensor:
     kernel = get(name)
     operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
@@ -71,7 +73,7 @@ def elementwise_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[in
 
 
 @elementwise_op.register_fake
-def _(name, tensors, tensor_slots, scalars, param):
+def _(tensors, name, tensor_slots, scalars, param):
     kernel = get(name)
     operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
     with torch.no_grad():
@@ -166,7 +168,7 @@ native.set_backward_factory(native_backward)
 
 
 def _elementwise_setup_context(ctx, inputs, output):
-    name, tensors, tensor_slots, scalars, param = inputs
+    tensors, name, tensor_slots, scalars, param = inputs
     ctx.n_slots = len(tensor_slots)
     _save(ctx, get(name), param, tensor_slots, scalars, tensors, output)
 
@@ -175,7 +177,7 @@ def _elementwise_backward(ctx, grad):
     out = _input_grads(ctx, grad)
     # The inputs' structure as torch.library sees it: a non-empty list of numbers is
     # one leaf (its gradient None), an empty list stays an empty list.
-    return None, out, None if ctx.n_slots else [], None if ctx.scalars else [], None
+    return out, None, None if ctx.n_slots else [], None if ctx.scalars else [], None
 
 
 elementwise_op.register_autograd(_elementwise_backward, setup_context=_elementwise_setup_context)
@@ -202,9 +204,9 @@ def _batch_first(kernel, tensors, tensor_slots, scalars, in_dims) -> list:
     return moved
 
 
-def _elementwise_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param):
+def _elementwise_vmap(info, in_dims, tensors, name, tensor_slots, scalars, param):
     # (the other arguments are not tensors)
-    return elementwise_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, in_dims[1]), tensor_slots,
+    return elementwise_op(_batch_first(get(name), tensors, tensor_slots, scalars, in_dims[0]), name, tensor_slots,
                           scalars, param), 0
 
 
@@ -212,7 +214,7 @@ torch.library.register_vmap(elementwise_op, _elementwise_vmap)
 
 
 @torch.library.custom_op("fusedkit::elementwise_out", mutates_args=("out",))
-def elementwise_out_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int], scalars: list[Scalar],
+def elementwise_out_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar],
                        param: Scalar, out: torch.Tensor) -> None:
     kernel = get(name)
     operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
@@ -220,19 +222,19 @@ def elementwise_out_op(name: str, tensors: list[torch.Tensor], tensor_slots: lis
 
 
 @elementwise_out_op.register_fake
-def _(name, tensors, tensor_slots, scalars, param, out):
+def _(tensors, name, tensor_slots, scalars, param, out):
     return None
 
 
-def _elementwise_out_vmap(info, in_dims, name, tensors, tensor_slots, scalars, param, out):
-    tensor_dims, out_dim = in_dims[1], in_dims[5]
+def _elementwise_out_vmap(info, in_dims, tensors, name, tensor_slots, scalars, param, out):
+    tensor_dims, out_dim = in_dims[0], in_dims[5]
     if out_dim is None:
         # torch's rule for in-place ops under vmap: the written tensor must be batched.
         raise ArgumentError("fusedkit: vmap over an out= call needs out to be batched when an input is")
     rank = max(t.dim() - (d is not None) for t, d in zip(tensors, tensor_dims))
     out = out.movedim(out_dim, 0)
     out = out.reshape(out.shape[0], *(1,) * (rank - out.dim() + 1), *out.shape[1:])
-    elementwise_out_op(name, _batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), tensor_slots,
+    elementwise_out_op(_batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), name, tensor_slots,
                        scalars, param, out)
     return None, None
 
@@ -251,7 +253,7 @@ def register_pair(kernel) -> None:
 
 
 @torch.library.custom_op("fusedkit::elementwise_pair", mutates_args=())
-def elementwise_pair_op(name: str, tensors: list[torch.Tensor], tensor_slots: list[int],
+def elementwise_pair_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int],
                         scalars: list[Scalar]) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output kernel: the registered op a dispatch mode sees (a byte
     counter, ``make_fx``) where an eager backward would call ``run_pair`` directly."""
@@ -260,7 +262,7 @@ def elementwise_pair_op(name: str, tensors: list[torch.Tensor], tensor_slots: li
 
 
 @elementwise_pair_op.register_fake
-def _(name, tensors, tensor_slots, scalars):
+def _(tensors, name, tensor_slots, scalars):
     kernel = PAIRS[name]
     with torch.no_grad():
         call = elementwise.validate(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None, None,
@@ -272,7 +274,7 @@ def call_pair(kernel, operands: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output ``kernel`` (registered with :func:`register_pair`) through
     ``fusedkit::elementwise_pair``."""
     tensors, slots, scalars = _split(operands)
-    return elementwise_pair_op(kernel.name, tensors, slots, scalars)
+    return elementwise_pair_op(tensors, kernel.name, slots, scalars)
 
 
 def _check_registered(kernel) -> None:
@@ -287,9 +289,9 @@ def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.T
     tensors, slots, scalars = _split(operands)
     param = param if param is not None else 0
     if out is not None:
-        elementwise_out_op(kernel.name, tensors, slots, scalars, param, out)
+        elementwise_out_op(tensors, kernel.name, slots, scalars, param, out)
         return out
-    return elementwise_op(kernel.name, tensors, slots, scalars, param)
+    return elementwise_op(tensors, kernel.name, slots, scalars, param)
 
 
 class EagerElementwise(torch.autograd.Function):

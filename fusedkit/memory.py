@@ -77,7 +77,7 @@ def op_name(func, args) -> str:
     packet = func.overloadpacket
     namespace = func.namespace
     if namespace == "fusedkit" and packet.__name__ in ("elementwise", "elementwise_out", "elementwise_pair") and args:
-        return f"fusedkit.{args[0]}"
+        return f"fusedkit.{args[1]}"  # (the kernel's name: the argument after the tensors)
     return f"{namespace}.{packet.__name__}"
 
 

@@ -149,9 +149,9 @@ def _register() -> None:
         return [tuple(t.shape) for t in tensors]
 
     @register_sharding(ops.elementwise.default)
-    def _elementwise(name, tensors, tensor_slots, scalars, param):
+    def _elementwise(tensors, name, tensor_slots, scalars, param):
         shapes = _shapes(tensors)
-        return [(out, [None, *ins, None, None, None]) for out, ins in _pointwise(_broadcast(shapes), shapes)]
+        return [(out, [*ins, None, None, None, None]) for out, ins in _pointwise(_broadcast(shapes), shapes)]
 
     @register_sharding(ops.matmul.default)
     def _matmul(a, b, bias, activation, store_pre):

@@ -133,8 +133,8 @@ def test_opcheck(kernel):
             a.requires_grad_()
         param = 2 if kernel.param is not None else 0
         slots = list(range(kernel.arity))
-        torch.library.opcheck(elementwise_op, (kernel.name, [a, *rest], slots, [], param))
-        torch.library.opcheck(elementwise_op, (kernel.name, [a], [0], [3] * (kernel.arity - 1), param))
+        torch.library.opcheck(elementwise_op, ([a, *rest], kernel.name, slots, [], param))
+        torch.library.opcheck(elementwise_op, ([a], kernel.name, [0], [3] * (kernel.arity - 1), param))
 
 
 def _model(x, bias, r):

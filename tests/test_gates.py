@@ -298,8 +298,8 @@ def test_the_pair_op_passes_opcheck():
     from fusedkit.autograd import elementwise_pair_op
     for dtype in (torch.float32, torch.bfloat16, F64):
         g, a, b = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (5, 6), (6,)))
-        torch.library.opcheck(elementwise_pair_op, ("silu_mul_grad", [g, a, b], [0, 1, 2], []))
-        torch.library.opcheck(elementwise_pair_op, ("gelu_tanh_mul_grad", [g, a], [0, 1], [1.5]))
+        torch.library.opcheck(elementwise_pair_op, ([g, a, b], "silu_mul_grad", [0, 1, 2], []))
+        torch.library.opcheck(elementwise_pair_op, ([g, a], "gelu_tanh_mul_grad", [0, 1], [1.5]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
