@@ -68,8 +68,9 @@ def test_more_tensor_parallel_models(result, case):
 def test_compiled_tensor_parallel_gathers_nothing(result):
     # A row-parallel LinearReLU reduces its partial sums in the graph too (it gathered the
     # operands when only eager calls took the split: 2 all_gathers in these graphs).
+    # (one rank has nothing to reduce: the compiled graph drops the collective)
     found = result["tp_compiled_collectives"]
-    assert found["all_gather_into_tensor"] == 0 and found["all_reduce"] >= 1, found
+    assert found["all_gather_into_tensor"] == 0 and found["all_reduce"] >= (result["world"] > 1), found
 
 
 def test_ddp_of_the_earlier_models(result):

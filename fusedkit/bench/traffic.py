@@ -81,7 +81,10 @@ def _build(case: str, device, small: bool):
 
         n, side = (2, 8) if small else (32, 56)
         model = Bottleneck(256, 64).to(device).to(memory_format=torch.channels_last)
-        x = torch.randn(n, 256, side, side, device=device).to(memory_format=torch.channels_last)
+        # (a block inside ResNet-50 gets its input in autocast's dtype, bf16 on the GPU: the
+        # previous block's output; an fp32 input would make the residual add promote)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        x = torch.randn(n, 256, side, side, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         with autocast_for(device):
             model = fusedkit.fuse(model, x)
         return model, x

@@ -342,7 +342,7 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
     is_float = dtype.is_floating_point
     strides = (tuple(out.stride()),) + tuple(
         broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands)
-    plan = plan_elementwise(tuple(shape), strides)
+    plan = plan_elementwise(tuple(shape), strides, dtype.itemsize)
 
     ptrs, bits, flat_strides = [], [], []
     scalar_mask = 0

@@ -230,8 +230,10 @@ PLAN_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides | None, ...]) -> Plan:
-    """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast.
+def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides | None, ...],
+                     itemsize: int = 4) -> Plan:
+    """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast;
+    ``itemsize``: the result's bytes an element (it sets the 1-D block).
 
     Pure function of its (hashable) arguments, so plans are cached.
     """
@@ -283,7 +285,7 @@ def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides 
     size_r, size_c = sizes[-2], sizes[-1]
 
     transposed = any(strides[k][-2] == 1 and strides[k][-1] > 1 for k in tensors)
-    tile = elementwise_tile(size_r, size_c, transposed)
+    tile = elementwise_tile(size_r, size_c, transposed, itemsize)
 
     packed: list[Strides | None] = []
     int64 = _cdiv(size_c, tile.block_c) * tile.block_c > INT32_MAX
