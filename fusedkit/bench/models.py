@@ -58,7 +58,7 @@ from .cases import timer
 from .progress import bar as progress_bar
 
 __all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
-           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms"]
+           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds"]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -450,7 +450,7 @@ def training_step(case: ModelCase, variant: str, device, small: bool = False):
     return step, check
 
 
-def _rounds(rounds: int | None, device) -> int:
+def timing_rounds(device, rounds: int | None = None) -> int:
     """Timing rounds: as given, else ``TIMING_ROUNDS`` on a GPU and one elsewhere."""
     return rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
 
@@ -482,7 +482,7 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
         r.peak_mb = _peak_mb(step, device)
         live.append((r, module, run, step))
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
-    for _ in range(_rounds(rounds, device)):
+    for _ in range(timing_rounds(device, rounds)):
         for r, module, run, step in live:
             samples[id(r)]["train"].append(time_ms(step, device))
         for r, module, run, step in live:
@@ -510,7 +510,7 @@ def run_models(names, device, use_compile=True, small: bool | None = None, progr
     variants = [v for v in VARIANTS if use_compile or v != "compiled"]
     results, skipped = [], {}
     cases = [MODELS[n] for n in names]
-    rounds = _rounds(rounds, device)
+    rounds = timing_rounds(device, rounds)
     # A step per variant's loss run, and one per timing round.
     bar = progress_bar(sum(len(variants) + len(c.peers) + rounds for c in cases), "models", progress)
     for case in cases:
