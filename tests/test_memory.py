@@ -107,6 +107,32 @@ def test_modules_forward_and_backward():
     assert "Sequential.1" not in c.get_table(depth=1)
 
 
+def test_multi_pass_ops_count_each_pass():
+    # batch norm in training reads its input twice (statistics, then normalizing), its backward
+    # grad and input twice; a convolution's backward reads grad_output once per gradient
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(16).to(DEVICE)
+    conv = torch.nn.Conv2d(16, 4, 3, bias=False).to(DEVICE)
+    x = rand((8, 16, 6, 6), torch.float32, DEVICE).requires_grad_()
+    g = rand((8, 4, 4, 4), torch.float32, DEVICE)
+    n, grad, w, channel = 8 * 16 * 36 * F32, 8 * 4 * 16 * F32, 4 * 16 * 9 * F32, 16 * F32
+    # (without cuDNN, whose batch norm ops keep the default model, on a GPU as on the CPU)
+    with torch.backends.cudnn.flags(enabled=False), fusedkit.MemoryCounterMode(display=False) as c:
+        conv(bn(x)).backward(g)
+    ops = c.get_bytes_by_op()
+    # reads: input twice, weight, bias, running mean and var; writes: output, saved mean and invstd
+    assert ops["aten.native_batch_norm"] == (2 * n + 4 * channel) + (n + 2 * channel)
+    # reads: grad_output for each of the two gradients, the input (weight's), the weight (input's)
+    assert ops["aten.convolution_backward"] == (2 * grad + n + w) + (n + w)
+    # reads: grad and input twice, weight, running mean and var, saved mean and invstd; writes
+    # the three gradients
+    assert ops["aten.native_batch_norm_backward"] == (4 * n + 5 * channel) + (n + 2 * channel)
+    bn.eval()
+    with torch.backends.cudnn.flags(enabled=False), fusedkit.MemoryCounterMode(display=False) as c:
+        bn(x.detach())
+    assert c.get_bytes_by_op() == {"aten.native_batch_norm": n + 4 * channel + n}  # one pass
+
+
 def test_counts_on_the_meta_device_and_prints_on_exit(capsys):
     a = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
     with fusedkit.MemoryCounterMode() as c:
