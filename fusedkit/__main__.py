@@ -19,19 +19,21 @@ from .bench.models import MODELS
 from .runtime.elementwise import INTERPRETED
 
 
-def _choices(kind: str, allowed, aliases=None):
+def _choices(kind: str, allowed, aliases=None, groups=None):
     """An argparse type for a comma-separated list drawn from ``allowed`` (``aliases`` maps
-    other spellings onto them); a bad item is a usage error naming the choices."""
-    aliases = aliases or {}
+    other spellings onto them, ``groups`` a name onto several); a bad item is a usage error
+    naming the choices."""
+    aliases, groups = aliases or {}, groups or {}
 
     def parse(text: str) -> list[str]:
         items = []
         for item in (s.strip() for s in text.split(",")):
-            name = aliases.get(item, item)
-            if name not in allowed:
-                raise argparse.ArgumentTypeError(f"unknown {kind} {item!r}; choose from {', '.join(allowed)}")
-            if name not in items:  # "a,a" runs a once
-                items.append(name)
+            for name in groups.get(item, (aliases.get(item, item),)):
+                if name not in allowed:
+                    raise argparse.ArgumentTypeError(f"unknown {kind} {item!r}; choose from "
+                                                     f"{', '.join((*groups, *allowed))}")
+                if name not in items:  # "a,a" runs a once
+                    items.append(name)
         return items
     return parse
 
@@ -70,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "peers in the same process; on a CPU, in Triton's interpreter.")
     kernels = registry.names()
     dtypes = tuple(DTYPE_NAMES)
-    p.add_argument("--kernels", type=_choices("kernel", kernels), default=list(kernels),
-                   help=f"comma-separated registry names (default: all: {','.join(kernels)})")
+    # "ops": the entries model code calls (each has a backward), not the gradient kernels
+    ops = tuple(k.name for k in registry.kernels() if k.backward is not None)
+    p.add_argument("--kernels", type=_choices("kernel", kernels, groups={"ops": ops}), default=list(kernels),
+                   help=f"comma-separated registry names, or ops: those with a backward ({','.join(ops)}) "
+                        f"(default: all: {','.join(kernels)})")
     p.add_argument("--dtypes", type=_choices("dtype", dtypes, {str(v)[6:]: k for k, v in DTYPE_NAMES.items()}),
                    default=["fp32", "bf16"], help=f"comma-separated, from {','.join(dtypes)} (default: fp32,bf16)")
     p.add_argument("--sizes", type=_sizes, default=None, help="element counts or powers of two (20 = 2**20)")

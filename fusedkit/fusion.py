@@ -11,8 +11,12 @@ each chain fusedkit has one kernel for is a :class:`FusionSite`:
 - ``add -> gelu`` (a bias or residual before a GELU): ``fusedkit.add_gelu``.
 
 A chain qualifies when its first op's result has no other user. ``bytes_saved`` is what the
-fused kernel does not move in one forward pass: the intermediate the eager pair writes and
-reads back (twice its bytes, from the shapes the example inputs give it).
+fused kernel does not move in one forward pass, by :class:`fusedkit.MemoryCounterMode`'s
+model at the example inputs' shapes: every op of the chain's bytes, less those of the one op
+whose reads and writes the fused kernel makes (the linear or the add; a gate's mul). For a
+one-kernel activation that is the intermediate written and read back (twice its bytes); an
+activation module computed by several ops (transformers' ``NewGELUActivation``: eight) saves
+each of their round trips.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import nn as fnn
 from .errors import FusedkitError, TracingError
+from .memory import MemoryCounterMode
 from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
-from .registry import tensor_read_bytes
 
 __all__ = ["FusionSite", "advise", "fuse"]
 
@@ -180,12 +184,20 @@ def _common_module(*nodes: fx.Node) -> str:
     return ".".join(common)
 
 
-def _intermediate_bytes(node: fx.Node) -> int:
-    meta = node.meta.get("tensor_meta")
-    if meta is None or not hasattr(meta, "shape"):
-        return 0
-    t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-    return tensor_read_bytes(t)
+class _Propagate(ShapeProp):
+    """``ShapeProp``, keeping also the modelled bytes each node's ops move (``meta["bytes"]``)."""
+
+    def run_node(self, n: fx.Node):
+        with MemoryCounterMode(display=False) as counter:
+            result = super().run_node(n)
+        n.meta["bytes"] = counter.get_total_bytes()
+        return result
+
+
+def _bytes_saved(nodes: tuple, kept: fx.Node) -> int:
+    """What fusing ``nodes`` saves: all their bytes but those of ``kept``, the op whose reads
+    and writes the fused kernel makes."""
+    return sum(n.meta.get("bytes", 0) for n in nodes) - kept.meta.get("bytes", 0)
 
 
 def _name(arg) -> str:
@@ -236,7 +248,8 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
             continue
         nodes = (node, *middle, last)
         used.update(nodes)
-        sites.append(FusionSite(site[0], _common_module(node, last), 2 * _intermediate_bytes(node), site[1], nodes))
+        kept = last if site[0].endswith("* mul") else node
+        sites.append(FusionSite(site[0], _common_module(node, last), _bytes_saved(nodes, kept), site[1], nodes))
     return sites
 
 
@@ -280,7 +293,7 @@ def _traced(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, lis
     stay as they were)."""
     gm = _trace(model)
     with _mode(model, False), torch.no_grad():
-        ShapeProp(gm).propagate(*_copies(example_inputs))
+        _Propagate(gm).propagate(*_copies(example_inputs))
     return gm, _find(gm)
 
 

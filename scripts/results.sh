@@ -24,7 +24,8 @@ report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $
 }
 for r in $reports; do case $r in
   models) report models --models ;;
-  elementwise) report elementwise --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
+  # (the ops model code calls: the gradient kernels are timed in place by the backward report)
+  elementwise) report elementwise --kernels ops --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
   ncu) report ncu --ncu --kernels add_relu,add --dtypes fp32,bf16 --sizes 20,26 --no-compile ;;
   matmul) report matmul --matmul --dtypes "${MATMUL_DTYPES:-bf16,fp16}" --plots "$dir" ;;
   latency) report latency --latency ;;

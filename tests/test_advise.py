@@ -148,7 +148,14 @@ def test_transformers_mlps():
     for model, pattern, hidden in ((gpt2, "linear -> gelu_tanh", 128), (llama, "silu * mul", 88)):
         model = model.to(DEVICE).eval()
         (site,) = fusedkit.advise(model, x)
-        assert site.pattern == pattern and site.bytes_saved == 2 * 10 * hidden * F32
+        act = model.act if hasattr(model, "act") else model.act_fn
+        hidden_states = rand((10, hidden), torch.float32, DEVICE)
+        with fusedkit.MemoryCounterMode(display=False) as counter:
+            act(hidden_states)
+        # the activation's own ops: SiLU one kernel (its output written and read back),
+        # transformers' gelu_new eight (each reading and writing the hidden activations)
+        assert site.pattern == pattern and site.bytes_saved == counter.get_total_bytes()
+        assert site.bytes_saved == (2 if pattern == "silu * mul" else 18) * 10 * hidden * F32
         torch.testing.assert_close(fusedkit.fuse(model, x)(x), model(x), rtol=1e-5, atol=1e-6)
 
 

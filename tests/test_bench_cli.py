@@ -126,6 +126,16 @@ def test_version_and_torch_dtype_names():
     assert args.dtypes == ["fp32", "bf16"] and args.sizes == [1024, 4096]
 
 
+def test_the_ops_group_is_the_registry_entries_with_a_backward():
+    from fusedkit import registry
+    from fusedkit.__main__ import build_parser
+
+    args = build_parser().parse_args(["bench", "--kernels", "silu_mul,ops,gelu_grad"])
+    ops = [k.name for k in registry.kernels() if k.backward is not None]
+    assert args.kernels == ["silu_mul", *[k for k in ops if k != "silu_mul"], "gelu_grad"]
+    assert {"add", "add_relu", "silu_mul", "add_gelu"} <= set(ops) and "gelu_grad" not in ops
+
+
 def test_plots_without_matplotlib_fail_before_the_run(tmp_path, monkeypatch, capsys):
     import importlib.util
 
