@@ -26,6 +26,14 @@ def test_pointwise_rules_shard_along_each_result_dim_and_replicate_broadcasts():
                                                             ([Shard(1)], [Shard(1), Shard(0)])]
 
 
+def test_every_op_takes_a_tensor_first():
+    # torch 2.11's DTensor looks for the device mesh in an op's first argument only: with the
+    # kernel's name first, every tensor-parallel call failed there (torch 2.13 looks further)
+    for name in ("elementwise", "elementwise_out", "elementwise_pair", "matmul"):
+        first = getattr(torch.ops.fusedkit, name).default._schema.arguments[0]
+        assert str(first.type) in ("Tensor", "List[Tensor]"), (name, first)
+
+
 def test_plain_tensors_are_never_k_sharded():
     a, b = torch.randn(3, 4), torch.nn.Parameter(torch.randn(4, 5))
     assert not sharding.k_sharded(a, b)
