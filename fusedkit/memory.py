@@ -13,9 +13,10 @@ whole 32-byte sectors when its innermost dim is strided. Views and metadata ops 
 nothing; an allocation moves nothing until written; an in-place op reads and writes its
 target (an overwrite such as ``fill_`` or ``copy_`` only writes it); an ``out=`` argument is
 written, not read; a gather (``embedding``, ``index_select``, ``gather``) reads the rows it
-takes, not its whole source. Batch norm in training reads its input twice (statistics,
-then normalizing; its backward reads grad and input twice); a convolution's backward reads
-grad_output once for each gradient it computes. A matmul reads each operand once: the model ignores the
+takes, not its whole source. PyTorch's own batch norm in training reads its input twice
+(statistics, then normalizing; its backward, computing the input's gradient, reads grad and
+input twice; cuDNN's is counted as one pass); a convolution's backward reads grad_output once
+for each gradient it computes. A matmul reads each operand once: the model ignores the
 re-reads its tiling may make, as it ignores caches. fusedkit's own ops count as one op each,
 named after their kernel (``fusedkit.add_relu``). Only shapes, strides and dtypes are read,
 so it counts on any device, ``meta`` and fake tensors included.
@@ -61,7 +62,8 @@ SCATTERING_OPS = {"index_put_": ("indices", "values"), "index_add_": ("index", "
 ACCUMULATING_OPS = frozenset({"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_"})
 #: Batch norm forwards: in training, a pass for the batch statistics, then the normalizing
 #: pass, each reading the input (the H200's DRAM reads of a ResNet-50 Bottleneck's: 2.0x the
-#: input, cold caches).
+#: input, cold caches). cuDNN's (``cudnn_batch_norm``: float32 in NCHW on a GPU) is not
+#: measured and keeps one read.
 BATCH_NORM_OPS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 #: The name of the whole-run row, as FlopCounterMode names it.
 GLOBAL = "Global"
@@ -113,7 +115,9 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
         return Traffic(_bytes(index) + touched + (touched if name in ACCUMULATING_OPS else 0), touched)
     if name in SHAPE_ONLY_OPS:
         return Traffic(0, _bytes(written))
-    again = _read_again(name, by_name)
+    passes = _multi_pass_read(name, by_name)
+    if passes is not None:
+        return Traffic(passes, _bytes(written))
     read = []
     for arg, value in bound:
         write = arg.alias_info is not None and arg.alias_info.is_write
@@ -121,25 +125,28 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
         if write and (arg.is_out or arg.name == "out" or name in OVERWRITING_OPS):
             continue
         read += _tensors(value)
-    return Traffic(_bytes(read) + again, _bytes(written))
+    return Traffic(_bytes(read), _bytes(written))
 
 
-def _read_again(name: str, by_name: dict) -> int:
-    """Bytes an op's algorithm reads beyond each argument once: the passes it makes over them."""
+def _multi_pass_read(name: str, by_name: dict) -> int | None:
+    """The bytes read by an op whose algorithm passes over some arguments more than once, or
+    None (every argument read once)."""
+    def size(*names):
+        return sum(_bytes(_tensors(by_name.get(n))) for n in names)
     if name in BATCH_NORM_OPS and by_name.get("training"):
-        return _bytes(_tensors(by_name["input"]))
+        # the batch statistics, then the normalizing pass
+        return 2 * size("input") + size("weight", "bias", "running_mean", "running_var")
     if name == "native_batch_norm_backward" and by_name.get("train") and by_name["output_mask"][0]:
-        # the reduction for the input's gradient, then the elementwise pass: both read both
-        return _bytes(_tensors(by_name["grad_out"])) + _bytes(_tensors(by_name["input"]))
+        # the reduction the input's gradient needs, then the elementwise pass: both read both
+        return 2 * size("grad_out", "input") + size("weight", "running_mean", "running_var", "save_mean",
+                                                     "save_invstd")
     if name == "convolution_backward":
-        # each gradient is its own kernel reading grad_output; the input's needs the weight,
-        # the weight's the input (counted once above: taken back where not needed)
+        # each gradient its own kernel reading grad_output; the input's reads the weight, the
+        # weight's the input
         grad_input, grad_weight, grad_bias = by_name["output_mask"]
-        grad = _bytes(_tensors(by_name["grad_output"]))
-        return (grad * (grad_input + grad_weight + grad_bias - 1)
-                - (0 if grad_weight else _bytes(_tensors(by_name["input"])))
-                - (0 if grad_input else _bytes(_tensors(by_name["weight"]))))
-    return 0
+        return ((grad_input + grad_weight + grad_bias) * size("grad_output") + grad_input * size("weight")
+                + grad_weight * size("input"))
+    return None
 
 
 class _Counting(TorchDispatchMode):

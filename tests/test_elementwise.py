@@ -250,6 +250,17 @@ def test_block_boundaries(n):
                                                     rand((c, r), torch.float32, DEVICE)))
 
 
+@pytest.mark.parametrize("n", [4095, 4096, 4097, 2 * 4096 + 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_block_boundaries(n, dtype):
+    # 1- and 2-byte results take 4096 elements a program (configs.BLOCK_1D_NARROW); an fp32
+    # out= of a bf16 result keeps the result's block
+    x, y = rand((n,), dtype, DEVICE), rand((n,), dtype, DEVICE)
+    run_and_check(fusedkit.registry.get("add_relu"), (x, y))
+    out = torch.full((n,), float("nan"), device=DEVICE)
+    run_and_check(fusedkit.registry.get("silu_mul"), (x, y), out=out, dtype=dtype)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_more_than_2_pow_31_elements_bf16():
     n = 2**31 + 4099
