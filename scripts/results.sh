@@ -15,12 +15,16 @@ dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
 reports=${*:-models elementwise ncu matmul latency backward traffic advise}
 rc=0
-report() {  # report NAME ARGS...: one `bash scripts/run.sh bench` report into $dir/NAME.{txt,json}
+run_report() {  # run_report NAME COMMAND...: COMMAND --no-progress --json into $dir/NAME.{txt,json}
   local name=$1; shift
-  echo "[results] $name: python -m fusedkit bench $*" >&2
-  if ! bash scripts/run.sh bench --no-progress "$@" --json "$dir/$name.json" > "$dir/$name.txt" 2>&1; then
+  echo "[results] $name: $*" >&2
+  if ! "$@" --no-progress --json "$dir/$name.json" > "$dir/$name.txt" 2>&1; then
     echo "[results] $name failed: see $dir/$name.txt" >&2; rc=1
   fi
+}
+report() {  # report NAME ARGS...: one `python -m fusedkit bench` report (through scripts/run.sh)
+  local name=$1; shift
+  run_report "$name" bash scripts/run.sh bench "$@"
 }
 for r in $reports; do case $r in
   models) report models --models ;;
@@ -31,9 +35,7 @@ for r in $reports; do case $r in
   latency) report latency --latency ;;
   backward) report backward --backward --dtypes bf16 ;;
   traffic) report traffic --traffic ;;
-  advise) echo "[results] advise: python -m fusedkit advise" >&2
-          "$py" -m fusedkit advise --no-progress --json "$dir/advise.json" > "$dir/advise.txt" 2>&1 \
-            || { echo "[results] advise failed: see $dir/advise.txt" >&2; rc=1; } ;;
+  advise) run_report advise "$py" -m fusedkit advise ;;
   *) echo "unknown report $r" >&2; rc=1 ;;
 esac; done
 "$py" benchmarks/render_results.py "$dir" || rc=1
