@@ -71,6 +71,20 @@ def test_latency_report_runs(tmp_path):
     assert data["linear"] and "ratios to torch.add" in stdout
 
 
+def test_latency_report_without_sizes_takes_the_devices_defaults(monkeypatch, capsys):
+    # (on the CPU it passed None on, and the report failed on len(None))
+    import torch
+
+    from fusedkit.__main__ import main
+    from fusedkit.bench import latency, report
+
+    seen = []
+    monkeypatch.setattr(latency, "run_latency", lambda dtypes, device, sizes, *a, **k: seen.append(sizes) or {})
+    monkeypatch.setattr(latency, "format_latency_table", lambda result: "")
+    main(["bench", "--latency", "--no-progress"])
+    assert seen == [latency.LATENCY_SIZES if torch.cuda.is_available() else report.CPU_SIZES]
+
+
 def test_backward_report_runs(tmp_path):
     _, data = bench_cli(tmp_path, "--backward", "--dtypes", "fp32", "--sizes", "4096", "--no-compile")
     rows = {r["op"]: r for r in data["backward"]}

@@ -394,7 +394,7 @@ def run_command(args) -> int:
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
 
-        result = run_latency(dtypes, device, args.sizes if args.sizes or not gpu else LATENCY_SIZES,
+        result = run_latency(dtypes, device, args.sizes or (LATENCY_SIZES if gpu else CPU_SIZES),
                              LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile, progress=progress)
         print_report(env, (format_latency_table(result),), args.json, result)
         return 0
