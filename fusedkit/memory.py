@@ -105,6 +105,9 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
     results = out if len(schema.returns) > 1 else (out,)  # (one return may be a list: foreach ops)
     written = [t for value, new in zip(results, returns_new) if new for t in _tensors(value)]
     written += [t for _, v in written_args for t in _tensors(v)]
+    if name in BATCH_NORM_OPS and not by_name.get("training"):
+        # evaluation writes the output only: CUDA returns its statistics allocated, unwritten
+        written = _tensors(results[0])
     if name in GATHERING_OPS:
         index = _tensors(by_name.get(GATHERING_OPS[name]))
         return Traffic(_bytes(index) + _bytes(written), _bytes(written))
