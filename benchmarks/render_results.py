@@ -118,11 +118,13 @@ def advise(data: dict) -> str:
                      ratio(t["original_forward_ms"], t["fused_forward_ms"]), predicted,
                      f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}",
                      ratio(t["original_train_ms"], t["fused_train_ms"])])
-    body += [[f"`{name}`", f"skipped: {why}".replace("|", "/"), "-", "-", "-", "-", "-", "-", "-"]
-             for name, why in (data.get("skipped") or {}).items()]
     head = ["model", "sites", "saved MB a forward", "forward ms", "fused forward ms", "x", "predicted ms saved",
             "measured ms saved", "train step x"]
-    return table(head, body, "llrrrrrrr") + "\n\n" + footnote(data["environment"], "advise")
+    text = table(head, body, "llrrrrrrr")
+    for name, why in (data.get("skipped") or {}).items():
+        # (the reason's first sentence: torch.fx's messages go on with general advice)
+        text += f"\n\n`{name}` was not traced: {why.split('. ')[0].rstrip('.')}."
+    return text + "\n\n" + footnote(data["environment"], "advise")
 
 
 def matmul(data: dict) -> str:
