@@ -111,6 +111,20 @@ def test_benchmark_suite_runs_on_the_cpu():
     assert " passed" in proc.stdout
 
 
+def test_tile_sweep_runs_and_restores_the_tuning_table():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must turn it on itself
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/tile_sweep.py", "--kernels", "silu_mul", "--dtypes", "bf16", "--sizes", "12",
+         "--blocks", "1024,4096", "--tiles", "2048", "--warps", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("silu_mul")]
+    assert [r[2] for r in rows] == ["contiguous", "bias"], proc.stdout
+    assert rows[0][4].startswith("1024/4:") and rows[0][5].startswith("4096/4:")  # both blocks timed
+    assert sum(cell.endswith("*") for cell in rows[0]) == 1  # one fastest
+
+
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
