@@ -102,6 +102,12 @@ def traffic(data: dict) -> str:
     return out + "\n\n" + footnote(data["environment"], "traffic")
 
 
+def gpu_saved(timing: dict) -> str:
+    """The forward's GPU busy ms the fused model saves ("-" in a record without busy times)."""
+    original, fused = timing.get("original_forward_gpu_ms"), timing.get("fused_forward_gpu_ms")
+    return "-" if original is None or fused is None else f"{original - fused:.3f}"
+
+
 def advise(data: dict) -> str:
     """Per model: the sites found by pattern, bytes saved, and the fused model's times against
     the original's, with the forward's saving predicted from its bytes."""
@@ -116,11 +122,11 @@ def advise(data: dict) -> str:
         body.append([f"`{t['model']}`", found or "none", f"{t['bytes_saved'] / 1e6:.1f}",
                      f"{t['original_forward_ms']:.3f}", f"{t['fused_forward_ms']:.3f}",
                      ratio(t["original_forward_ms"], t["fused_forward_ms"]), predicted,
-                     f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}",
+                     f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}", gpu_saved(t),
                      ratio(t["original_train_ms"], t["fused_train_ms"])])
     head = ["model", "sites", "saved MB a forward", "forward ms", "fused forward ms", "x", "predicted ms saved",
-            "measured ms saved", "train step x"]
-    text = table(head, body, "llrrrrrrr")
+            "measured ms saved", "GPU busy ms saved", "train step x"]
+    text = table(head, body, "llrrrrrrrr")
     for name, why in (data.get("skipped") or {}).items():
         # (the reason's first sentence: torch.fx's messages go on with general advice)
         text += f"\n\n`{name}` was not traced: {why.split('. ')[0].rstrip('.')}."

@@ -190,6 +190,12 @@ def test_the_advise_command_on_the_report_models(tmp_path):
     (timing,) = data["timings"]
     assert timing["fused_forward_ms"] > 0 and timing["original_train_ms"] > 0
     assert "silu * mul" in run.stdout
+    # the forwards' GPU busy times: the kernels' durations on a GPU, none elsewhere
+    busy = (timing["original_forward_gpu_ms"], timing["fused_forward_gpu_ms"])
+    if torch.cuda.is_available():
+        assert all(ms > 0 for ms in busy)
+    else:
+        assert busy == (None, None)
 
 
 def test_keyword_linear_shapes_it_cannot_take_and_in_place_targets():
@@ -239,3 +245,14 @@ def test_a_forward_reading_self_training_is_refused():
             return F.dropout(torch.relu(x + 1), 0.5, training=self.training)
     with pytest.raises(fusedkit.TracingError, match="self.training"):
         fusedkit.fuse(Functional(), rand((4,), torch.float32, DEVICE))
+
+
+def test_the_report_gives_the_gpu_busy_time_saved():
+    from fusedkit.bench.advice import format_advice
+    timing = {"model": "m", "sites": 1, "bytes_saved": 10**6, "original_forward_ms": 1.0, "fused_forward_ms": 0.9,
+              "original_train_ms": 3.0, "fused_train_ms": 2.5, "predicted_ms": 0.25,
+              "original_forward_gpu_ms": 0.75, "fused_forward_gpu_ms": 0.5}
+    row = format_advice([], [timing], {}).splitlines()[-1].split()
+    assert row[6:9] == ["0.250", "0.100", "0.250"]  # predicted, saved, GPU saved
+    older = {k: v for k, v in timing.items() if "gpu" not in k}  # a record written before the busy times
+    assert format_advice([], [older], {}).splitlines()[-1].split()[8] == "-"

@@ -58,7 +58,8 @@ from .cases import timer
 from .progress import bar as progress_bar
 
 __all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
-           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds"]
+           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds",
+           "gpu_busy_ms"]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -376,18 +377,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _gpu_ms(step, device) -> float | None:
-    """The GPU's busy time in one ``step``: its kernels' and copies' durations summed."""
+def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
+    """The GPU's busy time in one ``step``: its kernels' and copies' durations summed, over
+    ``calls`` calls profiled together, divided by ``calls``; None off a GPU."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(calls):
+            step()
         _sync(device)
     return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / calls
 
 
 def _peak_mb(step, device) -> float | None:
@@ -478,7 +481,7 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
             progress.update()
         if variant == "eager2":  # the control run is for the losses only
             continue
-        r.gpu_ms = _gpu_ms(step, device)
+        r.gpu_ms = gpu_busy_ms(step, device)
         r.peak_mb = _peak_mb(step, device)
         live.append((r, module, run, step))
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
