@@ -1,7 +1,7 @@
 """Backward and memory report: ``python -m fusedkit bench --backward``.
 
 For ``z = op(x, y)`` with x, y requiring grad, for each op of ``BACKWARD_OPS`` (add_relu,
-the SwiGLU and GeGLU gates, bias + GELU):
+the SwiGLU gate, the GeGLU gates with exact and tanh GELU, bias + GELU):
 - backward time (``torch.autograd.grad`` of a retained graph, ``do_bench`` median)
   and GB/s over the bytes the fused backward moves (add_relu: read the incoming gradient
   and the saved output, write one gradient, alpha = 1 giving y the same tensor; a gate:
@@ -44,6 +44,7 @@ def _eager(x, y):
 BACKWARD_OPS = {
     "add_relu": (fusedkit.add_relu, _eager, 3),
     "silu_mul": (fusedkit.silu_mul, lambda a, b: F.silu(a) * b, 5),
+    "gelu_mul": (fusedkit.gelu_mul, lambda a, b: F.gelu(a) * b, 5),
     "gelu_tanh_mul": (lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
                       lambda a, b: F.gelu(a, approximate="tanh") * b, 5),
     "add_gelu": (fusedkit.add_gelu, lambda x, y: F.gelu(x + y), 4),
