@@ -1,7 +1,8 @@
 """Where fusedkit would fuse a model, and the model with it fused: :func:`advise` and :func:`fuse`.
 
-The model is traced with ``torch.fx`` (activation modules, and fusedkit's own, kept whole);
-each chain fusedkit has one kernel for is a :class:`FusionSite`:
+The model is traced with ``torch.fx`` (activation modules, fusedkit's own and any
+submodule fx cannot trace through kept whole); each chain fusedkit has one kernel for is a
+:class:`FusionSite`:
 
 - ``add -> relu`` (``out += identity; relu(out)``, ``F.relu(a + b)``): ``fusedkit.add_relu``;
 - ``linear -> act`` (``nn.Linear``, ``F.linear`` or ``torch.addmm``, then ReLU, GELU, tanh
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -58,21 +60,48 @@ class FusionSite:
 
 
 class _Tracer(fx.Tracer):
-    """``torch.fx``'s tracer, keeping activation modules (ours and transformers') whole."""
+    """``torch.fx``'s tracer, keeping activation modules (ours and transformers') whole, and
+    the submodules named in ``whole``; ``failed`` is the innermost submodule a failed trace
+    was inside."""
+
+    def __init__(self, whole: frozenset = frozenset()):
+        super().__init__()
+        self.whole = whole
+        self.failed: str | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return (type(m).__name__ in FOREIGN_ACTIVATIONS or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
-                or super().is_leaf_module(m, qualname))
+        return (qualname in self.whole or type(m).__name__ in FOREIGN_ACTIVATIONS
+                or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU)) or super().is_leaf_module(m, qualname))
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed is None:  # (the innermost module sees the error first)
+                self.failed = self.path_of_module(m)
+            raise
 
 
-def _trace(model: torch.nn.Module) -> fx.GraphModule:
-    tracer = _Tracer()
-    try:
-        graph = tracer.trace(model)
-    except Exception as exc:  # data-dependent control flow, unsupported Python: fx's own errors
-        raise TracingError(f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced graph; "
-                           "pass a submodule that traces, e.g. the MLP)") from exc
+def _trace(model: torch.nn.Module, warn: bool = True) -> fx.GraphModule:
+    """The traced model. A submodule fx cannot trace through (transformers' attention
+    iterates over a shape) is kept whole, a ``call_module`` node, and traced around: its own
+    ops are not searched, and a warning (``warn``) names it to the caller of advise or fuse."""
+    whole: set[str] = set()
+    while True:
+        tracer = _Tracer(frozenset(whole))
+        try:
+            graph = tracer.trace(model)
+            break
+        except Exception as exc:  # data-dependent control flow, unsupported Python: fx's own errors
+            if tracer.failed and tracer.failed not in whole:
+                whole.add(tracer.failed)
+                continue
+            raise TracingError(f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
+                               "graph; pass a submodule that traces, e.g. the MLP)") from exc
+    if whole and warn:
+        warnings.warn(f"torch.fx cannot trace through {', '.join(sorted(whole))} of {type(model).__name__}: kept "
+                      "whole, so fusedkit does not look for sites inside", stacklevel=4)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
@@ -360,7 +389,7 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
     raises ``TracingError``."""
     gm, sites = _traced(model, example_inputs)
     with _mode(model, not model.training):
-        if _trace(model).code != gm.code:
+        if _trace(model, warn=False).code != gm.code:
             raise TracingError(f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
                                "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
                                "the parts that do not")

@@ -175,6 +175,31 @@ def test_an_untraceable_model_raises_a_tracing_error():
         fusedkit.advise(DataDependent(), rand((3,), torch.float32, DEVICE))
 
 
+def test_a_submodule_fx_cannot_trace_is_kept_whole():
+    class Attention(nn.Module):  # iterates over a shape, as transformers' GPT-2 attention does
+        def forward(self, x):
+            return torch.relu(x.view(*x.shape[:-1], 2, -1) + 1).flatten(-2)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.up = Attention(), nn.Linear(8, 16)
+
+        def forward(self, x):
+            return F.gelu(self.up(self.attn(x) + x))
+
+    block, x = Block().to(DEVICE), rand((3, 8), torch.float32, DEVICE)
+    with pytest.warns(UserWarning, match="cannot trace through attn of Block") as caught:
+        sites = fusedkit.advise(block, x)
+    assert caught[0].filename == __file__  # (the warning points at the caller)
+    # the linear -> gelu around it is found; the add -> relu inside is not looked for
+    assert [(s.pattern, s.module) for s in sites] == [("linear -> gelu", "")]
+    with pytest.warns(UserWarning, match="cannot trace through attn") as caught:
+        fused = fusedkit.fuse(block, x)
+    assert len(caught) == 1
+    torch.testing.assert_close(fused(x), block(x))
+
+
 def test_the_advise_command_on_the_report_models(tmp_path):
     import json
     import subprocess
