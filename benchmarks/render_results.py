@@ -206,14 +206,14 @@ def models(data: dict) -> str:
             if variant == "eager2":
                 continue
             body.append([f"`{model}`", variant, ms(r["train_ms"]), ratio(base["train_ms"], r["train_ms"]),
-                         ms(r["gpu_ms"]), f"{r['bs1_ms'] * 1e3:.0f}", ratio(base["bs1_ms"], r["bs1_ms"]),
+                         ms(r["gpu_ms"]), ms(r.get("host_ms")), f"{r['bs1_ms'] * 1e3:.0f}", ratio(base["bs1_ms"], r["bs1_ms"]),
                          f"{r['serve_ms'] * 1e3:.0f}", ratio(base["serve_ms"], r["serve_ms"]),
                          "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
                          f"{r['max_loss_rel_diff']:.1e}", f"{rows['eager2']['max_loss_rel_diff']:.1e}"
                          if "eager2" in rows else "-"])
-    head = ["model", "variant", "train step ms", "x eager", "GPU busy ms", "batch-1 us", "x eager", "serving us",
-            "x eager", "peak MiB", "loss diff", "control"]
-    text = table(head, body, "llrrrrrrrrrr")
+    head = ["model", "variant", "train step ms", "x eager", "GPU busy ms", "host ms", "batch-1 us", "x eager",
+            "serving us", "x eager", "peak MiB", "loss diff", "control"]
+    text = table(head, body, "llrrrrrrrrrrr")
     for name, reason in (data.get("skipped") or {}).items():
         text += f"\n\n`{name}` did not run: {reason}."
     return text + "\n\n" + footnote(data["environment"], "models")

@@ -21,8 +21,9 @@ For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eag
 
 - ``train_ms``: one training step (forward, loss, backward, SGD with momentum, grads set
   to None), ``do_bench`` median; ``gpu_ms``: the GPU's busy time a step (its kernels'
-  durations summed, from ``torch.profiler``, over ``GPU_BUSY_STEPS`` steps): a step much longer than its GPU time is
-  bound by the host's Python and launches, not by the kernels;
+  durations summed, from ``torch.profiler``, over ``GPU_BUSY_STEPS`` steps); ``host_ms``:
+  the host's time to issue a step with the GPU idle. A step much longer than its GPU time
+  and near its host time is bound by the host's Python and launches, not by the kernels;
 - ``bs1_ms`` / ``serve_ms``: inference (``torch.inference_mode``) at batch 1 and at a
   serving batch (images for ResNet-50; for the GPT-2 cases one token of each sequence, the
   MLP's shapes in a decode step, though the block attends without a KV cache);
@@ -45,6 +46,7 @@ import copy
 import functools
 import importlib
 import statistics
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -59,7 +61,7 @@ from .progress import bar as progress_bar
 
 __all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
            "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds",
-           "gpu_busy_ms"]
+           "gpu_busy_ms", "host_ms"]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -74,6 +76,8 @@ VARIANTS = ("eager", "eager2", "fusedkit", "compiled")
 #: Training steps profiled together for the GPU busy time (one step's read 9.52 and 9.79 ms
 #: for the same stock LLaMA-7B MLP in two processes on the H200).
 GPU_BUSY_STEPS = 3
+#: Steps issued from an idle GPU for the host's time (the median is reported).
+HOST_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -346,6 +350,7 @@ class Result:
     variant: str
     train_ms: float | None = None
     gpu_ms: float | None = None
+    host_ms: float | None = None
     bs1_ms: float | None = None
     serve_ms: float | None = None
     peak_mb: float | None = None
@@ -394,6 +399,22 @@ def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
         _sync(device)
     return sum(e.time_range.elapsed_us() for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / calls
+
+
+def host_ms(step, device, repeats: int = HOST_STEPS) -> float | None:
+    """The host's time to issue one ``step`` with the GPU idle (synchronised before; the
+    step's launches return before its kernels finish), median over ``repeats``; None off a
+    GPU, where a step runs as it is issued. A step's time near this is bound by the host."""
+    if device.type != "cuda":
+        return None
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    _sync(device)
+    return statistics.median(times)
 
 
 def _peak_mb(step, device) -> float | None:
@@ -485,6 +506,7 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
         if variant == "eager2":  # the control run is for the losses only
             continue
         r.gpu_ms = gpu_busy_ms(step, device, GPU_BUSY_STEPS)
+        r.host_ms = host_ms(step, device)
         r.peak_mb = _peak_mb(step, device)
         live.append((r, module, run, step))
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
@@ -545,12 +567,13 @@ def _ratio(base, value):
 
 def format_models_table(results: list[Result], skipped: dict) -> str:
     """One row per model and variant; x = stock eager's time / this variant's (above 1: faster)."""
-    head = (f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'bs1 ms':>8} "
-            f"{'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}")
+    head = (f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'host ms':>8} "
+            f"{'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}")
     lines = ["Real models: training step, inference, peak memory, loss over "
              f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
-             f"the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; loss diff = largest relative "
-             "difference from stock eager's loss; eager2 = stock again, the nondeterminism control)",
+             f"the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the host's time to issue "
+             "a step, the GPU idle; loss diff = largest relative difference from stock eager's loss; eager2 = "
+             "stock again, the nondeterminism control)",
              head, "-" * len(head)]
 
     def num(v, spec):
@@ -564,7 +587,7 @@ def format_models_table(results: list[Result], skipped: dict) -> str:
         for r in rows.values():
             lines.append(f"{model:<14} {r.variant:<9} {num(r.train_ms, '.3f'):>9} "
                          f"{_ratio(base.train_ms, r.train_ms):>7} {num(r.gpu_ms, '.3f'):>8} "
-                         f"{num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
+                         f"{num(r.host_ms, '.3f'):>8} {num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
                          f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
                          f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}")
     for name, reason in skipped.items():
