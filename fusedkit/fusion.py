@@ -61,48 +61,61 @@ class FusionSite:
 
 class _Tracer(fx.Tracer):
     """``torch.fx``'s tracer, keeping activation modules (ours and transformers') whole, and
-    the submodules named in ``whole``; ``failed`` is the innermost submodule a failed trace
-    was inside."""
+    the submodules of the classes in ``whole``. An error raised inside a submodule's forward
+    carries that submodule (``FAILED_IN``), the innermost one it passed through."""
 
     def __init__(self, whole: frozenset = frozenset()):
         super().__init__()
         self.whole = whole
-        self.failed: str | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return (qualname in self.whole or type(m).__name__ in FOREIGN_ACTIVATIONS
+        return (type(m) in self.whole or type(m).__name__ in FOREIGN_ACTIVATIONS
                 or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU)) or super().is_leaf_module(m, qualname))
 
     def call_module(self, m, forward, args, kwargs):
         try:
             return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed is None:  # (the innermost module sees the error first)
-                self.failed = self.path_of_module(m)
+        except Exception as exc:
+            if not hasattr(exc, FAILED_IN):  # (the innermost module sees the error first)
+                setattr(exc, FAILED_IN, m)
             raise
 
 
-def _trace(model: torch.nn.Module, warn: bool = True) -> fx.GraphModule:
-    """The traced model. A submodule fx cannot trace through (transformers' attention
-    iterates over a shape) is kept whole, a ``call_module`` node, and traced around: its own
-    ops are not searched, and a warning (``warn``) names it to the caller of advise or fuse."""
-    whole: set[str] = set()
+#: The attribute of a tracing error naming the submodule it was raised in.
+FAILED_IN = "_fusedkit_failed_in"
+
+
+def _trace(model: torch.nn.Module, whole: frozenset = frozenset()) -> tuple[fx.GraphModule, frozenset]:
+    """The traced model, and the classes of the submodules kept whole. A submodule fx cannot
+    trace through (transformers' GPT-2 attention iterates over a shape) is kept whole, a
+    ``call_module`` node, with every module of its class (one retrace per class, not per
+    layer), and traced around: their ops are not searched (:func:`_warn_kept_whole` says so).
+    ``whole``: classes to keep whole from the start."""
+    whole = set(whole)
     while True:
         tracer = _Tracer(frozenset(whole))
         try:
             graph = tracer.trace(model)
             break
         except Exception as exc:  # data-dependent control flow, unsupported Python: fx's own errors
-            if tracer.failed and tracer.failed not in whole:
-                whole.add(tracer.failed)
+            failed = getattr(exc, FAILED_IN, None)
+            if failed is not None and failed is not model and type(failed) not in whole:
+                whole.add(type(failed))
                 continue
             raise TracingError(f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
                                "graph; pass a submodule that traces, e.g. the MLP)") from exc
-    if whole and warn:
-        warnings.warn(f"torch.fx cannot trace through {', '.join(sorted(whole))} of {type(model).__name__}: kept "
-                      "whole, so fusedkit does not look for sites inside", stacklevel=4)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__), frozenset(whole)
+
+
+def _warn_kept_whole(model: torch.nn.Module, whole: frozenset) -> None:
+    """Tell the caller of advise or fuse (two frames up) which submodules were kept whole."""
+    if not whole:
+        return
+    counts = sorted(((cls.__name__, sum(type(m) is cls for m in model.modules())) for cls in whole))
+    names = ", ".join(f"{name} ({n} module{'s' if n > 1 else ''})" for name, n in counts)
+    warnings.warn(f"torch.fx cannot trace through {names} of {type(model).__name__}: kept whole, so fusedkit does "
+                  "not look for sites inside", stacklevel=3)
 
 
 def _activation(node: fx.Node, modules: dict) -> str | None:
@@ -316,21 +329,24 @@ def _copies(inputs) -> tuple:
     return tuple(torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs))
 
 
-def _traced(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list[FusionSite]]:
-    """The traced model and its sites; shapes are learnt by one run in eval mode without
-    gradients, on copies of the inputs (batch statistics, the random stream and the inputs
-    stay as they were)."""
-    gm = _trace(model)
+def _traced(model: torch.nn.Module, example_inputs, whole: frozenset = frozenset()
+            ) -> tuple[fx.GraphModule, list[FusionSite], frozenset]:
+    """The traced model, its sites and the classes kept whole (``whole`` from the start);
+    shapes are learnt by one run in eval mode without gradients, on copies of the inputs
+    (batch statistics, the random stream and the inputs stay as they were)."""
+    gm, whole = _trace(model, whole)
     with _mode(model, False), torch.no_grad():
         _Propagate(gm).propagate(*_copies(example_inputs))
-    return gm, _find(gm)
+    return gm, _find(gm), whole
 
 
 def advise(model: torch.nn.Module, *example_inputs) -> list[FusionSite]:
     """The chains of ``model`` that fusedkit runs as one kernel (see the module's docstring),
     in the order they run, with the bytes each saves at the example inputs' shapes. Runs the
     model once on ``example_inputs`` (under ``torch.no_grad``) to learn them."""
-    return _traced(model, example_inputs)[1]
+    _, sites, whole = _traced(model, example_inputs)
+    _warn_kept_whole(model, whole)
+    return sites
 
 
 def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
@@ -387,12 +403,20 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
     (both in eval mode, without gradients; ``FUSE_TOLERANCE``, autocast's dtype where it is
     on): a difference raises ``FusedkitError``. A forward that reads ``self.training`` itself
     raises ``TracingError``."""
-    gm, sites = _traced(model, example_inputs)
+    gm, sites, whole = _traced(model, example_inputs)
     with _mode(model, not model.training):
-        if _trace(model, warn=False).code != gm.code:
-            raise TracingError(f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
-                               "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
-                               "the parts that do not")
+        other, both = _trace(model, whole)
+    if both != whole:
+        # (a submodule that traces in one mode only: the tracer's limit, not a forward
+        # reading self.training; kept whole in both)
+        gm, sites, whole = _traced(model, example_inputs, both)
+        with _mode(model, not model.training):
+            other, _ = _trace(model, whole)
+    _warn_kept_whole(model, whole)
+    if other.code != gm.code:
+        raise TracingError(f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
+                           "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
+                           "the parts that do not")
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()

@@ -3,6 +3,8 @@ with its bytes; the fused model gives the same outputs and gradients."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,28 +177,52 @@ def test_an_untraceable_model_raises_a_tracing_error():
         fusedkit.advise(DataDependent(), rand((3,), torch.float32, DEVICE))
 
 
-def test_a_submodule_fx_cannot_trace_is_kept_whole():
-    class Attention(nn.Module):  # iterates over a shape, as transformers' GPT-2 attention does
-        def forward(self, x):
-            return torch.relu(x.view(*x.shape[:-1], 2, -1) + 1).flatten(-2)
+class _ShapeIterating(nn.Module):  # iterates over a shape, as transformers' GPT-2 attention does
+    def forward(self, x):
+        return torch.relu(x.view(*x.shape[:-1], 2, -1) + 1).flatten(-2)
 
+
+class _TrainingOnlyUntraceable(nn.Module):  # the same, in training mode only
+    def forward(self, x):
+        return _ShapeIterating.forward(self, x) if self.training else torch.relu(x + 1)
+
+
+def _kept_whole_warnings(caught) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "cannot trace through" in str(w.message)]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("attn", [_ShapeIterating, _TrainingOnlyUntraceable])
+def test_a_submodule_fx_cannot_trace_is_kept_whole(attn, training):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn, self.up = Attention(), nn.Linear(8, 16)
+            self.attn, self.attn2, self.up = attn(), attn(), nn.Linear(8, 16)
 
         def forward(self, x):
-            return F.gelu(self.up(self.attn(x) + x))
+            return F.gelu(self.up(self.attn2(self.attn(x)) + x))
 
-    block, x = Block().to(DEVICE), rand((3, 8), torch.float32, DEVICE)
-    with pytest.warns(UserWarning, match="cannot trace through attn of Block") as caught:
+    block, x = Block().to(DEVICE).train(training), rand((3, 8), torch.float32, DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         sites = fusedkit.advise(block, x)
-    assert caught[0].filename == __file__  # (the warning points at the caller)
-    # the linear -> gelu around it is found; the add -> relu inside is not looked for
-    assert [(s.pattern, s.module) for s in sites] == [("linear -> gelu", "")]
-    with pytest.warns(UserWarning, match="cannot trace through attn") as caught:
+    if attn is _ShapeIterating or training:  # (in eval mode the other one traces: nothing kept whole)
+        (w,) = _kept_whole_warnings(caught)
+        assert f"cannot trace through {attn.__name__} (2 modules) of Block" in str(w.message)
+        assert w.filename == __file__  # (the warning points at the caller)
+    # the linear -> gelu around them is found; the add -> relu inside is looked for only
+    # where the submodules trace
+    inside = [] if attn is _ShapeIterating or training else [("add -> relu", "attn"), ("add -> relu", "attn2")]
+    assert [(s.pattern, s.module) for s in sites] == [*inside, ("linear -> gelu", "")]
+    # fuse traces the model in both modes: a submodule that traces in one mode only is kept
+    # whole in both (not mistaken for a forward reading self.training)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fused = fusedkit.fuse(block, x)
-    assert len(caught) == 1
+    (w,) = _kept_whole_warnings(caught)
+    assert f"{attn.__name__} (2 modules)" in str(w.message) and w.filename == __file__
+    assert [s.pattern for s in fused.fusion_sites] == ["linear -> gelu"]
+    block.eval()
     torch.testing.assert_close(fused(x), block(x))
 
 
