@@ -28,7 +28,11 @@ from fusedkit.runtime import configs
 from fusedkit.runtime.elementwise import INTERPRETED
 
 
-def _configure(layout: str, dtype: torch.dtype, size: int, warps: int) -> None:
+#: The layouts whose tile the sweep sets (a transposed operand takes ``TRANSPOSED_TILE``).
+LAYOUTS = ("contiguous", "bias")
+
+
+def _configure(layout: str, size: int, warps: int) -> None:
     if layout == "contiguous":
         configs.BLOCK_1D = configs.BLOCK_1D_NARROW = size
     else:
@@ -41,15 +45,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default="add_relu,silu_mul,gelu_mul,gelu_tanh_mul,add_gelu")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--layouts", default="contiguous,bias")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     p.add_argument("--sizes", default="18,20,22,24,26,28", help="log2 of the elements")
     p.add_argument("--blocks", default="1024,2048,4096,8192")
     p.add_argument("--tiles", default="2048,4096,8192")
     p.add_argument("--warps", default="4,8")
     args = p.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= set(LAYOUTS):
+        p.error(f"--layouts: choose from {', '.join(LAYOUTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not INTERPRETED:  # (Triton picks the interpreter on import: start again)
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, TRITON_INTERPRET="1"))
+        args_now = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, __file__, *args_now], dict(os.environ, TRITON_INTERPRET="1"))
     sizes = [int(s) for s in args.sizes.split(",")]
     if device.type != "cuda":
         sizes = [min(sizes)]
@@ -60,13 +68,13 @@ def main(argv=None) -> None:
     print(f"{'kernel':<14}{'dtype':<10}{'layout':<11}{'n':>6}  tile/warps: us (* fastest)   current/fastest")
     try:
         for name, dtype_name, layout, log2 in itertools.product(
-                args.kernels.split(","), args.dtypes.split(","), args.layouts.split(","), sizes):
+                args.kernels.split(","), args.dtypes.split(","), layouts, sizes):
             kernel, dtype = registry.get(name), DTYPE_NAMES[dtype_name]
             operands = make_operands(kernel, layout, 1 << log2, dtype, device)
             tiles = [int(b) for b in (args.blocks if layout == "contiguous" else args.tiles).split(",")]
             times = {}
             for size, w in itertools.product(tiles, warps):
-                _configure(layout, dtype, size, w)
+                _configure(layout, size, w)
                 times[size, w] = time_us(lambda: elementwise(kernel, *operands))
             best = min(times, key=times.get)
             if layout == "contiguous":

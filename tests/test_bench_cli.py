@@ -125,6 +125,26 @@ def test_tile_sweep_runs_and_restores_the_tuning_table():
     assert sum(cell.endswith("*") for cell in rows[0]) == 1  # one fastest
 
 
+def test_tile_sweep_leaves_the_tuning_table_and_no_plan_behind(capsys):
+    import importlib.util
+
+    from fusedkit.runtime import configs, layout
+    from fusedkit.runtime.elementwise import INTERPRETED
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("off a GPU the sweep restarts itself in the interpreter")
+    spec = importlib.util.spec_from_file_location("tile_sweep", ROOT / "benchmarks" / "tile_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    table = (configs.BLOCK_1D, configs.BLOCK_1D_NARROW, configs.TILE_ELEMS_2D, configs.ELEMENTWISE_WARPS)
+    sweep.main(["--kernels", "add_relu", "--dtypes", "bf16", "--sizes", "12", "--blocks", "2048", "--tiles", "8192",
+                "--warps", "2"])
+    assert "add_relu" in capsys.readouterr().out
+    assert (configs.BLOCK_1D, configs.BLOCK_1D_NARROW, configs.TILE_ELEMS_2D, configs.ELEMENTWISE_WARPS) == table
+    assert layout.plan_elementwise.cache_info().currsize == 0  # (no plan made with a swept tile survives)
+    with pytest.raises(SystemExit):  # a transposed operand's tile is not the sweep's
+        sweep.main(["--layouts", "transposed"])
+
+
 def test_unknown_command():
     proc = subprocess.run([sys.executable, "-m", "fusedkit", "frobnicate"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr

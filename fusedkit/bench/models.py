@@ -402,9 +402,10 @@ def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
 
 
 def host_ms(step, device, repeats: int = HOST_STEPS) -> float | None:
-    """The host's time to issue one ``step`` with the GPU idle (synchronised before; the
-    step's launches return before its kernels finish), median over ``repeats``; None off a
-    GPU, where a step runs as it is issued. A step's time near this is bound by the host."""
+    """The host's time to issue one ``step`` with the GPU idle (synchronised before), median
+    over ``repeats``; None off a GPU, where a step runs as it is issued. An upper bound on the
+    host's own time: a wait on the GPU inside the step (a ``.item()``, a pageable copy, a full
+    launch queue) counts too. A step's time near this is bound by the host."""
     if device.type != "cuda":
         return None
     times = []

@@ -1,0 +1,50 @@
+"""The committed results of record render, and the docs hold what they render to."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "benchmarks" / "results" / "h200"
+
+
+@pytest.fixture(scope="module")
+def render():
+    spec = importlib.util.spec_from_file_location("render_results", ROOT / "benchmarks" / "render_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _region(text: str, name: str) -> str:
+    start, end = f"<!-- results:{name} -->\n", f"\n<!-- /results:{name} -->"
+    return text[text.index(start) + len(start):text.index(end)]
+
+
+def test_every_record_renders_into_the_docs_as_committed(render):
+    # (a record changed without running the renderer, or a renderer changed without
+    # re-rendering, leaves the docs saying something the records do not)
+    reports = {name: render.load(RECORDS, name) for name in render.RENDERERS}
+    assert reports["models"] is not None and reports["elementwise"] is not None
+    bodies = {name: render.RENDERERS[name](data) for name, data in reports.items() if data is not None}
+    bodies["headline"] = render.headline(reports)
+    for target in render.TARGETS:
+        text = target.read_text()
+        for name, body in bodies.items():
+            if f"<!-- results:{name} -->" in text:
+                assert _region(text, name) == body, f"{target.name}: the {name} table is not the record's"
+
+
+def test_columns_newer_than_a_record_render_as_dashes(render):
+    models = render.load(RECORDS, "models")
+    row = next(r for r in models["models"] if r["variant"] == "eager")
+    row.pop("host_ms", None)  # (a record written before the host column)
+    table = render.models(models)
+    assert "| host ms |" in table and table.splitlines()[2].split("|")[6].strip() == "-"
+    advise = render.load(RECORDS, "advise")
+    for t in advise["timings"]:
+        t.pop("original_forward_gpu_ms", None)
+    assert "| - |" in render.advise(advise)
