@@ -23,13 +23,29 @@ import torch
 
 import fusedkit
 from fusedkit import elementwise, registry
-from fusedkit.bench.cases import DTYPE_NAMES, make_operands, timer
+from fusedkit.bench.cases import BIAS_COLS, DTYPE_NAMES, make_operands, timer
 from fusedkit.runtime import configs
 from fusedkit.runtime.elementwise import INTERPRETED
 
 
 #: The layouts whose tile the sweep sets (a transposed operand takes ``TRANSPOSED_TILE``).
 LAYOUTS = ("contiguous", "bias")
+
+
+#: The tuning table's entries the sweep patches.
+TABLE = ("BLOCK_1D", "BLOCK_1D_NARROW", "TILE_ELEMS_2D", "ELEMENTWISE_WARPS")
+
+
+def _current_tile(layout: str, n: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(elements, warps) of the tile the table in force gives ``layout`` at ``n`` elements."""
+    rows, cols = (1, n) if layout == "contiguous" else (n // min(BIAS_COLS, n), min(BIAS_COLS, n))
+    tile = configs.elementwise_tile(rows, cols, False, dtype.itemsize)
+    return tile.block_r * tile.block_c, tile.num_warps
+
+
+def _restore(table: dict) -> None:
+    for entry, value in table.items():
+        setattr(configs, entry, value)
 
 
 def _configure(layout: str, size: int, warps: int) -> None:
@@ -62,32 +78,28 @@ def main(argv=None) -> None:
     if device.type != "cuda":
         sizes = [min(sizes)]
     warps = [int(w) for w in args.warps.split(",")]
-    current = {"contiguous": (configs.BLOCK_1D, configs.BLOCK_1D_NARROW), "bias": configs.TILE_ELEMS_2D,
-               "warps": configs.ELEMENTWISE_WARPS}
+    table = {name: getattr(configs, name) for name in TABLE}
     time_us = timer(device)
     print(f"{'kernel':<14}{'dtype':<10}{'layout':<11}{'n':>6}  tile/warps: us (* fastest)   current/fastest")
     try:
         for name, dtype_name, layout, log2 in itertools.product(
                 args.kernels.split(","), args.dtypes.split(","), layouts, sizes):
             kernel, dtype = registry.get(name), DTYPE_NAMES[dtype_name]
+            now = _current_tile(layout, 1 << log2, dtype)
             operands = make_operands(kernel, layout, 1 << log2, dtype, device)
             tiles = [int(b) for b in (args.blocks if layout == "contiguous" else args.tiles).split(",")]
             times = {}
             for size, w in itertools.product(tiles, warps):
                 _configure(layout, size, w)
                 times[size, w] = time_us(lambda: elementwise(kernel, *operands))
+            _restore(table)  # (the table in force again, for the next row's tile)
             best = min(times, key=times.get)
-            if layout == "contiguous":
-                now = current["contiguous"][1 if dtype.itemsize <= 2 else 0]
-            else:
-                now = current["bias"]
-            now_us = times.get((now, current["warps"]))
+            now_us = times.get(now)
             cells = " ".join(f"{s}/{w}:{t:.1f}{'*' if (s, w) == best else ''}".ljust(16) for (s, w), t in times.items())
             ratio = f"{now_us / times[best]:.2f}" if now_us is not None else "-"
             print(f"{name:<14}{dtype_name:<10}{layout:<11}{'2^' + str(log2):>6}  {cells}   {ratio}", flush=True)
     finally:
-        configs.BLOCK_1D, configs.BLOCK_1D_NARROW = current["contiguous"]
-        configs.TILE_ELEMS_2D, configs.ELEMENTWISE_WARPS = current["bias"], current["warps"]
+        _restore(table)
         fusedkit.clear_caches()
 
 
