@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -121,3 +122,19 @@ def test_peer_variants_run_where_they_import_and_work(monkeypatch):
     assert {r.variant for r in results} == {"eager", "eager2", "fusedkit", "same"}
     assert "no_such_package_fusedkit" in skipped[f"{name} absent"]
     assert "no kernels for this device" in skipped[f"{name} broken"]
+
+
+def test_gpu_busy_time_leaves_annotated_ranges_out():
+    """An annotated range (``record_function``, a custom op's name, ``Optimizer.step``) spans
+    kernels already counted: a kernel under one counts once."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    if "is_user_annotation" not in inspect.signature(FunctionEvent).parameters:
+        pytest.skip("this torch's profiler events do not mark annotations")
+
+    def event(name, start, end, device_type=DeviceType.CUDA, annotation=False):
+        return FunctionEvent(0, name, 0, start, end, device_type=device_type, is_user_annotation=annotation)
+    events = [event("Optimizer.step#SGD.step", 0, 100, annotation=True), event("sgd_kernel", 10, 60),
+              event("copy", 70, 90), event("Optimizer.step#SGD.step", 0, 120, DeviceType.CPU)]
+    assert models.kernel_time_us(events) == 70

@@ -61,7 +61,7 @@ from .progress import bar as progress_bar
 
 __all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
            "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds",
-           "gpu_busy_ms", "host_ms"]
+           "gpu_busy_ms", "kernel_time_us", "host_ms"]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -387,7 +387,9 @@ def _sync(device):
 
 def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
     """The GPU's busy time in one ``step``: its kernels' and copies' durations summed, over
-    ``calls`` calls profiled together, divided by ``calls``; None off a GPU."""
+    ``calls`` calls profiled together, divided by ``calls``; None off a GPU. Annotated ranges
+    (``record_function``, a custom op's or an optimizer's name; a profile that traces the CPU
+    too gives them as CUDA events) are left out: each spans kernels already counted."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -397,8 +399,14 @@ def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
         for _ in range(calls):
             step()
         _sync(device)
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / calls
+    return kernel_time_us(prof.events()) / 1e3 / calls
+
+
+def kernel_time_us(events) -> float:
+    """The summed durations (us) of the GPU's kernels and copies among profiler ``events``:
+    CUDA events less the annotated ranges over them."""
+    return sum(e.time_range.elapsed_us() for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
 
 
 def host_ms(step, device, repeats: int = HOST_STEPS) -> float | None:
