@@ -49,7 +49,6 @@ def test_rules_are_registered_once_dtensor_is_imported():
     assert fusedkit.add_relu(torch.ones(2), -2.0).tolist() == [0.0, 0.0]  # plain tensors as before
 
 
-
 def test_rules_register_with_dtensors_import_before_or_after_fusedkit():
     # A fresh process: fusedkit first does not import torch.distributed.tensor, and its later
     # import registers the rules (a compiled model may meet a DTensor before any eager call).
