@@ -254,6 +254,42 @@ def tf32_split(x):
     return big, x - big
 
 
+#: ``1 / x`` in float32 to 1 ulp, flushing denormals: one MUFU instruction where ``1 / x``
+#: compiles to seven (its range scaling), 0 for |x| >= 2^126 and infinities.
+RCP_APPROX_ASM = tl.constexpr("rcp.approx.ftz.f32 $0, $1;")
+#: ``2^x`` in float32 to 2 ulp, flushing denormal results to 0: one MUFU instruction where
+#: ``tl.exp2`` adds three to keep denormal results.
+EX2_APPROX_ASM = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
+
+
+@triton.jit
+def _float32_asm(ASM: tl.constexpr, x):
+    return tl.inline_asm_elementwise(ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def reciprocal_approx(x):
+    """``1 / x`` for float32 ``x`` where denormals and |x| >= 2^126 may be flushed
+    (``RCP_APPROX_ASM``; the interpreter divides)."""
+    if INTERPRETED:
+        result = 1 / x
+    else:
+        result = _float32_asm(RCP_APPROX_ASM, x)
+    return result
+
+
+@triton.jit
+def exp2_approx(x):
+    """``2^x`` for float32 ``x`` where results below 2^-126 may be flushed to 0
+    (``EX2_APPROX_ASM``; the interpreter calls ``tl.exp2``)."""
+    if INTERPRETED:
+        result = tl.exp2(x)
+    else:
+        result = _float32_asm(EX2_APPROX_ASM, x)
+    return result
+
+
 @triton.jit
 def dot(a, b, acc, INPUT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
     """``acc + a @ b`` at ``INPUT_PRECISION``; "tf32x3" is three TF32 tensor-core products,
