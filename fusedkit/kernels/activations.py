@@ -26,13 +26,15 @@ LOG2_E = tl.constexpr(1.4426950408889634)
 #: 1/sqrt(2 pi), the standard normal density's factor (GELU's derivative).
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 #: GELU's erfc below float64: ``erfc(a) ~= t P(t) exp(-a^2)``, ``t = 1 / (1 + ERFC_P a)``, for
-#: ``a >= 0`` (Abramowitz and Stegun's form 7.1.26, refitted here with a sixth coefficient and
-#: ``P(1) = 1``): |error| <= 4.5e-8 with float32 coefficients, under float32's rounding of the
-#: result. One approximate exp (shared with the derivative's density) and reciprocal, where
-#: libdevice's erff costs about 30 instructions, 14 of them coefficient selects: bfloat16
-#: gelu_mul compiles to 25 instructions an element for sm_90 against 40 with erff, which held
-#: it at 88% of the copy roof at 2^28 elements on the H200.
+#: ``a >= 0`` (Abramowitz and Stegun's form 7.1.26, refitted here by weighted least squares
+#: with a sixth coefficient, ``P(1)`` held at 1): |error| <= 4.5e-8 with float32 coefficients,
+#: under float32's rounding of the result; relative error up to 1.6e-4 where erfc > 1e-6,
+#: 1.7e-3 where it is > 1e-16. One approximate exp (shared with the derivative's density) and
+#: reciprocal, where libdevice's erff costs about 30 instructions, 14 of them coefficient
+#: selects: bfloat16 gelu_mul compiles to about 25 instructions an element for sm_90 against
+#: 40 with erff, which held it at 88% of the copy roof at 2^28 elements on the H200.
 ERFC_P = tl.constexpr(0.39)
+#: ``P(t) = C1 + C2 t + ... + C6 t^5`` (``ERFC_P``).
 ERFC_C1 = tl.constexpr(0.23529619)
 ERFC_C2 = tl.constexpr(0.091568075)
 ERFC_C3 = tl.constexpr(0.6491171)
@@ -63,8 +65,10 @@ def relu(v):
 def erfc_gauss(a):
     """``(erfc(a), exp(-a^2))`` for ``a >= 0`` below float64 (see ``ERFC_P``); NaN gives NaN,
     +inf gives zeros."""
-    gauss = helpers.exp2_approx(-a * (a * LOG2_E))  # (0 for a > 9.4: erfc(a) < 1e-39 there)
-    t = helpers.reciprocal_approx(1 + ERFC_P * a)  # (0 for an infinite a)
+    gauss = helpers.exp2_approx(-a * (a * LOG2_E))  # (flushed to 0 past a = 9.4: erfc(a) < 1e-39)
+    # (a tensor first: in Triton 3.9's interpreter a constexpr times a tensor is a constexpr, which a
+    # jit function refuses as its argument)
+    t = helpers.reciprocal_approx(a * ERFC_P + 1)  # (0 for an infinite a)
     poly = ERFC_C1 + t * (ERFC_C2 + t * (ERFC_C3 + t * (ERFC_C4 + t * (ERFC_C5 + t * ERFC_C6))))
     return t * poly * gauss, gauss
 
@@ -76,7 +80,7 @@ def normal_cdf2(v):
     which keeps relative accuracy where the CDF is small (float32: 1.4e-5 where |gelu| > 1e-3,
     7e-4 where it is > 1e-10), where ``1 + erf`` cancels (to 0 below v = -5.8 in float32).
     Rounded to float16 or bfloat16, GELU and its derivative are within an ulp of exact for
-    every input (``tests/test_gates.py``)."""
+    every input whose result exceeds 2^-100 in magnitude (``tests/test_gates.py``)."""
     z = v * SQRT_1_2
     if v.dtype == tl.float64:
         cdf2 = 1 + tl.math.erf(z)

@@ -254,26 +254,36 @@ def tf32_split(x):
     return big, x - big
 
 
-#: ``1 / x`` in float32 to 1 ulp, flushing denormals: one MUFU instruction where ``1 / x``
-#: compiles to seven (its range scaling), 0 for |x| >= 2^126 and infinities.
+#: ``1 / x`` in float32 to 1 ulp, denormal inputs and results flushed to zero (so 0 for
+#: |x| > 2^126 and infinities): one MUFU instruction where ``1 / x`` compiles to seven, its
+#: range scaling included.
 RCP_APPROX_ASM = tl.constexpr("rcp.approx.ftz.f32 $0, $1;")
-#: ``2^x`` in float32 to 2 ulp, flushing denormal results to 0: one MUFU instruction where
+#: ``2^x`` in float32 to 2 ulp, results below 2^-126 flushed to 0: one MUFU instruction where
 #: ``tl.exp2`` adds three to keep denormal results.
 EX2_APPROX_ASM = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
+#: float32's smallest normal magnitude: what the ``.ftz`` instructions flush below.
+FP32_TINY = tl.constexpr(2.0**-126)
 
 
 @triton.jit
 def _float32_asm(ASM: tl.constexpr, x):
+    """The one-operand float32 instruction ``ASM`` on each element of ``x``."""
     return tl.inline_asm_elementwise(ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
                                      pack=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
+def _flush_denormal(x):
+    """``x`` with denormals flushed to a zero of their sign, as ``.ftz`` instructions flush."""
+    return tl.where(tl.abs(x) < FP32_TINY, x * 0, x)
+
+
+@triton.jit
 def reciprocal_approx(x):
-    """``1 / x`` for float32 ``x`` where denormals and |x| >= 2^126 may be flushed
-    (``RCP_APPROX_ASM``; the interpreter divides)."""
+    """``1 / x`` for float32 ``x`` as ``RCP_APPROX_ASM`` gives it; the interpreter divides
+    and flushes as the instruction does."""
     if INTERPRETED:
-        result = 1 / x
+        result = _flush_denormal(1 / _flush_denormal(x))
     else:
         result = _float32_asm(RCP_APPROX_ASM, x)
     return result
@@ -281,10 +291,10 @@ def reciprocal_approx(x):
 
 @triton.jit
 def exp2_approx(x):
-    """``2^x`` for float32 ``x`` where results below 2^-126 may be flushed to 0
-    (``EX2_APPROX_ASM``; the interpreter calls ``tl.exp2``)."""
+    """``2^x`` for float32 ``x`` as ``EX2_APPROX_ASM`` gives it; the interpreter calls
+    ``tl.exp2`` and flushes as the instruction does."""
     if INTERPRETED:
-        result = tl.exp2(x)
+        result = _flush_denormal(tl.exp2(x))
     else:
         result = _float32_asm(EX2_APPROX_ASM, x)
     return result
