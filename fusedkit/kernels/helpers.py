@@ -216,6 +216,13 @@ TF32_ROUND_ASM = tl.constexpr("cvt.rna.satfinite.tf32.f32 $0, $1;")
 
 
 @triton.jit
+def _float32_asm(ASM: tl.constexpr, x):
+    """The one-operand float32 instruction ``ASM`` on each element of ``x``."""
+    return tl.inline_asm_elementwise(ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tf32_round_bits(x):
     """``cvt.rna.satfinite.tf32.f32`` in integer operations, for finite ``x``: what the
     interpreter runs. Compiled kernels use the instruction, as this costs about 10 operations
@@ -232,8 +239,7 @@ def tf32_round(x):
     """Finite fp32 ``x`` rounded to TF32 as ``TF32_ROUND_ASM`` rounds it: the instruction
     in compiled kernels, ``tf32_round_bits`` in the interpreter."""
     if NATIVE_TF32_ROUND:
-        return tl.inline_asm_elementwise(TF32_ROUND_ASM, "=r,r", [x.to(tl.int32, bitcast=True)],
-                                         dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        return _float32_asm(TF32_ROUND_ASM, x)
     else:
         return tf32_round_bits(x)
 
@@ -263,13 +269,6 @@ RCP_APPROX_ASM = tl.constexpr("rcp.approx.ftz.f32 $0, $1;")
 EX2_APPROX_ASM = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
 #: float32's smallest normal magnitude: what the ``.ftz`` instructions flush below.
 FP32_TINY = tl.constexpr(2.0**-126)
-
-
-@triton.jit
-def _float32_asm(ASM: tl.constexpr, x):
-    """The one-operand float32 instruction ``ASM`` on each element of ``x``."""
-    return tl.inline_asm_elementwise(ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
-                                     pack=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
