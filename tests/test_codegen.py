@@ -44,7 +44,7 @@ def facts(name, ops, out):
     k = compile_elementwise(get(name), ops, out)
     ptx = k.asm["ptx"]
     return {"i64": "xi64>" in k.asm["ttir"], "v4": bool(re.search(r"ld\\.global[.\\w]*\\.v4", ptx)),
-            "convert": "convert_layout" in k.asm["ttgir"]}
+            "convert": "convert_layout" in k.asm["ttgir"], "fma": ptx.count("fma.rn.f32")}
 
 r = {}
 x = torch.empty(1 << 20, device=M)
@@ -58,15 +58,19 @@ t = torch.empty(512, 256, device=M)
 r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), torch.empty(256, 512, device=M))
 b = torch.empty(4096, 1024, device=M)
 r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
+h = torch.empty(4096, device=M, dtype=torch.bfloat16)
+r["gelu"] = facts("gelu_mul", (h, h), h)
 from fusedkit.runtime.codegen import compile_matmul
 tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT=True)
-def mm_facts(m, n, k):
+def mm_facts(m, n, k, activation="relu"):
     a, b = torch.empty(m, k, device=M, dtype=torch.bfloat16), torch.empty(k, n, device=M, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=M, dtype=torch.bfloat16)
-    c = compile_matmul(a, b, torch.empty(n, device=M, dtype=torch.bfloat16), "relu", out, tile, num_warps=8)
-    return {"i64": "xi64>" in c.asm["ttir"], "wgmma": "wgmma.mma_async" in c.asm["ptx"]}
+    c = compile_matmul(a, b, torch.empty(n, device=M, dtype=torch.bfloat16), activation, out, tile, num_warps=8)
+    return {"i64": "xi64>" in c.asm["ttir"], "wgmma": "wgmma.mma_async" in c.asm["ptx"],
+            "fma": c.asm["ptx"].count("fma.rn.f32")}
 r["mm_small"] = mm_facts(256, 384, 512)
 r["mm_big"] = mm_facts(3, 16, 2**30)
+r["mm_gelu"] = mm_facts(256, 384, 512, "gelu")
 r["dtypes"] = []
 for spec in fusedkit.registry.kernels():
     for dtype in spec.dtypes:
@@ -100,9 +104,14 @@ print(json.dumps(r))
 """
 
 
+# Compiled with Triton 3.10's default of no floating-point contraction, which fusedkit's
+# launches override (configs.COMPILER_OPTIONS).
+NO_DEFAULT_FMA = {"TRITON_DEFAULT_FP_FUSION": "0"}
+
+
 @pytest.fixture(scope="module")
 def codegen():
-    return run_fresh(CODEGEN)
+    return run_fresh(CODEGEN, **NO_DEFAULT_FMA)
 
 
 def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
@@ -110,7 +119,7 @@ def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
     # made gelu_mul 2560 against the tanh form's 1608 (88% of the copy roof against 101% on the
     # H200); the erfc form takes 1608 on Triton 3.9, 1672 on 3.6.
     try:
-        sass = run_fresh(SASS)
+        sass = run_fresh(SASS, **NO_DEFAULT_FMA)
     except AssertionError as exc:
         if "cuobjdump" in str(exc) or "nvdisasm" in str(exc):
             pytest.skip(f"no SASS disassembler with this Triton: {str(exc)[-200:]}")
@@ -118,6 +127,13 @@ def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
     assert sass["gelu_mul"] <= 1.15 * sass["gelu_tanh_mul"]
     assert sass["add_gelu"] <= 1.15 * sass["add_gelu_tanh"]
     assert sass["gelu_mul_grad"] <= sass["gelu_tanh_mul_grad"]
+
+
+def test_activations_compile_to_fused_multiply_adds_whatever_tritons_default(codegen):
+    # The erfc polynomial is a chain of fmas; without contraction bf16 gelu_mul took 1992
+    # SASS instructions against 1608 (sm_90, 2^28, Triton 3.9).
+    assert codegen["gelu"]["fma"] > 0
+    assert codegen["mm_gelu"]["fma"] > 0
 
 
 def test_small_tensors_keep_32_bit_offsets(codegen):
@@ -142,7 +158,7 @@ def test_transposed_operand_goes_through_a_layout_change(codegen):
 
 
 def test_matmul_uses_wgmma_and_64_bit_offsets_only_when_needed(codegen):
-    assert codegen["mm_small"] == {"i64": False, "wgmma": True}
+    assert not codegen["mm_small"]["i64"] and codegen["mm_small"]["wgmma"]
     assert codegen["mm_big"]["i64"]
 
 

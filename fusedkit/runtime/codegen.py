@@ -17,6 +17,7 @@ from ..kernels.elementwise import elementwise_kernel
 from ..kernels.matmul import matmul_kernel
 from ..kernels.matmul_tma import matmul_tma_kernel
 from ..registry import ElementwiseKernel
+from .configs import COMPILER_OPTIONS
 from .elementwise import launch_config
 from .matmul import launch_config as matmul_config
 
@@ -57,7 +58,7 @@ def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_st
             signature[name] = "constexpr"
             constexprs[name] = 1
             attrs.pop((names.index(name),), None)
-    options = {"num_warps": num_warps}
+    options = {"num_warps": num_warps, **COMPILER_OPTIONS}
     if num_stages is not None:
         options["num_stages"] = num_stages
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
@@ -94,7 +95,8 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
                       UPCAST_OPERANDS=False, NUM_SMS=132, **tile)
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(matmul_tma_kernel, signature, constexprs=constexprs, attrs={})
-    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                                  **COMPILER_OPTIONS})
 
 
 def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.Tensor, param=1,
@@ -108,5 +110,7 @@ def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.T
     """
     _, args, meta = launch_config(kernel, operands, param if kernel.param else None, out, out2=out2)
     num_warps = meta.pop("num_warps")
+    for name in COMPILER_OPTIONS:  # given to _compile as options, not constants
+        meta.pop(name)
     return _compile(elementwise_kernel, args, meta, num_warps, target)
 

@@ -33,6 +33,7 @@ from ..errors import (
 from ..kernels.elementwise import POINTER_ARGS, elementwise_kernel
 from ..registry import ElementwiseKernel, result_dtype
 from . import launch, native
+from .configs import COMPILER_OPTIONS
 from .layout import (
     TooManyDims, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, output_strides,
     plan_elementwise, span_bytes,
@@ -374,7 +375,7 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
                 SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
                 RESULT_DTYPE=_TL_DTYPE[dtype], COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype], COMPUTE_IS_FLOAT=is_float,
                 BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
-                num_warps=plan.tile.num_warps)
+                num_warps=plan.tile.num_warps, **COMPILER_OPTIONS)
     return (plan.grid,), args, meta
 
 

@@ -31,7 +31,7 @@ from ..kernels.matmul_tma import matmul_tma_kernel
 from ..registry import ElementwiseKernel
 from . import launch, matmul_tma
 from .configs import (
-    MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, MATMUL_TMA_FIXED_OPTIONS,
+    COMPILER_OPTIONS, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, MATMUL_TMA_FIXED_OPTIONS,
     SPLIT_K_MIN_TILE, matmul_configs, matmul_kernel_choice, matmul_m_bucket, matmul_split_k_max,
     matmul_tma_fixed_tile, prune_matmul_configs, tf32_copies_b,
 )
@@ -275,7 +275,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
                 _launch_tma(a, b, bias, out, pre, meta, tuned=False)
                 return out
             tile = MATMUL_INTERPRETER_TILE
-            matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0)
+            matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0, **COMPILER_OPTIONS)
         return out
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
@@ -303,13 +303,14 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         return out
     if plan.tuned:
         recorder = launch.GridRecorder(grid)
-        compiled = matmul_tuned[recorder](*args, **meta)
+        compiled = matmul_tuned[recorder](*args, **meta, **COMPILER_OPTIONS)
         tile = {name: recorder.meta[name] for name in MATMUL_FIXED_TILE}
         _log.debug("matmul M=%d N=%d K=%d %s: the autotuner chose %s", M, N, K, a.dtype, tile)
     else:
         tile = MATMUL_FIXED_TILE
         compiled = matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
-                                              num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS)
+                                              num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS,
+                                              **COMPILER_OPTIONS)
     constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
     LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
     return out

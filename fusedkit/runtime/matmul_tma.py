@@ -17,7 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.matmul_tma import matmul_tma_kernel
 from . import launch
-from .configs import MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs, prune_tma_configs
+from .configs import COMPILER_OPTIONS, MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs, prune_tma_configs
 
 __all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "transposed_product",
            "TMA_DTYPES"]
@@ -161,12 +161,12 @@ def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcas
     if tuned and not interpreted:
         descs = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))
         recorder = launch.GridRecorder(lambda m: (grid_for(M, N, m, sms),))
-        compiled = matmul_tma_tuned[recorder](*descs, *tail, **meta, **majors)
+        compiled = matmul_tma_tuned[recorder](*descs, *tail, **meta, **majors, **COMPILER_OPTIONS)
         tile = {name: recorder.meta[name] for name in fixed_tile}
         return compiled, tile, grid_for(M, N, tile, sms)
     tile = MATMUL_TMA_INTERPRETER_TILE if interpreted else fixed_tile
     descs = descriptors(a, b, out, pre, tile)
     grid = grid_for(M, N, tile, sms)
     options = {} if interpreted else fixed_options
-    compiled = matmul_tma_kernel[(grid,)](*descs, *tail, **meta, **majors, **tile, **options)
+    compiled = matmul_tma_kernel[(grid,)](*descs, *tail, **meta, **majors, **tile, **options, **COMPILER_OPTIONS)
     return compiled, tile, grid
