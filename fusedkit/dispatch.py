@@ -37,7 +37,6 @@ _functorch = autograd.functorch_active
 _profiling = torch._C._autograd._profiler_enabled
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _forward_ad = torch.autograd.forward_ad
-_KEPT = ew.KEPT
 _call_key = ew.call_key
 _NEEDS_GRAD = ew.NEEDS_GRAD
 
@@ -106,12 +105,10 @@ def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch
         key = None
         if kernel.backward is not None:  # (without one, validation below raises)
             return autograd.call_autograd(kernel, operands, param)
-    elif key is not None:
-        kept = _KEPT.get(key)
-        if kept is not None:
-            result = kept.run(operands, param)
-            if result is not None:
-                return result
+    else:
+        result = ew.run_kept(key, operands, param)
+        if result is not None:
+            return result
     return _elementwise(kernel, operands, param, None, key)
 
 
@@ -141,8 +138,7 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
     if call.needs_grad:
         return autograd.call_autograd(kernel, operands, param)
     result = ew.run_validated(call)
-    if key is not None:
-        ew.remember(key, call, result)
+    ew.remember(key, call, result)
     return result
 
 
@@ -164,10 +160,15 @@ def _distributed(kernel: ElementwiseKernel, operands: tuple, param, out) -> torc
 AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
-def autocast(device_type: str, *tensors):
-    """The tensors as autocast's lower-precision policy (``F.linear``'s) casts them: floating
-    tensors other than float64 to the autocast dtype; anything else as it is."""
-    dtype = torch.get_autocast_dtype(device_type)
+def autocast(*tensors) -> tuple:
+    """The tensors as autocast's lower-precision policy (``F.linear``'s) casts them when
+    autocast is on for the first one's device: floating tensors other than float64 to the
+    autocast dtype; anything else, and everything when autocast is off there, as it is."""
+    first = tensors[0]
+    if not (isinstance(first, torch.Tensor) and first.device.type in AUTOCAST_DEVICES
+            and torch.is_autocast_enabled(first.device.type)):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
                  else t for t in tensors)
 
@@ -183,8 +184,7 @@ def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
 def _matmul(a, b, bias, activation):
     if not _is_compiling():
         _no_forward_ad("matmul", (a, b, bias))
-    if isinstance(a, torch.Tensor) and a.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
-        a, b, bias = autocast(a.device.type, a, b, bias)
+    a, b, bias = autocast(a, b, bias)
     key = None
     if not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing():
         key = mm.call_key(a, b, bias, activation)

@@ -176,8 +176,7 @@ def _reduced_then_activated(a, b, bias, activation: str) -> torch.Tensor:
     """A row-parallel ``act(a @ b + bias)``: an activation does not distribute over the
     shards' partial sums, so the product's partial sums are reduced (replicated there, where
     a row-parallel layer's result goes) and then bias and activation run."""
-    if a.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(a.device.type):
-        a, b, bias = dispatch.autocast(a.device.type, a, b, bias)
+    a, b, bias = dispatch.autocast(a, b, bias)
     mm.validate(a, b, bias, activation, "matmul")
     # Only the partial sums are reduced: a dim sharded over another mesh dim stays sharded.
     product = sharding.reduce_partial(dispatch.matmul(a, b, None, None))
@@ -210,8 +209,7 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise DTypeError(f"linear_relu(): bias must be a Tensor or None, got {type(bias).__name__}")
     if weight.dim() not in (1, 2):
         raise ShapeError(f"linear_relu(): weight must be 2-D (out, in) or 1-D (in,), got shape {tuple(weight.shape)}")
-    if x.device.type in dispatch.AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
-        x, weight, bias = dispatch.autocast(x.device.type, x, weight, bias)
+    x, weight, bias = dispatch.autocast(x, weight, bias)
     if weight.dim() == 2 and (bias is None or (bias.dim() <= 1 and bias.numel() in (1, weight.shape[0]))):
         if bias is not None and bias.shape != weight.shape[:1]:
             bias = bias.expand(weight.shape[0])

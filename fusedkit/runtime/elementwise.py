@@ -40,8 +40,8 @@ from .layout import (
 )
 
 __all__ = ["BACKENDS", "Call", "KEPT", "KeptLaunch", "NEEDS_GRAD", "allocate_out", "backend_for", "call_key",
-           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_pair",
-           "run_validated", "validate"]
+           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_kept",
+           "run_pair", "run_validated", "validate"]
 
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
@@ -651,9 +651,11 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
     return KeptLaunch(kernel, result, operands, tuple(slots), static_args, constexprs, meta, grid)
 
 
-def remember(key: tuple, call: Call, result: torch.Tensor) -> None:
-    """Keep the launch of a validated eager call whose signature ``key`` can repeat."""
-    if call.out is not None or backend_for(call.device) == "torch" or not launch.enabled():
+def remember(key, call: Call, result: torch.Tensor) -> None:
+    """Keep the launch of a validated eager call whose signature ``key`` can repeat (a key of
+    None or :data:`NEEDS_GRAD` keeps nothing)."""
+    if (key is None or key is NEEDS_GRAD or call.out is not None or backend_for(call.device) == "torch"
+            or not launch.enabled()):
         return
     kept = _make_kept(call.kernel, call.operands, call.param, result)
     if kept is not None:
@@ -670,19 +672,27 @@ def kept_launch(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
     return _make_kept(kernel, operands, param, out)
 
 
+def run_kept(key, operands: tuple, param, pair: bool = False):
+    """The result (``pair``: both results of a two-output kernel) of the launch kept for the
+    call signature ``key``, or None: a key of None or :data:`NEEDS_GRAD`, nothing kept yet, a
+    kept launch of the other kind, or one these operands do not fit."""
+    if key is None or key is NEEDS_GRAD:
+        return None
+    kept = KEPT.get(key)
+    return None if kept is None or kept.pair != pair else kept.run(operands, param)
+
+
 def run(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
     """An eager call without ``out=`` that autograd does not record (the caller rules out
     tracing, ``torch.func`` and gradients): its kept launch when the signature was seen,
     else validated, launched and kept."""
     key = call_key(kernel, operands, param)
-    kept = None if key is NEEDS_GRAD else KEPT.get(key)
     # (a two-output kernel's kept launch answers run_pair only: here the full path refuses it)
-    result = None if kept is None or kept.pair else kept.run(operands, param)
+    result = run_kept(key, operands, param)
     if result is None:
         call = validate(kernel, operands, param, None)
         result = run_validated(call)
-        if key is not None and key is not NEEDS_GRAD:
-            remember(key, call, result)
+        remember(key, call, result)
     return result
 
 
@@ -694,8 +704,7 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
     at 2^24 elements on the H200 host where its kernel took 41. For eager calls outside autograd
     (a backward's), as :func:`run` for one output."""
     key = call_key(kernel, operands, param)
-    kept = None if key is NEEDS_GRAD else KEPT.get(key)
-    result = None if kept is None or not kept.pair else kept.run(operands, param)
+    result = run_kept(key, operands, param, pair=True)
     if result is not None:
         return result
     call = validate(kernel, operands, param, None, outputs=2)
@@ -706,6 +715,5 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
                 dst.copy_(result.to(call.dtype))
     else:
         launch_elementwise(kernel, _launch_operands(call), param, out, call.dtype, out2)
-        if key is not None and key is not NEEDS_GRAD:
-            remember(key, call, out)
+        remember(key, call, out)
     return out, out2
