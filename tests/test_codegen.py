@@ -44,7 +44,8 @@ def facts(name, ops, out):
     k = compile_elementwise(get(name), ops, out)
     ptx = k.asm["ptx"]
     return {"i64": "xi64>" in k.asm["ttir"], "v4": bool(re.search(r"ld\\.global[.\\w]*\\.v4", ptx)),
-            "convert": "convert_layout" in k.asm["ttgir"], "fma": ptx.count("fma.rn.f32")}
+            "convert": "convert_layout" in k.asm["ttgir"], "fma": ptx.count("fma.rn.f32"),
+            "divisions": len(re.findall(r"\\b(?:div|rem)\\.[su](?:32|64)", ptx))}
 
 r = {}
 x = torch.empty(1 << 20, device=M)
@@ -59,6 +60,8 @@ r["transposed"] = facts("add_relu", (t.t(), torch.empty(256, 512, device=M)), to
 b = torch.empty(4096, 1024, device=M)
 r["bias"] = facts("add_relu", (b, torch.empty(1024, device=M)), b)
 h = torch.empty(4096, device=M, dtype=torch.bfloat16)
+s = torch.empty(12, 10, 12, device=M)[::2, ::2, ::3]  # three dims that do not merge: batched
+r["batched"] = facts("add_relu", (s, s), torch.empty(s.shape, device=M))
 r["gelu"] = facts("gelu_mul", (h, h), h)
 from fusedkit.runtime.codegen import compile_matmul
 tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT=True)
@@ -115,9 +118,9 @@ def codegen():
 
 
 def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
-    # SASS instructions of a bf16 launch at 2^28 for sm_90 (Triton's cuobjdump): libdevice's erff
-    # made gelu_mul 2560 against the tanh form's 1608 (88% of the copy roof against 101% on the
-    # H200); the erfc form takes 1608 on Triton 3.9, 1672 on 3.6.
+    # SASS instructions of a bf16 launch at 2^28 for sm_90 (Triton 3.9's cuobjdump): the erfc
+    # form's gelu_mul takes 1552 against the tanh form's 1544; libdevice's erff took about 950
+    # more (88% of the copy roof on the H200 where the tanh form reached 101%).
     try:
         sass = run_fresh(SASS, **NO_DEFAULT_FMA)
     except AssertionError as exc:
@@ -134,6 +137,15 @@ def test_activations_compile_to_fused_multiply_adds_whatever_tritons_default(cod
     # SASS instructions against 1608 (sm_90, 2^28, Triton 3.9).
     assert codegen["gelu"]["fma"] > 0
     assert codegen["mm_gelu"]["fma"] > 0
+
+
+def test_program_coordinates_take_no_division_without_batch_dims(codegen):
+    # Each division by a runtime value is about 30 instructions a thread: the batch index's
+    # and the tile row's cost 110 of the 150 a thread ran before its first load (bf16 silu_mul
+    # with a broadcast bias, 16 elements a thread).
+    for case in ("small", "big", "transposed", "bias", "far_rows"):
+        assert codegen[case]["divisions"] == 0, case
+    assert codegen["batched"]["divisions"] > 0
 
 
 def test_small_tensors_keep_32_bit_offsets(codegen):

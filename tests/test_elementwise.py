@@ -250,6 +250,20 @@ def test_block_boundaries(n):
                                                     rand((c, r), torch.float32, DEVICE)))
 
 
+@pytest.mark.parametrize("case", ["bias", "batched"])
+def test_every_tile_of_a_grid_of_several_tile_columns(case):
+    # Program ids map to (tile row, tile column) by a multiply with the host's division
+    # constant (layout.division_magic): 4 tile columns of 1024 (the last partial) over 19 tile
+    # rows, and the same behind a batch dim that does not merge.
+    cols = 3 * 1024 + 5
+    if case == "bias":
+        x, y = rand((37, cols), torch.float32, DEVICE), rand((cols,), torch.float32, DEVICE)
+    else:
+        x = rand((6, 10, 3 * cols), torch.float32, DEVICE)[::2, ::2, ::3]  # no two dims merge
+        y = rand((3, 5, cols), torch.float32, DEVICE)
+    run_and_check(fusedkit.registry.get("add_relu"), (x, y))
+
+
 @pytest.mark.parametrize("n", [4095, 4096, 4097, 2 * 4096 + 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_narrow_block_boundaries(n, dtype):

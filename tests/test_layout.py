@@ -6,9 +6,12 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fusedkit.runtime.layout import (
-    INT32_MAX, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, plan_elementwise,
+    INT32_MAX, broadcast_shape, broadcast_strides, division_magic, is_dense_permutation, may_self_overlap,
+    plan_elementwise,
 )
 
 
@@ -73,3 +76,37 @@ def test_too_many_uncollapsible_dims_is_a_clear_error():
 def test_dense_and_overlap_predicates(shape, strides, dense, overlap):
     assert is_dense_permutation(shape, strides) == dense
     assert may_self_overlap(shape, strides) == overlap
+
+
+_PIDS = st.integers(0, 2**31 - 1)
+
+
+@given(d=st.integers(1, 2**31 - 1), n=_PIDS)
+def test_division_magic_divides_every_program_id(d, n):
+    magic, shift = division_magic(d)
+    assert 2**31 <= magic <= 2**32  # always an int64 launch argument; n * magic < 2**63
+    for k in (n, n // d * d, n // d * d - 1, 2**31 - 1, d, d - 1):
+        if 0 <= k < 2**31:
+            assert (k * magic) >> shift == k // d, (d, k)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 1000, 2**16 + 1, 2**30, 2**30 + 1, 2**31 - 1])
+def test_division_magic_at_the_largest_program_ids(d):
+    magic, shift = division_magic(d)
+    top = 2**31 - 1
+    near = [k for q in (top // d, top // d - 1) for k in (q * d - 1, q * d, q * d + 1)]
+    for k in [*range(top - 64, top + 1), *near]:
+        if 0 <= k <= top:
+            assert (k * magic) >> shift == k // d, (d, k)
+
+
+def test_division_magic_refuses_a_zero_divisor():
+    with pytest.raises(ValueError, match="positive"):
+        division_magic(0)
+
+
+def test_only_batched_plans_split_the_program_id_by_batch():
+    assert not plan_for(torch.empty(64, 32), torch.empty(32)).batched
+    x = torch.empty(12, 10, 12)[::2, ::2, ::3]  # three dims that do not merge: a batch of 6
+    plan = plan_for(x, x, out=torch.empty(x.shape))
+    assert plan.batched and plan.batch_sizes == (1, 1, 1, 6)

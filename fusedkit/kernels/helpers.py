@@ -24,11 +24,26 @@ def is_interpreted(kernel) -> bool:
 
 
 @triton.jit
-def tile_coords(pid, tiles_c, tiles_per_batch):
-    """Split a flat program id into (batch index, tile row, tile column)."""
-    batch = pid // tiles_per_batch
-    tile = pid % tiles_per_batch
-    return batch, tile // tiles_c, tile % tiles_c
+def divide_by_invariant(n, magic, shift):
+    """``n // d`` for ``0 <= n < 2**31`` and the divisor ``d >= 1`` that the host encoded as
+    ``magic = ceil(2**shift / d)``, ``shift = 31 + ceil(log2(d))`` (``layout.division_magic``):
+    one 64-bit multiply and a shift where a division by a runtime value takes about 30
+    instructions (Granlund and Montgomery's division by invariant integers)."""
+    return ((n.to(tl.int64) * magic) >> shift).to(tl.int32)
+
+
+@triton.jit
+def tile_coords(pid, tiles_c, tiles_c_magic, tiles_c_shift, tiles_per_batch, BATCHED: tl.constexpr):
+    """Split a flat program id into (batch index, tile row, tile column); the batch index is
+    0 unless ``BATCHED``."""
+    if BATCHED:
+        batch = pid // tiles_per_batch
+        tile = pid % tiles_per_batch
+    else:
+        batch = pid * 0
+        tile = pid
+    tile_r = divide_by_invariant(tile, tiles_c_magic, tiles_c_shift)
+    return batch, tile_r, tile - tile_r * tiles_c
 
 
 @triton.jit

@@ -46,15 +46,18 @@ def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_st
     signature = {name: _arg_type(value) for name, value in zip(names, args)}
     signature.update({name: "constexpr" for name in meta})
     # What the JIT would specialise at launch: 16-byte aligned pointers (meta tensors
-    # report address 0) and integers divisible by 16.
+    # report address 0) and integers divisible by 16, except the kernel's do_not_specialize
+    # arguments.
+    fixed = {p.name for p in kernel.params if p.do_not_specialize}
     backend = make_backend(target)
     attrs = {(i,): backend.parse_attr("D") for i, (name, value) in enumerate(zip(names, args))
-             if (isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
-             or (isinstance(value, int) and not isinstance(value, bool) and value % ALIGNMENT == 0)}
-    # Integers equal to 1 are compile-time constants at launch too.
+             if name not in fixed and ((isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
+                                       or (isinstance(value, int) and not isinstance(value, bool)
+                                           and value % ALIGNMENT == 0))}
+    # Integers equal to 1 are compile-time constants at launch too (unless not specialised).
     constexprs = dict(meta)
     for name, value in zip(names, args):
-        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+        if name not in fixed and isinstance(value, int) and not isinstance(value, bool) and value == 1:
             signature[name] = "constexpr"
             constexprs[name] = 1
             attrs.pop((names.index(name),), None)

@@ -369,12 +369,13 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
             out2 is not None and (out2.shape != out.shape or out2.stride() != out.stride() or out2.dtype != out.dtype)):
         raise ArgumentError(f"{kernel.name}: a two-output kernel takes out2 laid out as out; others none")
     args = (out, *ptrs, out if out2 is None else out2, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r,
-            plan.size_c, plan.tiles_c, plan.tiles_per_batch, *plan.strides[0], *flat_strides)
+            plan.size_c, plan.tiles_c, plan.tiles_c_magic, plan.tiles_c_shift, plan.tiles_per_batch, *plan.strides[0],
+            *flat_strides)
     meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
                 NUM_OUTPUTS=kernel.outputs,
                 SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
                 RESULT_DTYPE=_TL_DTYPE[dtype], COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype], COMPUTE_IS_FLOAT=is_float,
-                BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64,
+                BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64, BATCHED=plan.batched,
                 num_warps=plan.tile.num_warps, **COMPILER_OPTIONS)
     return (plan.grid,), args, meta
 

@@ -47,7 +47,12 @@ class Plan:
     tile: TileConfig
     int64: bool
     tiles_c: int = field(init=False)
+    #: ``tiles_c`` encoded for the kernel's division by it (:func:`division_magic`).
+    tiles_c_magic: int = field(init=False)
+    tiles_c_shift: int = field(init=False)
     tiles_per_batch: int = field(init=False)
+    #: More than one batch (some batch size above 1): the kernel then splits its program id.
+    batched: bool = field(init=False)
     grid: int = field(init=False)
     #: Bit ``k`` set when operand ``k``'s row (column) stride is 1.
     unit_r_mask: int = field(init=False)
@@ -56,8 +61,10 @@ class Plan:
     def __post_init__(self) -> None:
         tiles_c = _cdiv(self.size_c, self.tile.block_c)
         tiles_per_batch = _cdiv(self.size_r, self.tile.block_r) * tiles_c
+        magic, shift = division_magic(tiles_c)
         derived = dict(
-            tiles_c=tiles_c, tiles_per_batch=tiles_per_batch,
+            tiles_c=tiles_c, tiles_c_magic=magic, tiles_c_shift=shift, tiles_per_batch=tiles_per_batch,
+            batched=math.prod(self.batch_sizes) > 1,
             grid=math.prod(self.batch_sizes) * tiles_per_batch,
             unit_r_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-2] == 1),
             unit_c_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-1] == 1))
@@ -67,6 +74,18 @@ class Plan:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def division_magic(d: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``(n * magic) >> shift == n // d`` for every ``0 <= n < 2**31``:
+    ``shift = 31 + ceil(log2(d))``, ``magic = ceil(2**shift / d)``. The rounding error
+    ``e = magic * d - 2**shift`` is below ``d <= 2**(shift - 31)``, so ``n * e < 2**shift``
+    and the quotient never rounds past ``n // d``. ``magic`` lies in ``[2**31, 2**32]``: one
+    integer type (int64) for every divisor, and ``n * magic`` fits in 63 bits."""
+    if d < 1:
+        raise ValueError(f"division_magic(): the divisor must be positive, got {d}")
+    shift = 31 + (d - 1).bit_length()
+    return _cdiv(1 << shift, d), shift
 
 
 class TooManyDims(ShapeError):
