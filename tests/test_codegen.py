@@ -45,7 +45,9 @@ def facts(name, ops, out):
     ptx = k.asm["ptx"]
     return {"i64": "xi64>" in k.asm["ttir"], "v4": bool(re.search(r"ld\\.global[.\\w]*\\.v4", ptx)),
             "convert": "convert_layout" in k.asm["ttgir"], "fma": ptx.count("fma.rn.f32"),
-            "divisions": len(re.findall(r"\\b(?:div|rem)\\.[su](?:32|64)", ptx))}
+            "divisions": len(re.findall(r"\\b(?:div|rem)\\.[su](?:32|64)", ptx)),
+            "fp_divisions": len(re.findall(r"\\bdiv\\.\\w+\\.f32", ptx)),
+            "mufu": len(re.findall(r"\\b(?:rcp|ex2)\\.approx\\.ftz\\.f32", ptx))}
 
 r = {}
 x = torch.empty(1 << 20, device=M)
@@ -63,6 +65,7 @@ h = torch.empty(4096, device=M, dtype=torch.bfloat16)
 s = torch.empty(12, 10, 12, device=M)[::2, ::2, ::3]  # three dims that do not merge: batched
 r["batched"] = facts("add_relu", (s, s), torch.empty(s.shape, device=M))
 r["gelu"] = facts("gelu_mul", (h, h), h)
+r["sigmoids"] = {name: facts(name, (h, h), h) for name in ("silu_mul", "gelu_tanh_mul", "add_gelu_tanh")}
 from fusedkit.runtime.codegen import compile_matmul
 tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT=True)
 def mm_facts(m, n, k, activation="relu"):
@@ -117,18 +120,18 @@ def codegen():
     return run_fresh(CODEGEN, **NO_DEFAULT_FMA)
 
 
-def test_erf_gelu_costs_about_the_instructions_of_tanh_gelu():
+def test_erf_gelu_compiles_without_libdevices_erf():
     # SASS instructions of a bf16 launch at 2^28 for sm_90 (Triton 3.9's cuobjdump): the erfc
-    # form's gelu_mul takes 1552 against the tanh form's 1544; libdevice's erff took about 950
-    # more (88% of the copy roof on the H200 where the tanh form reached 101%).
+    # form's gelu_mul takes 1552 against the tanh form's 1096 (1.42x); with libdevice's erff it
+    # took 2504 (2.28x: 88% of the copy roof on the H200 where the tanh form reached 101%).
     try:
         sass = run_fresh(SASS, **NO_DEFAULT_FMA)
     except AssertionError as exc:
         if "cuobjdump" in str(exc) or "nvdisasm" in str(exc):
             pytest.skip(f"no SASS disassembler with this Triton: {str(exc)[-200:]}")
         raise
-    assert sass["gelu_mul"] <= 1.15 * sass["gelu_tanh_mul"]
-    assert sass["add_gelu"] <= 1.15 * sass["add_gelu_tanh"]
+    assert sass["gelu_mul"] <= 1.6 * sass["gelu_tanh_mul"]
+    assert sass["add_gelu"] <= 1.6 * sass["add_gelu_tanh"]
     assert sass["gelu_mul_grad"] <= sass["gelu_tanh_mul_grad"]
 
 
@@ -146,6 +149,13 @@ def test_program_coordinates_take_no_division_without_batch_dims(codegen):
     for case in ("small", "big", "transposed", "bias", "far_rows"):
         assert codegen[case]["divisions"] == 0, case
     assert codegen["batched"]["divisions"] > 0
+
+
+def test_sigmoids_and_erfc_take_approximate_instructions_not_divisions(codegen):
+    # ``1 / (1 + exp(-v))`` compiled to ten SASS instructions an element with its range
+    # scaling, against two: bf16 silu_mul took 19.6 an element, now 12.6 (sm_90).
+    for name, facts in [("gelu_mul", codegen["gelu"]), *codegen["sigmoids"].items()]:
+        assert facts["fp_divisions"] == 0 and facts["mufu"] > 0, name
 
 
 def test_small_tensors_keep_32_bit_offsets(codegen):
