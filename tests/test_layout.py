@@ -110,3 +110,9 @@ def test_only_batched_plans_split_the_program_id_by_batch():
     x = torch.empty(12, 10, 12)[::2, ::2, ::3]  # three dims that do not merge: a batch of 6
     plan = plan_for(x, x, out=torch.empty(x.shape))
     assert plan.batched and plan.batch_sizes == (1, 1, 1, 6)
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 3)])
+def test_empty_shapes_plan_an_empty_grid(shape):
+    x = torch.empty(shape)
+    assert plan_for(x, x).grid == 0

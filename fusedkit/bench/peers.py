@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from fusedkit.registry import ElementwiseKernel
+from fusedkit.runtime.configs import COMPILER_OPTIONS
 
 __all__ = ["tutorial", "supports_tutorial", "TUTORIAL_BLOCK"]
 
@@ -45,6 +46,7 @@ def tutorial(spec: ElementwiseKernel, x: torch.Tensor, y: torch.Tensor, alpha=1.
     y = y.expand(shape).contiguous()
     out = torch.empty_like(x)
     n = out.numel()
+    # (fusedkit's compiler options: the same math compiles to the same instructions in both)
     _tutorial_kernel[(triton.cdiv(n, TUTORIAL_BLOCK),)](x, y, out, n, float(alpha), FN=spec.math,
-                                                       BLOCK=TUTORIAL_BLOCK)
+                                                       BLOCK=TUTORIAL_BLOCK, **COMPILER_OPTIONS)
     return out

@@ -97,8 +97,9 @@ def sigmoid_exp(v):
     (``helpers.exp2_approx``, ``helpers.reciprocal_approx``): two MUFU instructions where
     ``1 / (1 + exp(-v))`` compiles to ten, with range scaling to keep denormal results. So the
     sigmoid is 0, not a denormal, below v = -87.3 (``exp(-v)`` past 2^126), and ``exp(-v)`` is
-    0 above v = 87.3: each below 1.2e-38, and SiLU's ``v * s`` changes by less than 1.1e-36
-    there (torch's ``v / (1 + exp(-v))`` stays normal down to v = -91)."""
+    0 above v = 87.3, each in place of a value below 1.2e-38. SiLU, ``v * s``, is then a zero of
+    v's sign from v = -87.3 where torch's float32 ``v / (1 + exp(-v))`` is -0.0 only from
+    v = -88.7: a gate's ``silu(a) * b`` differs there by less than 1.1e-36 |b|."""
     if v.dtype == tl.float64:
         e = tl.exp(-v)
         s = 1 / (1 + e)
@@ -142,7 +143,7 @@ def sigmoid_pair(v):
     """``(sigmoid(v), 1 - sigmoid(v))`` with the second as ``exp(-v) sigmoid(v)``: no ``1 - s``
     to cancel where s is near 1 (at v = 11, ``1 - s`` rounded in float32 carries a relative error
     of 3e-3, which the derivatives below scaled into 16 ulp of their result, 1.9e-6 on the H200).
-    Where ``exp(-v)`` overflows, s is 0 and the second is 1."""
+    Where ``exp(-v)`` exceeds 2^126, s is 0 and the second is 1."""
     s, e = sigmoid_exp(v)
     return s, tl.where(s == 0, 1.0, e * s)
 

@@ -61,7 +61,7 @@ class Plan:
     def __post_init__(self) -> None:
         tiles_c = _cdiv(self.size_c, self.tile.block_c)
         tiles_per_batch = _cdiv(self.size_r, self.tile.block_r) * tiles_c
-        magic, shift = division_magic(tiles_c)
+        magic, shift = division_magic(max(tiles_c, 1))  # (an empty plan launches nothing)
         derived = dict(
             tiles_c=tiles_c, tiles_c_magic=magic, tiles_c_shift=shift, tiles_per_batch=tiles_per_batch,
             batched=math.prod(self.batch_sizes) > 1,
