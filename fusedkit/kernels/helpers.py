@@ -27,7 +27,7 @@ def is_interpreted(kernel) -> bool:
 def divide_by_invariant(n, magic, shift):
     """``n // d`` for ``0 <= n < 2**31`` and the divisor ``d >= 1`` that the host encoded as
     ``magic = ceil(2**shift / d)``, ``shift = 31 + ceil(log2(d))`` (``layout.division_magic``):
-    one 64-bit multiply and a shift where a division by a runtime value takes about 30
+    one 64-bit multiply and a shift where a division by a runtime value takes about 25
     instructions (Granlund and Montgomery's division by invariant integers)."""
     return ((n.to(tl.int64) * magic) >> shift).to(tl.int32)
 

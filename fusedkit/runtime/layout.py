@@ -80,7 +80,7 @@ def division_magic(d: int) -> tuple[int, int]:
     """``(magic, shift)`` with ``(n * magic) >> shift == n // d`` for every ``0 <= n < 2**31``:
     ``shift = 31 + ceil(log2(d))``, ``magic = ceil(2**shift / d)``. The rounding error
     ``e = magic * d - 2**shift`` is below ``d <= 2**(shift - 31)``, so ``n * e < 2**shift``
-    and the quotient never rounds past ``n // d``. ``magic`` lies in ``[2**31, 2**32]``: one
+    and the quotient never rounds past ``n // d``. ``magic`` lies in ``[2**31, 2**32)``: one
     integer type (int64) for every divisor, and ``n * magic`` fits in 63 bits."""
     if d < 1:
         raise ValueError(f"division_magic(): the divisor must be positive, got {d}")
