@@ -31,9 +31,9 @@ from ..kernels.matmul_tma import matmul_tma_kernel
 from ..registry import ElementwiseKernel
 from . import launch, matmul_tma
 from .configs import (
-    COMPILER_OPTIONS, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE, MATMUL_TMA_FIXED_OPTIONS,
-    SPLIT_K_MIN_TILE, matmul_configs, matmul_kernel_choice, matmul_m_bucket, matmul_split_k_max,
-    matmul_tma_fixed_tile, prune_matmul_configs, tf32_copies_b,
+    COMPILER_OPTIONS, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
+    MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, matmul_configs, matmul_kernel_choice, matmul_m_bucket,
+    matmul_split_k_max, matmul_tma_fixed_tile, prune_matmul_configs, tf32_copies_b,
 )
 from .elementwise import backend_for, kept_launch, launch_elementwise
 
