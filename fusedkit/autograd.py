@@ -126,7 +126,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
     are all tensors (:mod:`fusedkit.runtime.native`), or None when the kernel has no gradient
     or is not the registered one (the Python path raises then). ``backward(grad, saved)``
     gives each operand's gradient, as :func:`_input_grads` does for the Functions; ``plan``:
-    the kernel's ``backward_kernels`` as ``(kernel, param)`` per operand (None: no gradient),
+    the kernel's ``backward_kernels`` as ``(kernel, param, result)`` per operand (None: none),
     when every operand has the result's ``shape`` and ``dtype`` (nothing to reduce or cast),
     else empty."""
     if kernel.backward is None:
@@ -150,18 +150,35 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
 
 
 def _plan(kernel, param) -> tuple:
-    """``kernel.backward_kernels(param)`` as ``(kernel, param)`` steps, one per operand; empty
-    (the Python backward runs) when it does not give one step per operand, each None or a
-    registered two-operand kernel and a number: a wrong plan must not break the forward."""
+    """``kernel.backward_kernels(param)`` as ``(kernel, param, result)`` steps, one per operand;
+    empty (the Python backward runs) when it gives None, or anything but one step per operand,
+    each None or a kernel on ``(grad, *saved)`` (registered, or a two-output kernel given to
+    :func:`register_pair`) with a number as parameter (None: a kernel without one) and a
+    result it has: a wrong plan must not break the forward."""
+    operands = 2 if kernel.saves == "output" else 1 + kernel.arity
     try:
-        steps = tuple(kernel.backward_kernels(param))
-        plan = tuple(None if step is None else (get(step[0]), step[1]) for step in steps)
+        steps = kernel.backward_kernels(param)
+        if steps is None:
+            return ()
+        plan = tuple(None if step is None else _step(*step) for step in steps)
     except Exception:  # noqa: BLE001 - any failure of a user's plan falls back to its backward
         return ()
-    if len(plan) != kernel.arity or not all(
-            step is None or (step[0].arity == 2 and isinstance(step[1], (int, float))) for step in plan):
+    if len(plan) != kernel.arity or not all(step is None or _step_fits(*step, operands) for step in plan):
         return ()
     return plan
+
+
+def _step(kernel, param, result=0) -> tuple:
+    if isinstance(kernel, str):
+        kernel = get(kernel)
+    elif PAIRS.get(kernel.name) is not kernel and get(kernel.name) is not kernel:
+        raise UnknownKernelError(f"{kernel.name!r}: a plan's kernel must be registered")
+    return kernel, param, result
+
+
+def _step_fits(kernel, param, result, operands: int) -> bool:
+    takes_param = (param is None) if kernel.param is None else isinstance(param, (int, float))
+    return kernel.arity == operands and takes_param and type(result) is int and 0 <= result < kernel.outputs
 
 
 native.set_backward_factory(native_backward)

@@ -230,10 +230,14 @@ def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: st
         a = _float64_if_number(a)
         return (F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)) * b
 
+    def backward_kernels(param):
+        # backward's two gradients as one kept launch of grad_kernel on (grad, a, b)
+        return (grad_kernel, None, 0), (grad_kernel, None, 1)
+
     return register_builtin(ElementwiseKernel(
         name=name, math=math, reference=reference, arg_names=("a", "b"), dtypes=FLOAT_DTYPES, param=None,
         formula=f"{act}(a) * b", unfused=(f"torch.nn.functional.{act.split('_')[0]}", "torch.mul"),
-        saves="inputs", backward=backward))
+        saves="inputs", backward=backward, backward_kernels=backward_kernels))
 
 
 SILU_MUL = _gate_entry("silu_mul", activations.silu_mul_math, SILU_MUL_GRAD, None, "silu")
@@ -268,13 +272,19 @@ def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate
         g = dispatch.elementwise(grad_kernel, (grad, x, y), alpha, None)
         return g, _scaled(g, alpha)  # d/dy = alpha * d/dx (the same tensor where alpha == 1)
 
+    def backward_kernels(alpha):
+        # backward's gradient as one kept launch of grad_kernel on (grad, x, y), given to both
+        # operands where alpha == 1 (else the scaling takes a number operand: Python runs it)
+        return ((grad_kernel, alpha), (grad_kernel, alpha)) if alpha == 1 else None
+
     return register_builtin(ElementwiseKernel(
         name=name, math=math,
         reference=lambda x, y, alpha=1: F.gelu(torch.add(_float64_if_number(x), y, alpha=alpha),
                                                approximate=approximate),
         dtypes=FLOAT_DTYPES,
         formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
-        unfused=("torch.add", "torch.nn.functional.gelu"), saves="inputs", backward=backward))
+        unfused=("torch.add", "torch.nn.functional.gelu"), saves="inputs", backward=backward,
+        backward_kernels=backward_kernels))
 
 
 ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, ADD_GELU_GRAD, "none")

@@ -115,11 +115,16 @@ class ElementwiseKernel:
         outputs: 1, or 2 for a kernel whose math returns a pair (a backward giving two
             gradients from one read of its inputs; run by
             :func:`fusedkit.runtime.elementwise.run_pair`, never registered).
-        backward_kernels: optional ``backward_kernels(param) -> steps``, one per operand:
-            ``(name, param)`` when that operand's gradient is the registered kernel
-            ``name`` on ``(grad, output)`` with that parameter, None when it gets no
-            gradient. The same gradients as ``backward`` (``saves="output"``), stated so
-            that a repeated call's autograd node launches them from C++ without Python.
+        backward_kernels: optional ``backward_kernels(param) -> steps | None``, one step
+            per operand: ``(kernel, param)`` or ``(kernel, param, result)`` when that
+            operand's gradient is ``kernel`` (a registered kernel's name, or a two-output
+            kernel itself) on ``(grad, *saved)`` with that parameter, taking its result
+            ``result`` (0, or 1: a two-output kernel's second); None when the operand gets
+            no gradient. Steps that differ only in ``result`` share one launch. The same
+            gradients as ``backward`` where every operand has the result's shape and
+            dtype, stated so that a repeated call's autograd node launches them from C++
+            without Python; None for a parameter no such plan serves (the Python
+            ``backward`` runs). Needs ``saves`` "output" or "inputs".
     """
 
     name: str
@@ -170,10 +175,10 @@ class ElementwiseKernel:
         if self.outputs == 2 and (self.backward is not None or self.saves != "none"):
             raise ArgumentError(f"{self.name}: a two-output kernel is a backward's, run outside autograd: it takes "
                                 "no backward and saves nothing")
-        if self.backward_kernels is not None and (self.backward is None or self.saves != "output"
+        if self.backward_kernels is not None and (self.backward is None or self.saves not in ("output", "inputs")
                                                   or not callable(self.backward_kernels)):
-            raise ArgumentError(f"{self.name}: backward_kernels states a backward on the saved output: it needs "
-                                "backward and saves='output'")
+            raise ArgumentError(f"{self.name}: backward_kernels states a backward on what the call saves: it needs "
+                                "backward and saves='output' or 'inputs'")
 
     @property
     def arity(self) -> int:

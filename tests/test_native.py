@@ -7,7 +7,8 @@ type, dtype, shape, strides, device, alignment or parameter, and give a call tha
 a gradient the autograd node torch's own ops would get (edges, saved output with its
 version check, saved-tensor hooks, retain_graph, create_graph, errors). On a GPU, calls
 of each layout launch through the table (and from a CUDA graph, and a new thread) and
-must equal torch, gradients included; ``scripts/sanitize.sh`` runs these tests under
+must equal torch, gradients included, and the gates' and add_gelu's planned backwards
+the Python backward's; ``scripts/sanitize.sh`` runs these tests under
 memcheck.
 """
 
@@ -26,7 +27,7 @@ import fusedkit
 from fusedkit.kernels.elementwise import NOT_SPECIALISED, POINTER_ARGS
 from fusedkit.runtime import elementwise as ew
 from fusedkit.runtime import launch as fk_launch, native
-from fusedkit.library import ADD_RELU
+from fusedkit.library import ADD_GELU, ADD_RELU, SILU_MUL, SILU_MUL_GRAD
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c++") is None,
                                 reason="building the extension needs ninja and a C++ compiler")
@@ -210,6 +211,83 @@ def test_the_cpp_node_launches_a_planned_backward_without_python(table, monkeypa
     out = table.call(ADD_RELU, (x, y), 1)
     torch.autograd.grad(out, x, grad.t().contiguous().t())
     assert len(calls) == 3
+
+
+def _keep(table, kernel, operands, param=None):
+    """A stand-in kept launch of ``kernel`` on ``operands`` (a two-output kernel's too) in the
+    table; returns the launch's signature and values, as :func:`_kept` does."""
+    run = ew.run_pair if kernel.outputs == 2 else ew.run
+    run(kernel, operands, param)  # validated, launched and kept
+    recipe = ew.KEPT[ew.call_key(kernel, operands, param)]
+    entry, signature, values = _kept(recipe, operands, param)
+    assert native.register(recipe, entry, table)
+    return signature, values
+
+
+def _counting_backwards(monkeypatch) -> list:
+    """Calls of the Python backward of every launch registered from now on."""
+    calls = []
+    factory = native._backward_factory
+
+    def counting(*args):
+        made = factory(*args)
+        if made is None:
+            return None
+        fn, saves, plan = made
+        return (lambda grad, saved: calls.append(1) or fn(grad, saved)), saves, plan
+    monkeypatch.setattr(native, "_backward_factory", counting)
+    return calls
+
+
+def test_a_gates_backward_is_one_pair_launch_without_python(table, monkeypatch):
+    calls = _counting_backwards(monkeypatch)
+    a, b = (rand((37, 19), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _keep(table, SILU_MUL, (a.detach(), b.detach()))
+    grad = rand((37, 19), torch.float32, DEVICE)
+    out = table.call(SILU_MUL, (a, b), None)
+    assert out.grad_fn.name() == "FusedkitSiluMulBackward"
+    out.backward(grad)  # silu_mul_grad on (grad, a, b) is not kept yet: the Python backward runs
+    assert len(calls) == 1
+    signature, values = _keep(table, SILU_MUL_GRAD, (grad, a.detach(), b.detach()))
+    assert table.call(SILU_MUL_GRAD, (grad, a.detach(), b.detach()), None) is None  # plans launch pairs, calls don't
+    out = table.call(SILU_MUL, (a, b), None)
+    a.grad = b.grad = None
+    out.backward(grad)
+    assert len(calls) == 1  # the planned launch: no Python
+    # One launch on (grad, a, b) into two new results, which are the gradients.
+    da, db = a.grad.data_ptr(), b.grad.data_ptr()
+    assert da != db
+    pointers = (da, grad.data_ptr(), a.data_ptr(), b.data_ptr(), db)
+    assert table.last_params() == _expected_params(signature, values, pointers)
+    # Only the saved inputs' own versions are accepted, as torch's nodes check them.
+    out = table.call(SILU_MUL, (a, b), None)
+    with torch.no_grad():
+        b.mul_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
+    # What the plan cannot take goes to Python: a gradient of the gradient, another layout.
+    out = table.call(SILU_MUL, (a, b), None)
+    torch.autograd.grad(out, a, grad.clone().requires_grad_(), create_graph=True)
+    out = table.call(SILU_MUL, (a, b), None)
+    torch.autograd.grad(out, a, grad.t().contiguous().t())
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("alpha", [1, 2])
+def test_add_gelus_backward_is_planned_where_alpha_is_one(table, monkeypatch, alpha):
+    calls = _counting_backwards(monkeypatch)
+    x, y = (rand((64,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _keep(table, ADD_GELU, (x.detach(), y.detach()), alpha)
+    grad = rand((64,), torch.float32, DEVICE)
+    _keep(table, fusedkit.library.ADD_GELU_GRAD, (grad, x.detach(), y.detach()), alpha)
+    out = table.call(ADD_GELU, (x, y), alpha)
+    out.backward(grad)
+    if alpha == 1:  # one launch on (grad, x, y), its result both gradients
+        assert not calls
+        assert table.last_params()[1:4] == [grad.data_ptr(), x.data_ptr(), y.data_ptr()]
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0, equal_nan=True)
+    else:  # d/dy = alpha * d/dx takes a number operand, which the table does not launch
+        assert len(calls) == 1
 
 
 def test_the_cpp_node_keeps_autograds_rules(table):
@@ -450,6 +528,39 @@ def test_native_gradients_match_torch(fk_settings, case):
     assert torch.equal(out, ref) and torch.equal(gx, rx) and torch.equal(gy, ry)
 
 
+#: The ops whose backward the C++ node launches from a plan that saves the inputs.
+_PLANNED = {
+    "silu_mul": fusedkit.silu_mul,
+    "gelu_mul": fusedkit.gelu_mul,
+    "gelu_tanh_mul": lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
+    "add_gelu": fusedkit.add_gelu,
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
+@pytest.mark.parametrize("op", list(_PLANNED))
+@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed"])
+def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, op, case):
+    fn = _PLANNED[op]
+    fk_settings(native_launch=True)
+    fusedkit.clear_caches()
+    calls = _counting_backwards(monkeypatch)
+    x, y = (t.requires_grad_() for t in _gpu_cases()[case]())
+    grad = None
+    for _ in range(4):  # the forward's launch kept, then the backward's, then both in C++
+        out = fn(x, y)
+        grad = rand(out.shape, out.dtype, DEVICE) if grad is None else grad
+        before = len(calls)
+        got = torch.autograd.grad(out, (x, y), grad)
+    if not out.grad_fn.name().startswith("Fusedkit"):
+        pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
+    assert len(calls) == before, "the last backward ran in Python"
+    fk_settings(native_launch=False)
+    fusedkit.clear_caches()
+    expected = torch.autograd.grad(fn(x, y), (x, y), grad)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
 def test_native_gradcheck(fk_settings):
     fk_settings(native_launch=True)
@@ -466,15 +577,25 @@ def test_a_wrong_backward_plan_falls_back_to_the_python_backward():
     the one to fail."""
     from fusedkit import autograd
 
-    def kernel(plan):
-        return SimpleNamespace(arity=2, backward_kernels=plan)
+    def kernel(plan, saves="output"):
+        return SimpleNamespace(arity=2, backward_kernels=plan, saves=saves)
 
     def raising(param):
         raise RuntimeError("a plan that fails")
     assert autograd._plan(kernel(lambda p: (("relu_grad", 1), ("relu_grad", p))), 2.0)  # a good one
     for bad in (lambda p: (("relu_grad", 1),), lambda p: (("no_such_kernel", 1), None), raising,
-                lambda p: (("relu_grad", "1"), None)):
+                lambda p: (("relu_grad", "1"), None), lambda p: None,
+                lambda p: (("relu_grad", 1, 1), None),  # a second result of a one-output kernel
+                lambda p: (("relu_grad", None), None),  # no parameter for a kernel that takes one
+                lambda p: ((SILU_MUL_GRAD, None, 0), None)):  # three operands, where (grad, output) are two
         assert autograd._plan(kernel(bad), 1) == ()
+    # Saving the inputs: a two-output kernel on (grad, a, b), given to register_pair.
+    gate = kernel(lambda p: ((SILU_MUL_GRAD, None, 0), (SILU_MUL_GRAD, None, 1)), saves="inputs")
+    assert autograd._plan(gate, None) == ((SILU_MUL_GRAD, None, 0), (SILU_MUL_GRAD, None, 1))
+    unregistered = SimpleNamespace(name="silu_mul_grad_copy", arity=3, param=None, outputs=2)
+    for bad in (lambda p: ((SILU_MUL_GRAD, None, 2), None), lambda p: ((SILU_MUL_GRAD, 1.0, 0), None),
+                lambda p: ((unregistered, None, 0), None)):
+        assert autograd._plan(kernel(bad, saves="inputs"), None) == ()
 
 
 def test_registry_changes_empty_the_table(table, monkeypatch):

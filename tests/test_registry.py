@@ -14,6 +14,7 @@ from helpers import rand
 import fusedkit
 from fusedkit.kernels.activations import relu
 from fusedkit.registry import ElementwiseKernel, Traffic, get, register, unregister
+from fusedkit.runtime import elementwise as ew
 from fusedkit.testing import assert_matches_reference, reference_result
 
 
@@ -81,23 +82,32 @@ _PLANNED = [k for k in (get(n) for n in fusedkit.registry.names()) if k.backward
 @pytest.mark.parametrize("kernel", _PLANNED, ids=[k.name for k in _PLANNED])
 @pytest.mark.parametrize("param", [1, 2.5, -0.5])
 def test_backward_kernels_state_the_backward(kernel, param):
-    """A kernel's ``backward_kernels`` (what the C++ autograd node launches) gives the same
-    gradients as its ``backward`` (what the Python path runs), bit for bit."""
+    """A kernel's ``backward_kernels`` (what the C++ autograd node launches, on the gradient
+    and what the call saved) gives the same gradients as its ``backward`` (what the Python
+    path runs), bit for bit."""
     operands = [rand((33, 17), torch.float32, DEVICE) for _ in range(kernel.arity)]
     value = param if kernel.param is not None else None
     out = fusedkit.elementwise(kernel, *operands, **({kernel.param: param} if kernel.param else {}))
     grad = rand(out.shape, out.dtype, DEVICE)
-    expected = kernel.backward(grad, out, value)
+    saved = (out,) if kernel.saves == "output" else tuple(operands)
+    expected = kernel.backward(grad, saved[0] if kernel.saves == "output" else saved, value)
     steps = kernel.backward_kernels(value)
+    if steps is None:  # no plan for this parameter: the Python backward runs
+        assert fusedkit.autograd._plan(kernel, value) == ()
+        return
     assert len(steps) == kernel.arity == len(expected)
     for step, want in zip(steps, expected):
         if step is None:
             assert want is None
             continue
-        name, step_param = step
-        step_kernel = get(name)
-        got = fusedkit.elementwise(step_kernel, grad, out, **({step_kernel.param: step_param} if step_kernel.param else {}))
+        step_kernel, step_param, result = fusedkit.autograd._step(*step)
+        if step_kernel.outputs == 2:
+            got = ew.run_pair(step_kernel, (grad, *saved), None)[result]
+        else:
+            got = fusedkit.elementwise(step_kernel, grad, *saved,
+                                       **({step_kernel.param: step_param} if step_kernel.param else {}))
         assert torch.equal(got, want)
+    assert fusedkit.autograd._plan(kernel, value)  # and the C++ node takes the plan
 
 
 def test_spec_is_frozen_and_names_are_guarded():

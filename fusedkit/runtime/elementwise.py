@@ -623,7 +623,7 @@ class KeptLaunch:
                 compiled = elementwise_kernel[self.grid](*per_call, *self.static_args, **self.meta)
             self.compiled.put(spec, compiled, self.grid, self.launch_tail)
             entry = self.compiled.get(spec)
-            if entry is not None and spec[0] == 0 and not self.pair:  # aligned, one result: C++ may launch it
+            if entry is not None and spec[0] == 0:  # aligned: C++ may launch it (a pair, from a backward plan)
                 native.register(self, entry)
 
 

@@ -5,10 +5,12 @@ From Python a small call's floor is one allocation plus Triton's C launch functi
 already more than ``torch.add``'s whole call on the H200 host (``docs/why-fusion.md``).
 The C++ table holds kept launches: a repeated call matches its signature, allocates its
 result and launches the kernel in C++, and, when an operand requires a gradient, gives
-the result its autograd node there too (the kernel's backward, in Python, runs when the
-gradient is taken). Whatever the table does not match (other types, misaligned pointers,
-a launch hook, a different device, forward-mode AD) returns None and takes the Python
-path, which is unchanged.
+the result its autograd node there too. When the gradient is taken, that node launches
+the kernel's ``backward_kernels`` from the table where they are kept (a two-output
+kernel's launch too: the gates' backward), else runs its ``backward`` in Python.
+Whatever the table does not match (other types, misaligned pointers, a launch hook, a
+different device, forward-mode AD) returns None and takes the Python path, which is
+unchanged.
 
 The extension is built once per machine, Python and torch version (a C++ compiler and
 ninja are needed; ``python -m fusedkit build`` builds it ahead, as ``scripts/run.sh``
@@ -54,6 +56,8 @@ TABLE = None
 _BUILD_FAILED = False
 #: Argument roles of the elementwise kernel's pointer parameters, by name.
 _OPERAND_POINTERS = ("a_ptr", "b_ptr", "c_ptr")
+#: The pointer parameter of a two-output kernel's second result.
+_SECOND_RESULT = "out2_ptr"
 
 
 _log = logging.getLogger("fusedkit")
@@ -232,20 +236,22 @@ def launch_layout(kept, entry) -> tuple[str, list[int]] | None:
     if len(signature) != len(values):
         return None
     slots = dict(zip(_OPERAND_POINTERS, kept.tensor_slots))
-    kinds, kept = [], []
+    # (a one-output launch passes its result's address as out2 too, as the Python path does)
+    second = "p" if kept.pair else "o"
+    kinds, packed = [], []
     for (name, ty), value in zip(signature.items(), values):
         if ty == "constexpr":
             continue
         if ty.startswith("*"):
             slot = slots.get(name)
-            kinds.append("o" if slot is None else str(slot))
-            kept.append(0)
+            kinds.append(second if name == _SECOND_RESULT else "o" if slot is None else str(slot))
+            packed.append(0)
         elif ty in ("i32", "i64"):
             kinds.append("i" if ty == "i32" else "l")
-            kept.append(int(value))
+            packed.append(int(value))
         else:
             return None  # a parameter type this table does not pack
-    return "".join(kinds), kept
+    return "".join(kinds), packed
 
 
 def register(kept, entry, table=None) -> bool:
@@ -270,12 +276,12 @@ def register(kept, entry, table=None) -> bool:
         kept.kernel, kept.last_param[0], kept.operand_signature, kept.device, tuple(kept.shape), kept.dtype)
     fn, saves, plan = backward if backward is not None else (None, 0, ())
     steps = []
-    for step in plan:  # the C++ backward's launches: (kernel, parameter encoding) per operand
+    for step in plan:  # the C++ backward's launches: (kernel, parameter encoding, result) per operand
         encoded = None if step is None else _param_encoding(step[1])
         if step is not None and encoded is None:
             steps = []  # a parameter the table cannot match: the Python backward runs
             break
-        steps.append((None, 0, 0) if step is None else (step[0], *encoded))
+        steps.append((None, 0, 0, 0) if step is None else (step[0], *encoded, step[2]))
     table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
               kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values, fn, saves,
               f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward", steps)

@@ -6,9 +6,9 @@
 // does a repeated call's work in C++: match the signature, allocate the result, pack the
 // kernel's parameters the way Triton 3.6's launcher packs them, and cuLaunchKernel on the
 // current stream. A call whose operands require a gradient gets its autograd node here
-// too (KeptBackward: the saved tensors in C++, the kernel's backward in Python), as
-// torch's own ops get theirs. Anything it does not match returns None, and Python takes
-// the call.
+// too, as torch's own ops get theirs (KeptBackward: the saved tensors in C++; the kernel's
+// backward as kept launches where its plan's are kept, else in Python). Anything it does
+// not match returns None, and Python takes the call.
 
 #include <torch/extension.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -24,6 +24,7 @@
 
 #include <dlfcn.h>
 
+#include <array>
 #include <cstring>
 #include <unordered_map>
 #include <utility>
@@ -148,21 +149,24 @@ bool eager_and_unobserved() {
          !torch::profiler::impl::profilerEnabled();
 }
 
-// Operand i's gradient as one kept launch: `kernel` on (grad, saved output) with `param`
-// (kernel 0: the operand gets none).
+// Operand i's gradient as one kept launch: `kernel` on (grad, *saved) with `param`, its
+// result `output` (1: a two-output kernel's second); kernel 0: the operand gets none.
 struct GradStep {
   int64_t kernel = 0;
   Param param;
+  int output = 0;
   py::object kernel_ref;  // holds the kernel, so its id() names it while the step lives
 
-  bool operator==(const GradStep& o) const {
+  // Steps that differ only in the result they take share one launch.
+  bool same_launch(const GradStep& o) const {
     return kernel == o.kernel && param.kind == o.param.kind && param.bits == o.param.bits;
   }
 };
 
 // What a kept launch's autograd node runs: fn(grad, saved) -> a gradient (or None) per
 // operand, saved being the result (saves == 1) or the operands (2) or nothing (0); or,
-// where `plan` is given and its launches are kept, the plan's launches, without Python.
+// where `plan` is given and its launches are kept, the plan's launches on (grad, *saved),
+// without Python.
 struct BackwardSpec {
   py::object fn;
   int saves;
@@ -194,10 +198,12 @@ struct Launch {
   at::ScalarType out_dtype;
   uint64_t function;
   unsigned grid, block, shared;
-  // Per kernel parameter: 'o' the result's address, '0'..'2' an operand's, 'i' / 'l' a
-  // 32- / 64-bit integer from values. Triton 3.6 appends two scratch pointers (null).
+  // Per kernel parameter: 'o' the result's address, 'p' the second result's (a two-output
+  // kernel's), '0'..'2' an operand's, 'i' / 'l' a 32- / 64-bit integer from values.
+  // Triton 3.6 appends two scratch pointers (null).
   std::string kinds;
   std::vector<int64_t> values;
+  bool pair;  // two results, laid out alike: a backward's kernel, launched by plans only
   std::shared_ptr<const BackwardSpec> backward;  // null: a call that needs a gradient goes to Python
 };
 
@@ -250,9 +256,10 @@ struct Store {
     return nullptr;
   }
 
-  // The result of l on ts, launched on the current stream; undefined when it cannot run here
-  // (a misaligned operand, another current device): the caller takes the Python path.
-  at::Tensor launch(const Launch& l, const std::vector<const at::Tensor*>& ts) {
+  // The results of l on ts (the second undefined unless l.pair), launched on the current
+  // stream; undefined when it cannot run here (a misaligned operand, another current
+  // device): the caller takes the Python path.
+  std::array<at::Tensor, 2> launch(const Launch& l, const std::vector<const at::Tensor*>& ts) {
     if (!dry_run && !l.device.is_cuda()) return {};
     for (const at::Tensor* t : ts) {
       if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlignment != 0) return {};
@@ -262,7 +269,9 @@ struct Store {
       guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       if (guard->getDevice() != l.device) return {};  // Python launches under the right device
     }
-    at::Tensor out = at::empty_strided(l.out_sizes, l.out_strides, at::TensorOptions().dtype(l.out_dtype).device(l.device));
+    const auto options = at::TensorOptions().dtype(l.out_dtype).device(l.device);
+    at::Tensor out = at::empty_strided(l.out_sizes, l.out_strides, options);
+    at::Tensor out2 = l.pair ? at::empty_strided(l.out_sizes, l.out_strides, options) : at::Tensor();
     const size_t n = l.kinds.size();
     std::vector<uint64_t> storage(n + 2, 0);
     std::vector<void*> params(n + 2);
@@ -270,6 +279,8 @@ struct Store {
       const char kind = l.kinds[i];
       if (kind == 'o') {
         storage[i] = reinterpret_cast<uint64_t>(out.data_ptr());
+      } else if (kind == 'p') {
+        storage[i] = reinterpret_cast<uint64_t>(out2.data_ptr());
       } else if (kind >= '0' && kind <= '2') {
         storage[i] = reinterpret_cast<uint64_t>(ts[kind - '0']->data_ptr());
       } else if (kind == 'i') {
@@ -284,7 +295,7 @@ struct Store {
     params[n + 1] = &storage[n + 1];  // profile scratch
     if (dry_run) {
       last_params.assign(storage.begin(), storage.end());
-      return out;
+      return {out, out2};
     }
     void* stream = guard->getStream(l.device).native_handle();
     // Copies: without the GIL another thread may add to the store (moving l) or clear it.
@@ -301,7 +312,7 @@ struct Store {
       rc = launch();
     }
     TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
-    return out;
+    return {out, out2};
   }
 };
 
@@ -356,28 +367,37 @@ class KeptBackward : public torch::autograd::Node {
   // see them) and every one is kept; false leaves result for the Python backward.
   bool planned(const at::Tensor& grad, const std::vector<at::Tensor>& saved, torch::autograd::variable_list& result) {
     const auto& plan = spec_->plan;
-    if (plan.empty() || !store_ || spec_->saves != 1 || saved.size() != 1 || at::GradMode::is_enabled() ||
+    if (plan.empty() || !store_ || saved.empty() || saved.size() > 2 || at::GradMode::is_enabled() ||
         !eager_and_unobserved() || !store_->hooks.idle()) {
       return false;
     }
-    const at::Tensor& out = saved[0];
-    if (grad.device() != out.device() || grad.is_neg() || grad.is_conj() || grad.layout() != at::kStrided) return false;
-    const std::vector<const at::Tensor*> ts{&grad, &out};
+    std::vector<const at::Tensor*> ts{&grad};  // the steps' operands: (grad, *saved)
+    for (const at::Tensor& t : saved) ts.push_back(&t);
+    for (const at::Tensor* t : ts) {
+      // (a tensor subclass, a wrapper without storage or a lazy view is Python's to resolve)
+      if (!t->defined() || t->device() != grad.device() || t->is_neg() || t->is_conj() ||
+          t->layout() != at::kStrided || !t->has_storage() || t->key_set().has(c10::DispatchKey::Python)) {
+        return false;
+      }
+    }
+    std::vector<std::array<at::Tensor, 2>> launched(plan.size());
     for (size_t i = 0; i < plan.size() && i < result.size(); ++i) {
       const GradStep& step = plan[i];
       if (step.kernel == 0) continue;
-      for (size_t j = 0; j < i; ++j) {
-        if (plan[j] == step) result[i] = result[j];  // one launch for equal steps
+      for (size_t j = 0; j < i && !launched[i][0].defined(); ++j) {
+        if (plan[j].kernel != 0 && plan[j].same_launch(step)) launched[i] = launched[j];  // one launch for both
       }
-      if (result[i].defined()) continue;
-      const Launch* l = store_->find(step.kernel, out.device(), ts, [&](const Param& p) {
-        return p.kind == step.param.kind && p.bits == step.param.bits;
-      });
-      if (l != nullptr) result[i] = store_->launch(*l, ts);
-      if (!result[i].defined()) {
+      if (!launched[i][0].defined()) {
+        const Launch* l = store_->find(step.kernel, grad.device(), ts, [&](const Param& p) {
+          return p.kind == step.param.kind && p.bits == step.param.bits;
+        });
+        if (l != nullptr && (step.output == 0 || l->pair)) launched[i] = store_->launch(*l, ts);
+      }
+      if (!launched[i][0].defined()) {
         for (auto& r : result) r = at::Tensor();
         return false;
       }
+      result[i] = launched[i][step.output];
     }
     return true;
   }
@@ -455,9 +475,9 @@ class Table {
       if (t->device() != device) return py::none();
     }
     const Launch* l = store_->find(kernel, device, ts, [&](const Param& p) { return p.matches(param.ptr()); });
-    if (l == nullptr || (needs_grad && !l->backward)) return py::none();
+    if (l == nullptr || l->pair || (needs_grad && !l->backward)) return py::none();
     std::shared_ptr<const BackwardSpec> backward = l->backward;  // (l may move while the launch drops the GIL)
-    at::Tensor out = store_->launch(*l, ts);
+    at::Tensor out = store_->launch(*l, ts)[0];
     if (!out.defined()) return py::none();
     if (needs_grad) record(backward, ts, out);
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
@@ -503,16 +523,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               std::vector<int64_t> out_sizes, std::vector<int64_t> out_strides, at::ScalarType out_dtype,
               uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
               std::vector<int64_t> values, py::object backward, int saves, std::string name,
-              std::vector<std::tuple<py::object, int, int64_t>> plan) {
+              std::vector<std::tuple<py::object, int, int64_t, int>> plan) {
              TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
              TORCH_CHECK(saves >= 0 && saves <= 2, "saves must be 0, 1 or 2");
+             const bool pair = kinds.find('p') != std::string::npos;
              Launch l{kernel, device, {}, Param{param_kind, param_bits}, std::move(out_sizes),
                       std::move(out_strides), out_dtype, function, grid, block, shared, std::move(kinds),
-                      std::move(values), nullptr};
+                      std::move(values), pair, nullptr};
              std::vector<GradStep> steps;
-             for (auto& [step_kernel, kind, bits] : plan) {  // (None: the operand gets no gradient)
+             for (auto& [step_kernel, kind, bits, output] : plan) {  // (None: the operand gets no gradient)
+               TORCH_CHECK(output == 0 || output == 1, "a step's output must be 0 or 1");
                const int64_t id = step_kernel.is_none() ? 0 : reinterpret_cast<int64_t>(step_kernel.ptr());
-               steps.push_back(GradStep{id, Param{kind, bits}, step_kernel});
+               steps.push_back(GradStep{id, Param{kind, bits}, output, step_kernel});
              }
              if (!backward.is_none()) {
                l.backward = std::make_shared<const BackwardSpec>(backward, saves, name, std::move(steps));
