@@ -117,8 +117,9 @@ class ElementwiseKernel:
             :func:`fusedkit.runtime.elementwise.run_pair`, never registered).
         backward_kernels: optional ``backward_kernels(param) -> steps | None``, one step
             per operand: ``(kernel, param)`` or ``(kernel, param, result)`` when that
-            operand's gradient is ``kernel`` (a registered kernel's name, or a two-output
-            kernel itself) on ``(grad, *saved)`` with that parameter, taking its result
+            operand's gradient is ``kernel`` (a registered kernel or its name, or a
+            two-output kernel given to :func:`fusedkit.autograd.register_pair`) on
+            ``(grad, *saved)`` with that parameter, taking its result
             ``result`` (0, or 1: a two-output kernel's second); None when the operand gets
             no gradient. Steps that differ only in ``result`` share one launch. The same
             gradients as ``backward`` where every operand has the result's shape and

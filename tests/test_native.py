@@ -273,6 +273,18 @@ def test_a_gates_backward_is_one_pair_launch_without_python(table, monkeypatch):
     assert len(calls) == 3
 
 
+def test_only_same_shape_and_dtype_calls_get_a_plan():
+    """The plan's kernels give the gradients of the result's shape and dtype: a broadcast or
+    promoting call's node runs the Python backward, which reduces and casts them."""
+    from fusedkit.autograd import native_backward
+
+    f32, f16, cpu = torch.float32, torch.float16, torch.device("cpu")
+    full, row = (f32, (37, 19), (19, 1)), (f32, (19,), (1,))
+    assert native_backward(SILU_MUL, None, (full, full), cpu, (37, 19), f32)[2]
+    assert native_backward(SILU_MUL, None, (full, row), cpu, (37, 19), f32)[2] == ()
+    assert native_backward(SILU_MUL, None, (full, (f16, (37, 19), (19, 1))), cpu, (37, 19), f32)[2] == ()
+
+
 @pytest.mark.parametrize("alpha", [1, 2])
 def test_add_gelus_backward_is_planned_where_alpha_is_one(table, monkeypatch, alpha):
     calls = _counting_backwards(monkeypatch)
@@ -539,7 +551,7 @@ _PLANNED = {
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
 @pytest.mark.parametrize("op", list(_PLANNED))
-@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed"])
+@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed", "bias"])
 def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, op, case):
     fn = _PLANNED[op]
     fk_settings(native_launch=True)
@@ -554,7 +566,10 @@ def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, 
         got = torch.autograd.grad(out, (x, y), grad)
     if not out.grad_fn.name().startswith("Fusedkit"):
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
-    assert len(calls) == before, "the last backward ran in Python"
+    if case == "bias":  # a broadcast operand's gradient is reduced: the Python backward does it
+        assert len(calls) == before + 1
+    else:
+        assert len(calls) == before, "the last backward ran in Python"
     fk_settings(native_launch=False)
     fusedkit.clear_caches()
     expected = torch.autograd.grad(fn(x, y), (x, y), grad)
@@ -596,6 +611,8 @@ def test_a_wrong_backward_plan_falls_back_to_the_python_backward():
     for bad in (lambda p: ((SILU_MUL_GRAD, None, 2), None), lambda p: ((SILU_MUL_GRAD, 1.0, 0), None),
                 lambda p: ((unregistered, None, 0), None)):
         assert autograd._plan(kernel(bad, saves="inputs"), None) == ()
+    # A parameter the table cannot hold (an int beyond int64) leaves the step to Python.
+    assert native._param_encoding(2**63) is None and native._param_encoding(-2**63) == (1, -2**63)
 
 
 def test_registry_changes_empty_the_table(table, monkeypatch):

@@ -374,7 +374,8 @@ class KeptBackward : public torch::autograd::Node {
     std::vector<const at::Tensor*> ts{&grad};  // the steps' operands: (grad, *saved)
     for (const at::Tensor& t : saved) ts.push_back(&t);
     for (const at::Tensor* t : ts) {
-      // (a tensor subclass, a wrapper without storage or a lazy view is Python's to resolve)
+      // (a subclass with its own dispatch, a wrapper without storage or a lazy view is
+      // Python's to resolve)
       if (!t->defined() || t->device() != grad.device() || t->is_neg() || t->is_conj() ||
           t->layout() != at::kStrided || !t->has_storage() || t->key_set().has(c10::DispatchKey::Python)) {
         return false;
@@ -393,7 +394,7 @@ class KeptBackward : public torch::autograd::Node {
         });
         if (l != nullptr && (step.output == 0 || l->pair)) launched[i] = store_->launch(*l, ts);
       }
-      if (!launched[i][0].defined()) {
+      if (!launched[i][step.output].defined()) {
         for (auto& r : result) r = at::Tensor();
         return false;
       }
