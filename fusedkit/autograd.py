@@ -127,8 +127,10 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
     or is not the registered one (the Python path raises then). ``backward(grad, saved)``
     gives each operand's gradient, as :func:`_input_grads` does for the Functions; ``plan``:
     the kernel's ``backward_kernels`` as ``(kernel, param, result)`` per operand (None: none),
-    when every operand has the result's ``shape`` and ``dtype`` (nothing to reduce or cast),
-    else empty."""
+    when every operand is floating, else empty. The plan's kernels give gradients of the
+    result's shape and dtype; the autograd engine sums a broadcast operand's to its shape and
+    casts it to its dtype, as it does for torch's own nodes (``AddBackward`` returns the
+    incoming gradient for both operands), which is what ``_operand_grad`` computes."""
     if kernel.backward is None:
         return None
     try:
@@ -144,7 +146,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
         arg = saved[0] if saves == "output" else saved if saves == "inputs" else None
         return [_operand_grad(g, m) for g, m in zip(formula(grad, arg, param), meta)]
     plan = ()
-    if kernel.backward_kernels is not None and all(s == shape and d == dtype for s, d, _ in meta):
+    if kernel.backward_kernels is not None and all(d.is_floating_point for _, d, _ in meta):
         plan = _plan(kernel, param)
     return backward, native.SAVES[saves], plan
 

@@ -122,10 +122,11 @@ class ElementwiseKernel:
             ``(grad, *saved)`` with that parameter, taking its result
             ``result`` (0, or 1: a two-output kernel's second); None when the operand gets
             no gradient. Steps that differ only in ``result`` share one launch. The same
-            gradients as ``backward`` where every operand has the result's shape and
-            dtype, stated so that a repeated call's autograd node launches them from C++
-            without Python; None for a parameter no such plan serves (the Python
-            ``backward`` runs). Needs ``saves`` "output" or "inputs".
+            gradients as ``backward``, before the reduction of a broadcast operand's
+            gradient to its shape and the cast to its dtype (autograd makes both), stated
+            so that a repeated call's autograd node launches them from C++ without
+            Python; None for a parameter no such plan serves (the Python ``backward``
+            runs). Needs ``saves`` "output" or "inputs".
     """
 
     name: str

@@ -273,16 +273,26 @@ def test_a_gates_backward_is_one_pair_launch_without_python(table, monkeypatch):
     assert len(calls) == 3
 
 
-def test_only_same_shape_and_dtype_calls_get_a_plan():
-    """The plan's kernels give the gradients of the result's shape and dtype: a broadcast or
-    promoting call's node runs the Python backward, which reduces and casts them."""
+def test_a_broadcast_or_promoting_call_gets_its_plan_and_autograd_reduces_it(table, monkeypatch):
+    """The plan's kernels give gradients of the result's shape and dtype; autograd sums a
+    broadcast operand's to its shape and casts it to its dtype, as for torch's own nodes
+    (the Python backward does both itself). An integral operand's call is left to Python."""
     from fusedkit.autograd import native_backward
 
-    f32, f16, cpu = torch.float32, torch.float16, torch.device("cpu")
-    full, row = (f32, (37, 19), (19, 1)), (f32, (19,), (1,))
-    assert native_backward(SILU_MUL, None, (full, full), cpu, (37, 19), f32)[2]
-    assert native_backward(SILU_MUL, None, (full, row), cpu, (37, 19), f32)[2] == ()
-    assert native_backward(SILU_MUL, None, (full, (f16, (37, 19), (19, 1))), cpu, (37, 19), f32)[2] == ()
+    f32, cpu = torch.float32, torch.device("cpu")
+    full, row, ints = (f32, (37, 19), (19, 1)), (f32, (19,), (1,)), (torch.int32, (19,), (1,))
+    assert native_backward(SILU_MUL, None, (full, row), cpu, (37, 19), f32)[2]
+    assert native_backward(fusedkit.library.ADD_RELU, 1, (full, ints), cpu, (37, 19), f32)[2] == ()
+    calls = _counting_backwards(monkeypatch)
+    a = rand((37, 19), torch.float32, DEVICE).requires_grad_()
+    b = rand((19,), torch.float16, DEVICE).requires_grad_()  # broadcast, and promoted to float32
+    _keep(table, SILU_MUL, (a.detach(), b.detach()))
+    grad = rand((37, 19), torch.float32, DEVICE)
+    _keep(table, SILU_MUL_GRAD, (grad, a.detach(), b.detach()))
+    table.call(SILU_MUL, (a, b), None).backward(grad)
+    assert not calls
+    assert a.grad.shape == a.shape and a.grad.dtype == torch.float32
+    assert b.grad.shape == b.shape and b.grad.dtype == torch.float16
 
 
 @pytest.mark.parametrize("alpha", [1, 2])
@@ -566,10 +576,7 @@ def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, 
         got = torch.autograd.grad(out, (x, y), grad)
     if not out.grad_fn.name().startswith("Fusedkit"):
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
-    if case == "bias":  # a broadcast operand's gradient is reduced: the Python backward does it
-        assert len(calls) == before + 1
-    else:
-        assert len(calls) == before, "the last backward ran in Python"
+    assert len(calls) == before, "the last backward ran in Python"
     fk_settings(native_launch=False)
     fusedkit.clear_caches()
     expected = torch.autograd.grad(fn(x, y), (x, y), grad)
