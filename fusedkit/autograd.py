@@ -94,11 +94,13 @@ def _save(ctx, kernel, param, tensor_slots, scalars, tensors, output) -> None:
         ctx.save_for_backward(*tensors)
 
 
-def _reduce_to(grad: torch.Tensor, shape, dtype, device) -> torch.Tensor:
-    """Sum a gradient of the broadcast shape back to an operand's shape and dtype."""
+def _reduce_to(grad: torch.Tensor, shape, device) -> torch.Tensor:
+    """Sum a gradient of the broadcast shape back to an operand's shape, on its device. Its
+    dtype is the engine's to set, as for torch's own nodes: the operand's, or the
+    ``grad_dtype`` a leaf asks for (None: the gradient's own)."""
     if grad.shape != shape:
         grad = grad.sum_to_size(shape) if len(shape) else grad.sum()
-    return grad.to(device=device, dtype=dtype)
+    return grad.to(device=device)
 
 
 def _input_grads(ctx, grad) -> list:
@@ -116,9 +118,10 @@ def _input_grads(ctx, grad) -> list:
 
 def _operand_grad(grad, meta):
     """One operand's gradient from the kernel's (of the broadcast shape): None where none flows
-    or the operand is not floating, else reduced to the operand's ``meta`` (shape, dtype, device)."""
+    or the operand is not floating, else reduced to the shape and device of the operand's
+    ``meta`` (shape, dtype, device); autograd casts it."""
     shape, dtype, device = meta
-    return None if grad is None or not dtype.is_floating_point else _reduce_to(grad, shape, dtype, device)
+    return None if grad is None or not dtype.is_floating_point else _reduce_to(grad, shape, device)
 
 
 def native_backward(kernel, param, operand_signature, device, shape, dtype):
@@ -129,8 +132,8 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
     the kernel's ``backward_kernels`` as ``(kernel, param, result)`` per operand (None: none),
     when every operand is floating, else empty. The plan's kernels give gradients of the
     result's shape and dtype; the autograd engine sums a broadcast operand's to its shape and
-    casts it to its dtype, as it does for torch's own nodes (``AddBackward`` returns the
-    incoming gradient for both operands), which is what ``_operand_grad`` computes."""
+    casts it to the dtype its operand takes, as it does for torch's own nodes (``AddBackward``
+    returns the incoming gradient for both operands), which ``_operand_grad`` leaves it."""
     if kernel.backward is None:
         return None
     try:

@@ -248,6 +248,26 @@ def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     assert m.gate.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("fused,plain", GATES + [(fusedkit.add_relu, lambda x, y: torch.relu(x + y))],
+                         ids=GATE_IDS + ["add_relu"])
+@pytest.mark.parametrize("grad_dtype", ["default", None, torch.float32])
+def test_gradient_dtype_is_autograds(fused, plain, grad_dtype):
+    """A promoted operand's gradient takes the dtype torch's own ops give it: the operand's,
+    or the ``grad_dtype`` its leaf asks for (None: the result's), on every path a repeated
+    call takes (validated, kept, and on a GPU the C++ node's planned backward)."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("Tensor.grad_dtype is new in torch 2.10")
+    a = leaf((5, 7), torch.float32)
+    grad = rand((5, 7), torch.float32, DEVICE)
+    for _ in range(3):
+        got, want = leaf((7,), torch.float16), leaf((7,), torch.float16)
+        if grad_dtype != "default":
+            got.grad_dtype = want.grad_dtype = grad_dtype
+        fused(a.detach().requires_grad_(), got).backward(grad)
+        plain(a.detach().requires_grad_(), want).backward(grad)
+        assert got.grad.dtype == want.grad.dtype and got.grad.shape == want.grad.shape
+
+
 @pytest.mark.parametrize("op", [fusedkit.add, fusedkit.add_gelu])
 def test_scaled_gradient_keeps_the_sign_of_zero(op):
     # d/dy = alpha * grad, as torch's AddBackward: a -0.0 product stays -0.0.

@@ -561,26 +561,35 @@ _PLANNED = {
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
 @pytest.mark.parametrize("op", list(_PLANNED))
-@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed", "bias"])
+@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed", "bias", "bias-bf16",
+                                  "one tensor"])
 def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, op, case):
     fn = _PLANNED[op]
     fk_settings(native_launch=True)
     fusedkit.clear_caches()
     calls = _counting_backwards(monkeypatch)
-    x, y = (t.requires_grad_() for t in _gpu_cases()[case]())
+    if case == "bias-bf16":  # a broadcast operand promoted to the result's float32
+        x, y = rand((64, 96), torch.float32, DEVICE), rand((96,), torch.bfloat16, DEVICE)
+    elif case == "one tensor":  # fn(x, x): both gradients flow to x
+        x = rand((1000,), torch.float32, DEVICE)
+        y = x
+    else:
+        x, y = _gpu_cases()[case]()
+    x.requires_grad_(), y.requires_grad_()
+    inputs = (x,) if y is x else (x, y)
     grad = None
     for _ in range(4):  # the forward's launch kept, then the backward's, then both in C++
         out = fn(x, y)
         grad = rand(out.shape, out.dtype, DEVICE) if grad is None else grad
         before = len(calls)
-        got = torch.autograd.grad(out, (x, y), grad)
+        got = torch.autograd.grad(out, inputs, grad)
     if not out.grad_fn.name().startswith("Fusedkit"):
         pytest.skip("no native launch was kept (a Triton other than 3.6, or the build failed)")
     assert len(calls) == before, "the last backward ran in Python"
     fk_settings(native_launch=False)
     fusedkit.clear_caches()
-    expected = torch.autograd.grad(fn(x, y), (x, y), grad)
-    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    expected = torch.autograd.grad(fn(x, y), inputs, grad)
+    assert all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(got, expected))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
