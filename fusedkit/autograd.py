@@ -449,7 +449,8 @@ class EagerMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a2, b, bias, activation, store_pre, kept=None):
         if store_pre:
-            out, pre = matmul.forward(a2, b, bias, activation, store_pre)
+            out, pre = (kept.launch_pre(a2, b, bias) if kept is not None
+                        else matmul.forward(a2, b, bias, activation, store_pre))
         elif kept is not None:  # a repeated signature's kept plan
             out, pre = kept.launch(a2, b, bias), None
         else:  # grad is off in here: a repeated call is kept
@@ -512,7 +513,9 @@ class FuncMatmul(torch.autograd.Function):
 def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:
     """An eager 2-D matmul that autograd records; ``kept``: the signature's kept plan."""
     store_pre = activation in matmul.NEEDS_PRE
-    return EagerMatmul.apply(a2, b, bias, activation, store_pre, None if store_pre else kept)
+    if kept is not None and kept.store_pre != store_pre:
+        kept = None  # (its plan launches without the pre-activation this call keeps)
+    return EagerMatmul.apply(a2, b, bias, activation, store_pre, kept)
 
 
 def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:

@@ -204,9 +204,10 @@ def test_matmul_recipes_with_autograd(fk_settings, activation, monkeypatch):
     fk_settings(autotune=False)
     w = torch.nn.Parameter(rand((48, 64), torch.float32, DEVICE))
     bias = torch.nn.Parameter(rand((48,), torch.float32, DEVICE))
-    validated = []
-    real = mm.validate
+    validated, planned = [], []
+    real, real_plan = mm.validate, mm.plan_matmul
     monkeypatch.setattr(mm, "validate", lambda *args: validated.append(step) or real(*args))
+    monkeypatch.setattr(mm, "plan_matmul", lambda *args: planned.append(step) or real_plan(*args))
     for step in range(4):
         x = rand((2, 5, 64), torch.float32, DEVICE).requires_grad_()
         with torch.set_grad_enabled(step != 2):
@@ -227,6 +228,8 @@ def test_matmul_recipes_with_autograd(fk_settings, activation, monkeypatch):
     # its first inner launch and the backward's two products; step 2: without autograd),
     # and the repeats take their recipes.
     assert set(validated) == {0, 2}, validated
+    # and launch with their kept plans (gelu's storing its pre-activation): no planning either.
+    assert set(planned) <= {0, 2}, planned
     assert sorted(r.grad for r in mm.KEPT.values() if r.lead == (2, 5)) == [False, True]
 
 

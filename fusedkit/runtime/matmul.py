@@ -442,10 +442,13 @@ class KeptMatmul:
     activation: str | None
     plan: Plan
     #: Autograd records the call (the dispatcher runs it through fusedkit.autograd, whose
-    #: forward launches with this plan unless the pre-activation is kept), without the full
-    #: path's validation (it cost LinearReLU's forward with autograd 135 us of host time
-    #: against 44 without, 4096^3 bf16 on the H200).
+    #: forward launches with this plan), without the full path's validation (it cost
+    #: LinearReLU's forward with autograd 135 us of host time against 44 without, 4096^3
+    #: bf16 on the H200).
     grad: bool
+    #: The plan stores the pre-activation too (:meth:`launch_pre`): a recorded call whose
+    #: activation's derivative needs it (``NEEDS_PRE``).
+    store_pre: bool = False
 
     def a2(self, a) -> torch.Tensor:
         """``a`` as the 2-D (M, K) operand."""
@@ -461,6 +464,13 @@ class KeptMatmul:
         launch_matmul(a2, b, bias, self.activation, out, None, self.plan)
         return out
 
+    def launch_pre(self, a2, b, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, pre)`` of a 2-D call whose plan stores the pre-activation (``store_pre``)."""
+        out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        pre = torch.empty_like(out)
+        launch_matmul(a2, b, bias, self.activation, out, pre, self.plan)
+        return out, pre
+
 
 def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:
     """Keep the plan of a validated eager call whose signature ``key`` can repeat; ``out`` is
@@ -469,8 +479,11 @@ def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:
     n = b.shape[1]
     if backend_for(a2.device) == "torch" or m * n * k == 0 or not launch.enabled():
         return  # the PyTorch path, or an empty product: nothing to launch
+    # A recorded call that keeps its pre-activation launches with it (laid out as out is,
+    # which stands for it in the plan: a plan reads layouts, not addresses).
+    store_pre = grad and activation in NEEDS_PRE
     KEPT.keep(key, KeptMatmul(m, k, n, lead, a2.dtype, a2.device, activation,
-                              plan_matmul(a2, b, bias, activation, out), grad))
+                              plan_matmul(a2, b, bias, activation, out, out if store_pre else None), grad, store_pre))
 
 
 def run(a2, b, bias, activation) -> torch.Tensor:
