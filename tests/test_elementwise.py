@@ -13,6 +13,7 @@ from conftest import DEVICE
 from helpers import rand, views
 
 import fusedkit
+from fusedkit.runtime import configs
 from fusedkit.runtime import elementwise as ew
 from fusedkit.testing import assert_matches_reference, poisoned, reference_result
 
@@ -265,11 +266,14 @@ def test_every_tile_of_a_grid_of_several_tile_columns(case):
     run_and_check(fusedkit.registry.get("add_relu"), (x, y))
 
 
-@pytest.mark.parametrize("n", [4095, 4096, 4097, 2 * 4096 + 7])
+_NARROW = configs.BLOCK_1D_NARROW
+
+
+@pytest.mark.parametrize("n", [_NARROW - 1, _NARROW, _NARROW + 1, 2 * _NARROW + 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_narrow_block_boundaries(n, dtype):
-    # 1- and 2-byte results take 4096 elements a program (configs.BLOCK_1D_NARROW); an fp32
-    # out= of a bf16 result keeps the result's block
+    # 1- and 2-byte results take configs.BLOCK_1D_NARROW elements a program; an fp32 out= of
+    # a bf16 result keeps the result's block
     x, y = rand((n,), dtype, DEVICE), rand((n,), dtype, DEVICE)
     run_and_check(fusedkit.registry.get("add_relu"), (x, y))
     out = torch.full((n,), float("nan"), device=DEVICE)

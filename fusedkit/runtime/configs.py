@@ -16,11 +16,10 @@ from .. import settings
 # (The elementwise rows: measured with benchmarks/tile_sweep.py.)
 #: Elements per program on the contiguous 1-D path (4- and 8-byte results).
 BLOCK_1D = 1024
-#: The same for 1- and 2-byte results: more elements per thread keep more loads in flight
-#: while the activation's arithmetic runs (H200, 2^28 bf16: gelu_mul 438 us at 4096 against
-#: 593 at 1024, silu_mul 376 against 410, add_relu 376 at either; fp32 gelu_mul 740 at 1024,
-#: 759 at 4096).
-BLOCK_1D_NARROW = 4096
+#: The same for 1- and 2-byte results: 1024 is fastest at every size since the kernel's
+#: prologue lost its divisions (H200, bf16: gelu_mul 372.8 us at 2^28 against 389.8 at 4096,
+#: 5.4 against 7.7 at 2^18; add_relu, silu_mul and add_gelu within 1% at 2^28).
+BLOCK_1D_NARROW = 1024
 #: Elements per program for a row-major 2-D tile (a broadcast bias, a strided slice).
 TILE_ELEMS_2D = 2048
 #: Widest column block; wider rows take several programs.
