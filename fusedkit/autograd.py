@@ -512,9 +512,7 @@ class FuncMatmul(torch.autograd.Function):
 
 def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:
     """An eager 2-D matmul that autograd records; ``kept``: the signature's kept plan."""
-    store_pre = activation in matmul.NEEDS_PRE
-    if kept is not None and kept.store_pre != store_pre:
-        kept = None  # (its plan launches without the pre-activation this call keeps)
+    store_pre = activation in matmul.NEEDS_PRE  # (a kept plan of such a call stores it too)
     return EagerMatmul.apply(a2, b, bias, activation, store_pre, kept)
 
 

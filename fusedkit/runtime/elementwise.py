@@ -68,7 +68,7 @@ _COMPUTE_DTYPE = {
     torch.int32: tl.int32,
     torch.int64: tl.int64,
 }
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT64_MIN, _INT64_MAX = launch.INT64_MIN, launch.INT64_MAX
 #: Python ints torch takes as a Scalar: int64, or uint64 above it.
 _SCALAR_INT_END = 2**64
 #: The largest finite value of each float result's compute dtype: torch's CUDA kernels

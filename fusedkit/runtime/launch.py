@@ -81,6 +81,8 @@ ALIGNMENT = 16
 RAW_LAUNCH_RELEASES = ((3, 6),)
 RAW_LAUNCH = Version(triton.__version__).release[:2] in RAW_LAUNCH_RELEASES
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+#: The range of a 64-bit integer argument or parameter encoding.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 #: Triton's interpreter keeps the running kernel's state in module globals (the grid

@@ -446,9 +446,6 @@ class KeptMatmul:
     #: LinearReLU's forward with autograd 135 us of host time against 44 without, 4096^3
     #: bf16 on the H200).
     grad: bool
-    #: The plan stores the pre-activation too (:meth:`launch_pre`): a recorded call whose
-    #: activation's derivative needs it (``NEEDS_PRE``).
-    store_pre: bool = False
 
     def a2(self, a) -> torch.Tensor:
         """``a`` as the 2-D (M, K) operand."""
@@ -465,7 +462,8 @@ class KeptMatmul:
         return out
 
     def launch_pre(self, a2, b, bias) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, pre)`` of a 2-D call whose plan stores the pre-activation (``store_pre``)."""
+        """``(out, pre)`` of a 2-D call whose plan stores the pre-activation: a recorded call
+        whose activation's derivative needs it (``NEEDS_PRE``), as :func:`remember` plans it."""
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         pre = torch.empty_like(out)
         launch_matmul(a2, b, bias, self.activation, out, pre, self.plan)
@@ -483,7 +481,7 @@ def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:
     # which stands for it in the plan: a plan reads layouts, not addresses).
     store_pre = grad and activation in NEEDS_PRE
     KEPT.keep(key, KeptMatmul(m, k, n, lead, a2.dtype, a2.device, activation,
-                              plan_matmul(a2, b, bias, activation, out, out if store_pre else None), grad, store_pre))
+                              plan_matmul(a2, b, bias, activation, out, out if store_pre else None), grad))
 
 
 def run(a2, b, bias, activation) -> torch.Tensor:

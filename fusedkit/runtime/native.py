@@ -221,7 +221,7 @@ def _param_encoding(param) -> tuple[int, int] | None:
     if param is None:
         return 0, 0
     if type(param) is int:
-        return (1, param) if -2**63 <= param < 2**63 else None
+        return (1, param) if launch.INT64_MIN <= param <= launch.INT64_MAX else None
     if type(param) is float:
         return 2, struct.unpack("<q", struct.pack("<d", param))[0]
     return None  # other number types: the Python path
