@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
-import fusedkit  # noqa: E402
+import fusedkit
 
 
 @pytest.fixture

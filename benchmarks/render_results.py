@@ -30,9 +30,11 @@ def footnote(env: dict, command: str) -> str:
     commit = (env.get("commit") or "unknown")[:12]
     gpu = env.get("gpu") or f"{env.get('device')} ({env.get('backend')}: not GPU times)"
     driver = f", driver {env['driver']}" if env.get("driver") else ""
-    return (f"<sub>{gpu}{driver}; torch {env.get('torch')}, triton {env.get('triton')}; fusedkit "
-            f"{env.get('fusedkit', '?')} at {commit}; {env.get('date', '')[:10]}. Reproduce: "
-            f"`bash scripts/results.sh {command}`.</sub>")
+    return (
+        f"<sub>{gpu}{driver}; torch {env.get('torch')}, triton {env.get('triton')}; fusedkit "
+        f"{env.get('fusedkit', '?')} at {commit}; {env.get('date', '')[:10]}. Reproduce: "
+        f"`bash scripts/results.sh {command}`.</sub>"
+    )
 
 
 def ratio(peer, ours) -> str:
@@ -41,8 +43,7 @@ def ratio(peer, ours) -> str:
 
 def table(head: list[str], rows: list[list], align: str | None = None) -> str:
     align = align or "l" + "r" * (len(head) - 1)
-    lines = ["| " + " | ".join(head) + " |",
-             "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -55,32 +56,81 @@ def elementwise(data: dict) -> str:
         if r["n"] != n:
             continue
         share = f"{r['roof_share']:.0%}" if r.get("roof_share") else "-"
-        body.append([r["kernel"], r["layout"], SHORT.get(r["dtype"], r["dtype"]), f"{r['fused_us']:.1f}",
-                     f"{r['fused_gbps']:.0f}", share, ratio(r["unfused_us"], r["fused_us"]),
-                     ratio(r.get("compiled_us"), r["fused_us"]), ratio(r.get("tutorial_us"), r["fused_us"])])
-    head = ["kernel", "layout", "dtype", "fusedkit us", "GB/s", "copy roof", "x eager", "x torch.compile",
-            "x tutorial kernel"]
+        body.append(
+            [
+                r["kernel"],
+                r["layout"],
+                SHORT.get(r["dtype"], r["dtype"]),
+                f"{r['fused_us']:.1f}",
+                f"{r['fused_gbps']:.0f}",
+                share,
+                ratio(r["unfused_us"], r["fused_us"]),
+                ratio(r.get("compiled_us"), r["fused_us"]),
+                ratio(r.get("tutorial_us"), r["fused_us"]),
+            ]
+        )
+    head = [
+        "kernel",
+        "layout",
+        "dtype",
+        "fusedkit us",
+        "GB/s",
+        "copy roof",
+        "x eager",
+        "x torch.compile",
+        "x tutorial kernel",
+    ]
     sizes = sorted({r["n"] for r in rows})
     small = [r for r in rows if r["n"] != n and r["layout"] == "contiguous" and r["kernel"] == "add_relu"]
     text = f"n = 2^{n.bit_length() - 1} elements:\n\n" + table(head, body, "lllrrrrrr")
     if small:
-        text += "\n\nadd_relu, contiguous, at the other sizes (" + ", ".join(f"2^{s.bit_length() - 1}" for s in sizes
-                                                                       if s != n) + "):\n\n"
-        text += table(["n", "dtype", "fusedkit us", "GB/s", "x eager", "x torch.compile"],
-                      [[f"2^{r['n'].bit_length() - 1}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fused_us']:.1f}",
-                        f"{r['fused_gbps']:.0f}", ratio(r["unfused_us"], r["fused_us"]),
-                        ratio(r.get("compiled_us"), r["fused_us"])] for r in small])
+        text += (
+            "\n\nadd_relu, contiguous, at the other sizes ("
+            + ", ".join(f"2^{s.bit_length() - 1}" for s in sizes if s != n)
+            + "):\n\n"
+        )
+        text += table(
+            ["n", "dtype", "fusedkit us", "GB/s", "x eager", "x torch.compile"],
+            [
+                [
+                    f"2^{r['n'].bit_length() - 1}",
+                    SHORT.get(r["dtype"], r["dtype"]),
+                    f"{r['fused_us']:.1f}",
+                    f"{r['fused_gbps']:.0f}",
+                    ratio(r["unfused_us"], r["fused_us"]),
+                    ratio(r.get("compiled_us"), r["fused_us"]),
+                ]
+                for r in small
+            ],
+        )
     return text + "\n\n" + footnote(data["environment"], "elementwise")
 
 
 def ncu(data: dict) -> str:
     rows = data.get("ncu") or []
-    body = [[t["case"], f"{t['model_fused_read'] / 1e6:.2f}", f"{t['ncu_fused_read'] / 1e6:.2f}",
-             f"{t['model_fused_written'] / 1e6:.2f}", f"{t['ncu_fused_written'] / 1e6:.2f}",
-             f"{t['model_unfused_total'] / 1e6:.2f}", f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:.2f}",
-             t["verdict"]] for t in rows]
-    head = ["case", "model read MB", "ncu read MB", "model written MB", "ncu written MB", "unfused model MB",
-            "unfused ncu MB", "verdict"]
+    body = [
+        [
+            t["case"],
+            f"{t['model_fused_read'] / 1e6:.2f}",
+            f"{t['ncu_fused_read'] / 1e6:.2f}",
+            f"{t['model_fused_written'] / 1e6:.2f}",
+            f"{t['ncu_fused_written'] / 1e6:.2f}",
+            f"{t['model_unfused_total'] / 1e6:.2f}",
+            f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:.2f}",
+            t["verdict"],
+        ]
+        for t in rows
+    ]
+    head = [
+        "case",
+        "model read MB",
+        "ncu read MB",
+        "model written MB",
+        "ncu written MB",
+        "unfused model MB",
+        "unfused ncu MB",
+        "verdict",
+    ]
     return table(head, body, "lrrrrrrl") + "\n\n" + footnote(data["environment"], "ncu")
 
 
@@ -89,16 +139,32 @@ def traffic(data: dict) -> str:
     body, differs = [], []
     for case, rows in (data.get("traffic") or {}).items():
         judged = [r for r in rows if r.get("agrees") is not None]
-        body.append([case, len(rows), len(judged), sum(r["agrees"] for r in judged),
-                     f"{sum(r['read'] for r in rows) / 1e6:.1f}", f"{sum(r.get('dram_read') or 0 for r in rows) / 1e6:.1f}"])
-        differs += [[case, f"`{r['op']}`", f"{r['read'] / 1e6:.2f}",
-                     "no kernel measured" if r.get("dram_read") is None else f"{r['dram_read'] / 1e6:.2f}",
-                     "-" if r.get("error") is None else f"{100 * r['error']:+.1f}%"]
-                    for r in judged if not r["agrees"]]
+        body.append(
+            [
+                case,
+                len(rows),
+                len(judged),
+                sum(r["agrees"] for r in judged),
+                f"{sum(r['read'] for r in rows) / 1e6:.1f}",
+                f"{sum(r.get('dram_read') or 0 for r in rows) / 1e6:.1f}",
+            ]
+        )
+        differs += [
+            [
+                case,
+                f"`{r['op']}`",
+                f"{r['read'] / 1e6:.2f}",
+                "no kernel measured" if r.get("dram_read") is None else f"{r['dram_read'] / 1e6:.2f}",
+                "-" if r.get("error") is None else f"{100 * r['error']:+.1f}%",
+            ]
+            for r in judged
+            if not r["agrees"]
+        ]
     out = table(["case", "ops", "ops reading over 1 MB", "reads within 10%", "model read MB", "DRAM read MB"], body)
     if differs:
         out += "\n\nThe ops whose reads differ by more than 10%:\n\n" + table(
-            ["case", "op", "model read MB", "DRAM read MB", "error"], differs, "llrrr")
+            ["case", "op", "model read MB", "DRAM read MB", "error"], differs, "llrrr"
+        )
     return out + "\n\n" + footnote(data["environment"], "traffic")
 
 
@@ -119,13 +185,32 @@ def advise(data: dict) -> str:
     for t in data.get("timings") or []:
         found = ", ".join(f"{n} x `{p}`" for p, n in sorted(patterns.get(t["model"], {}).items()))
         predicted = "-" if t.get("predicted_ms") is None else f"{t['predicted_ms']:.3f}"
-        body.append([f"`{t['model']}`", found or "none", f"{t['bytes_saved'] / 1e6:.1f}",
-                     f"{t['original_forward_ms']:.3f}", f"{t['fused_forward_ms']:.3f}",
-                     ratio(t["original_forward_ms"], t["fused_forward_ms"]), predicted,
-                     f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}", gpu_saved(t),
-                     ratio(t["original_train_ms"], t["fused_train_ms"])])
-    head = ["model", "sites", "saved MB a forward", "forward ms", "fused forward ms", "x", "predicted ms saved",
-            "measured ms saved", "GPU busy ms saved", "train step x"]
+        body.append(
+            [
+                f"`{t['model']}`",
+                found or "none",
+                f"{t['bytes_saved'] / 1e6:.1f}",
+                f"{t['original_forward_ms']:.3f}",
+                f"{t['fused_forward_ms']:.3f}",
+                ratio(t["original_forward_ms"], t["fused_forward_ms"]),
+                predicted,
+                f"{t['original_forward_ms'] - t['fused_forward_ms']:.3f}",
+                gpu_saved(t),
+                ratio(t["original_train_ms"], t["fused_train_ms"]),
+            ]
+        )
+    head = [
+        "model",
+        "sites",
+        "saved MB a forward",
+        "forward ms",
+        "fused forward ms",
+        "x",
+        "predicted ms saved",
+        "measured ms saved",
+        "GPU busy ms saved",
+        "train step x",
+    ]
     text = table(head, body, "llrrrrrrrr")
     for name, why in (data.get("skipped") or {}).items():
         # (the reason's first sentence: torch.fx's messages go on with general advice)
@@ -134,12 +219,31 @@ def advise(data: dict) -> str:
 
 
 def matmul(data: dict) -> str:
-    body = [[f"{r['m']} x {r['n']} x {r['k']}", SHORT.get(r["dtype"], r["dtype"]), f"{r['fusedkit_tflops']:.1f}",
-             f"{r['cublaslt_epilogue_tflops']:.1f}", f"{r['addmm_relu_tflops']:.1f}", f"{r['matmul_bare_tflops']:.1f}",
-             ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]), ratio(r["addmm_relu_us"], r["fusedkit_us"]),
-             ratio(r["matmul_bare_us"], r["fusedkit_us"])] for r in data["matmul"]]
-    head = ["M x N x K", "dtype", "fusedkit TFLOP/s", "cuBLASLt epilogue", "addmm + relu", "bare matmul",
-            "x cuBLASLt", "x addmm + relu", "x bare"]
+    body = [
+        [
+            f"{r['m']} x {r['n']} x {r['k']}",
+            SHORT.get(r["dtype"], r["dtype"]),
+            f"{r['fusedkit_tflops']:.1f}",
+            f"{r['cublaslt_epilogue_tflops']:.1f}",
+            f"{r['addmm_relu_tflops']:.1f}",
+            f"{r['matmul_bare_tflops']:.1f}",
+            ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]),
+            ratio(r["addmm_relu_us"], r["fusedkit_us"]),
+            ratio(r["matmul_bare_us"], r["fusedkit_us"]),
+        ]
+        for r in data["matmul"]
+    ]
+    head = [
+        "M x N x K",
+        "dtype",
+        "fusedkit TFLOP/s",
+        "cuBLASLt epilogue",
+        "addmm + relu",
+        "bare matmul",
+        "x cuBLASLt",
+        "x addmm + relu",
+        "x bare",
+    ]
     return table(head, body, "llrrrrrrr") + "\n\n" + footnote(data["environment"], "matmul")
 
 
@@ -147,47 +251,115 @@ def latency(data: dict) -> str:
     body = []
     for r in data["elementwise"]:
         fb, tb = r.get("fusedkit.add_relu fwd+bwd"), r.get("relu(x + y) fwd+bwd")
-        body.append([SHORT.get(r["dtype"], r["dtype"]), r["n"], f"{r['torch.add']:.1f}", f"{r['relu(x + y)']:.1f}",
-                     f"{r['fusedkit.add_relu']:.1f}", f"{r['fusedkit.add_relu'] / r['torch.add']:.2f}",
-                     "-" if tb is None else f"{tb:.1f}", "-" if fb is None else f"{fb:.1f}",
-                     "-" if fb is None else f"{fb / tb:.2f}", f"{r.get('graph fusedkit.add_relu') or 0:.1f}"])
-    head = ["dtype", "n", "torch.add us", "relu(x + y) us", "fusedkit.add_relu us", "/ torch.add",
-            "relu(x + y) fwd + bwd us", "add_relu fwd + bwd us", "/ relu(x + y)", "add_relu in a CUDA graph"]
+        body.append(
+            [
+                SHORT.get(r["dtype"], r["dtype"]),
+                r["n"],
+                f"{r['torch.add']:.1f}",
+                f"{r['relu(x + y)']:.1f}",
+                f"{r['fusedkit.add_relu']:.1f}",
+                f"{r['fusedkit.add_relu'] / r['torch.add']:.2f}",
+                "-" if tb is None else f"{tb:.1f}",
+                "-" if fb is None else f"{fb:.1f}",
+                "-" if fb is None else f"{fb / tb:.2f}",
+                f"{r.get('graph fusedkit.add_relu') or 0:.1f}",
+            ]
+        )
+    head = [
+        "dtype",
+        "n",
+        "torch.add us",
+        "relu(x + y) us",
+        "fusedkit.add_relu us",
+        "/ torch.add",
+        "relu(x + y) fwd + bwd us",
+        "add_relu fwd + bwd us",
+        "/ relu(x + y)",
+        "add_relu in a CUDA graph",
+    ]
     text = table(head, body, "lrrrrrrrrr")
     lin = data.get("linear") or []
     if lin:
-        text += "\n\n" + table(["dtype", "M", "K = N", "fusedkit.linear_relu us", "relu(F.linear) us", "ratio",
-                                "fwd + bwd us", "torch fwd + bwd us", "ratio"],
-                               [[SHORT.get(r["dtype"], r["dtype"]), r["m"], r["k"], f"{r['fusedkit.linear_relu']:.1f}",
-                                 f"{r['relu(F.linear)']:.1f}",
-                                 f"{r['fusedkit.linear_relu'] / r['relu(F.linear)']:.2f}",
-                                 f"{r.get('fusedkit.linear_relu fwd+bwd') or 0:.1f}",
-                                 f"{r.get('relu(F.linear) fwd+bwd') or 0:.1f}",
-                                 f"{(r.get('fusedkit.linear_relu fwd+bwd') or 0) / (r.get('relu(F.linear) fwd+bwd') or 1):.2f}"]
-                                for r in lin], "lrrrrrrrr")
+        text += "\n\n" + table(
+            [
+                "dtype",
+                "M",
+                "K = N",
+                "fusedkit.linear_relu us",
+                "relu(F.linear) us",
+                "ratio",
+                "fwd + bwd us",
+                "torch fwd + bwd us",
+                "ratio",
+            ],
+            [
+                [
+                    SHORT.get(r["dtype"], r["dtype"]),
+                    r["m"],
+                    r["k"],
+                    f"{r['fusedkit.linear_relu']:.1f}",
+                    f"{r['relu(F.linear)']:.1f}",
+                    f"{r['fusedkit.linear_relu'] / r['relu(F.linear)']:.2f}",
+                    f"{r.get('fusedkit.linear_relu fwd+bwd') or 0:.1f}",
+                    f"{r.get('relu(F.linear) fwd+bwd') or 0:.1f}",
+                    f"{(r.get('fusedkit.linear_relu fwd+bwd') or 0) / (r.get('relu(F.linear) fwd+bwd') or 1):.2f}",
+                ]
+                for r in lin
+            ],
+            "lrrrrrrrr",
+        )
     return text + "\n\n" + footnote(data["environment"], "latency")
 
 
 def backward(data: dict) -> str:
-    head = ["dtype", "n", "backward us", "eager backward us", "x eager", "fwd + bwd us", "eager fwd + bwd us",
-            "x eager", "saved MiB", "eager saved MiB"]
+    head = [
+        "dtype",
+        "n",
+        "backward us",
+        "eager backward us",
+        "x eager",
+        "fwd + bwd us",
+        "eager fwd + bwd us",
+        "x eager",
+        "saved MiB",
+        "eager saved MiB",
+    ]
     parts = []
     for op in dict.fromkeys(r.get("op", "add_relu") for r in data["backward"]):
         body = []
         for r in (r for r in data["backward"] if r.get("op", "add_relu") == op):
-            body.append([SHORT.get(r["dtype"], r["dtype"]), f"2^{r['n'].bit_length() - 1}",
-                         f"{r['fusedkit_bwd_us']:.1f}", f"{r['eager_bwd_us']:.1f}",
-                         ratio(r["eager_bwd_us"], r["fusedkit_bwd_us"]), f"{r['fusedkit_fwd_bwd_us']:.1f}",
-                         f"{r['eager_fwd_bwd_us']:.1f}", ratio(r["eager_fwd_bwd_us"], r["fusedkit_fwd_bwd_us"]),
-                         f"{r['fusedkit_saved_bytes'] / 2**20:.0f}", f"{r['eager_saved_bytes'] / 2**20:.0f}"])
+            body.append(
+                [
+                    SHORT.get(r["dtype"], r["dtype"]),
+                    f"2^{r['n'].bit_length() - 1}",
+                    f"{r['fusedkit_bwd_us']:.1f}",
+                    f"{r['eager_bwd_us']:.1f}",
+                    ratio(r["eager_bwd_us"], r["fusedkit_bwd_us"]),
+                    f"{r['fusedkit_fwd_bwd_us']:.1f}",
+                    f"{r['eager_fwd_bwd_us']:.1f}",
+                    ratio(r["eager_fwd_bwd_us"], r["fusedkit_fwd_bwd_us"]),
+                    f"{r['fusedkit_saved_bytes'] / 2**20:.0f}",
+                    f"{r['eager_saved_bytes'] / 2**20:.0f}",
+                ]
+            )
         parts.append(f"{op}:\n\n" + table(head, body, "llrrrrrrrr"))
     text = "\n\n".join(parts)
     lin = data.get("linear_relu_training") or []
     if lin:
         text += "\n\nLinearReLU forward + backward against nn.Linear + nn.ReLU:\n\n" + table(
             ["dtype", "M x K x N", "fusedkit us", "torch us", "x torch"],
-            [[SHORT.get(r["dtype"], r["dtype"]), f"{r['m']} x {r['k']} x {r['n']}", f"{r['fusedkit_us']:.1f}",
-              f"{r['torch_us']:.1f}", ratio(r["torch_us"], r["fusedkit_us"])] for r in lin], "llrrr")
+            [
+                [
+                    SHORT.get(r["dtype"], r["dtype"]),
+                    f"{r['m']} x {r['k']} x {r['n']}",
+                    f"{r['fusedkit_us']:.1f}",
+                    f"{r['torch_us']:.1f}",
+                    ratio(r["torch_us"], r["fusedkit_us"]),
+                ]
+                for r in lin
+            ],
+            "llrrr",
+        )
     return text + "\n\n" + footnote(data["environment"], "backward")
 
 
@@ -199,20 +371,45 @@ def models(data: dict) -> str:
 
     def ms(v):
         return "-" if v is None else f"{v:.2f}"
+
     body = []
     for model, rows in by_model.items():
         base = rows["eager"]
         for variant, r in rows.items():
             if variant == "eager2":
                 continue
-            body.append([f"`{model}`", variant, ms(r["train_ms"]), ratio(base["train_ms"], r["train_ms"]),
-                         ms(r["gpu_ms"]), ms(r.get("host_ms")), f"{r['bs1_ms'] * 1e3:.0f}", ratio(base["bs1_ms"], r["bs1_ms"]),
-                         f"{r['serve_ms'] * 1e3:.0f}", ratio(base["serve_ms"], r["serve_ms"]),
-                         "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
-                         f"{r['max_loss_rel_diff']:.1e}", f"{rows['eager2']['max_loss_rel_diff']:.1e}"
-                         if "eager2" in rows else "-"])
-    head = ["model", "variant", "train step ms", "x eager", "GPU busy ms", "host ms", "batch-1 us", "x eager",
-            "serving us", "x eager", "peak MiB", "loss diff", "control"]
+            body.append(
+                [
+                    f"`{model}`",
+                    variant,
+                    ms(r["train_ms"]),
+                    ratio(base["train_ms"], r["train_ms"]),
+                    ms(r["gpu_ms"]),
+                    ms(r.get("host_ms")),
+                    f"{r['bs1_ms'] * 1e3:.0f}",
+                    ratio(base["bs1_ms"], r["bs1_ms"]),
+                    f"{r['serve_ms'] * 1e3:.0f}",
+                    ratio(base["serve_ms"], r["serve_ms"]),
+                    "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
+                    f"{r['max_loss_rel_diff']:.1e}",
+                    f"{rows['eager2']['max_loss_rel_diff']:.1e}" if "eager2" in rows else "-",
+                ]
+            )
+    head = [
+        "model",
+        "variant",
+        "train step ms",
+        "x eager",
+        "GPU busy ms",
+        "host ms",
+        "batch-1 us",
+        "x eager",
+        "serving us",
+        "x eager",
+        "peak MiB",
+        "loss diff",
+        "control",
+    ]
     text = table(head, body, "llrrrrrrrrrrr")
     for name, reason in (data.get("skipped") or {}).items():
         text += f"\n\n`{name}` did not run: {reason}."
@@ -230,13 +427,21 @@ def headline(reports: dict) -> str | None:
     md = reports.get("models")
     if md:
         envs.append(md["environment"])
-        for model, label in (("resnet50", "torchvision ResNet-50 training step, joins through `add_relu`"),
-                             ("gpt2_mlp", "GPT-2 medium MLP training step, GELU in the matmul epilogue")):
+        for model, label in (
+            ("resnet50", "torchvision ResNet-50 training step, joins through `add_relu`"),
+            ("gpt2_mlp", "GPT-2 medium MLP training step, GELU in the matmul epilogue"),
+        ):
             r = _find(md["models"], model=model, variant="fusedkit")
             e = _find(md["models"], model=model, variant="eager")
             if r and e:
-                rows.append([label, "the stock model, eager", ratio(e["train_ms"], r["train_ms"]),
-                             f"{r['train_ms']:.2f} ms a step"])
+                rows.append(
+                    [
+                        label,
+                        "the stock model, eager",
+                        ratio(e["train_ms"], r["train_ms"]),
+                        f"{r['train_ms']:.2f} ms a step",
+                    ]
+                )
     ew = reports.get("elementwise")
     if ew:
         envs.append(ew["environment"])
@@ -244,46 +449,78 @@ def headline(reports: dict) -> str | None:
         for kernel, layout, dtype in (("add_relu", "contiguous", "bfloat16"), ("add_relu", "transposed", "bfloat16")):
             r = _find(ew["rows"], kernel=kernel, layout=layout, dtype=dtype, n=n)
             if r:
-                rows.append([f"`add_relu`, {layout}, {SHORT[dtype]}, 2^{n.bit_length() - 1} elements",
-                             "`torch.relu(x + y)`", ratio(r["unfused_us"], r["fused_us"]),
-                             f"{r['fused_gbps']:.0f} GB/s, {r['roof_share']:.0%} of the copy roof"])
+                rows.append(
+                    [
+                        f"`add_relu`, {layout}, {SHORT[dtype]}, 2^{n.bit_length() - 1} elements",
+                        "`torch.relu(x + y)`",
+                        ratio(r["unfused_us"], r["fused_us"]),
+                        f"{r['fused_gbps']:.0f} GB/s, {r['roof_share']:.0%} of the copy roof",
+                    ]
+                )
     mm = reports.get("matmul")
     if mm:
         envs.append(mm["environment"])
         for shape in ((4096, 4096, 4096),):
             r = _find(mm["matmul"], m=shape[0], n=shape[1], k=shape[2], dtype="bfloat16")
             if r:
-                rows.append([f"matmul + bias + ReLU, bf16, {' x '.join(map(str, shape))}",
-                             "cuBLASLt's fused epilogue", ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]),
-                             f"{r['fusedkit_tflops']:.0f} TFLOP/s"])
+                rows.append(
+                    [
+                        f"matmul + bias + ReLU, bf16, {' x '.join(map(str, shape))}",
+                        "cuBLASLt's fused epilogue",
+                        ratio(r["cublaslt_epilogue_us"], r["fusedkit_us"]),
+                        f"{r['fusedkit_tflops']:.0f} TFLOP/s",
+                    ]
+                )
     lat = reports.get("latency")
     if lat:
         envs.append(lat["environment"])
         r = _find(lat["elementwise"], n=1024, dtype="float32")
         if r:
-            rows.append(["`add_relu` per eager call, fp32, 1,024 elements", "`torch.relu(x + y)` (two ops)",
-                         ratio(r["relu(x + y)"], r["fusedkit.add_relu"]),
-                         f"{r['fusedkit.add_relu']:.1f} us a call; `torch.add` {r['torch.add']:.1f} us"])
+            rows.append(
+                [
+                    "`add_relu` per eager call, fp32, 1,024 elements",
+                    "`torch.relu(x + y)` (two ops)",
+                    ratio(r["relu(x + y)"], r["fusedkit.add_relu"]),
+                    f"{r['fusedkit.add_relu']:.1f} us a call; `torch.add` {r['torch.add']:.1f} us",
+                ]
+            )
     bw = reports.get("backward")
     if bw and bw.get("linear_relu_training"):
         envs.append(bw["environment"])
         r = bw["linear_relu_training"][0]
-        rows.append([f"`LinearReLU` forward + backward, bf16, {r['m']} x {r['k']} x {r['n']}",
-                     "`nn.Linear` + `nn.ReLU`", ratio(r["torch_us"], r["fusedkit_us"]), f"{r['fusedkit_us']:.0f} us"])
+        rows.append(
+            [
+                f"`LinearReLU` forward + backward, bf16, {r['m']} x {r['k']} x {r['n']}",
+                "`nn.Linear` + `nn.ReLU`",
+                ratio(r["torch_us"], r["fusedkit_us"]),
+                f"{r['fusedkit_us']:.0f} us",
+            ]
+        )
     if not rows:
         return None
     env = envs[0]
     commits = sorted({(e.get("commit") or "?")[:12] for e in envs})
     dates = sorted({e.get("date", "")[:10] for e in envs})
-    note = (f"<sub>Ratios: the peer's time over fusedkit's, above 1.00x fusedkit is faster; peers timed in the same "
-            f"process (GPU times: `triton.testing.do_bench` medians; per-call times: back-to-back calls on the host). {env.get('gpu')}, torch {env.get('torch')}, triton "
-            f"{env.get('triton')}; fusedkit at {', '.join(commits)}; {', '.join(dates)}. Reproduce: "
-            f"`bash scripts/results.sh`; every table: [docs/results.md](docs/results.md).</sub>")
+    note = (
+        f"<sub>Ratios: the peer's time over fusedkit's, above 1.00x fusedkit is faster; peers timed in the same "
+        f"process (GPU times: `triton.testing.do_bench` medians; per-call times: back-to-back calls on the host). "
+        f"{env.get('gpu')}, torch {env.get('torch')}, triton "
+        f"{env.get('triton')}; fusedkit at {', '.join(commits)}; {', '.join(dates)}. Reproduce: "
+        f"`bash scripts/results.sh`; every table: [docs/results.md](docs/results.md).</sub>"
+    )
     return table(["case", "against", "speed-up", "fusedkit"], rows[:8], "llrl") + "\n\n" + note
 
 
-RENDERERS = {"models": models, "elementwise": elementwise, "ncu": ncu, "matmul": matmul, "latency": latency,
-             "backward": backward, "traffic": traffic, "advise": advise}
+RENDERERS = {
+    "models": models,
+    "elementwise": elementwise,
+    "ncu": ncu,
+    "matmul": matmul,
+    "latency": latency,
+    "backward": backward,
+    "traffic": traffic,
+    "advise": advise,
+}
 
 
 def replace_region(text: str, name: str, body: str) -> str:

@@ -49,11 +49,13 @@ def test_add_relu_backward(benchmark, which, dtype, n):
 
     moved = 3 * n * x.element_size()
     info = benchmark.extra_info
-    info.update(case=which, n=n, dtype=str(dtype), bytes_moved=moved, torch=torch.__version__,
-                triton=triton.__version__)
+    info.update(
+        case=which, n=n, dtype=str(dtype), bytes_moved=moved, torch=torch.__version__, triton=triton.__version__
+    )
     if ON_GPU:
-        us = 1e3 * triton.testing.do_bench(lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True),
-                                           return_mode="median")
+        us = 1e3 * triton.testing.do_bench(
+            lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True), return_mode="median"
+        )
         info.update(gpu=torch.cuda.get_device_name(DEVICE), do_bench_median_us=us, gbps=moved / us / 1e3)
     else:
         info["note"] = "CPU: Triton interpreter at tiny sizes; not GPU times"

@@ -30,9 +30,11 @@ def copy_roof(dtype) -> float:
 
 def _timed(fn):
     if ON_GPU:
+
         def run():
             fn()
             torch.cuda.synchronize()
+
         return run
     return fn
 
@@ -40,10 +42,17 @@ def _timed(fn):
 def _record(benchmark, spec, ops, which):
     traffic = spec.bytes_fused(*ops) if which == "fused" else spec.bytes_unfused(*ops)
     info = benchmark.extra_info
-    info.update(kernel=spec.name, which=which, shape=list(ops[0].shape), dtype=str(ops[0].dtype),
-                bytes_read=traffic.read, bytes_written=traffic.written,
-                torch=torch.__version__, triton=triton.__version__,
-                backend=fusedkit.backend_for(DEVICE))
+    info.update(
+        kernel=spec.name,
+        which=which,
+        shape=list(ops[0].shape),
+        dtype=str(ops[0].dtype),
+        bytes_read=traffic.read,
+        bytes_written=traffic.written,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        backend=fusedkit.backend_for(DEVICE),
+    )
     if ON_GPU:
         props = torch.cuda.get_device_properties(DEVICE)
         info.update(gpu=props.name, fits_l2=traffic.total <= props.L2_cache_size)
@@ -63,16 +72,18 @@ def test_elementwise(benchmark, spec, which, dtype, n, layout):
         if not ON_GPU:
             pytest.skip("torch.compile of the composition is a GPU peer")
         compiled = bench.compiled_peer(spec.reference)
-        fn = lambda: compiled(*args)  # noqa: E731
+        fn = lambda: compiled(*args)
     elif which == "tutorial":
         if not supports_tutorial(spec, dtype):
             pytest.skip(f"the tutorial-style peer takes binary float kernels with a parameter, not {spec.name}")
         # copies a broadcast or transposed operand first: the hidden copy it needs
-        fn = lambda: tutorial(spec, ops[0], ops[1], spec.param_default)  # noqa: E731
+        fn = lambda: tutorial(spec, ops[0], ops[1], spec.param_default)
     else:
-        fn = {"fused": lambda: fusedkit.elementwise(spec, *ops),
-              "unfused": lambda: spec.reference(*args),
-              "torch_add": lambda: torch.add(ops[0], ops[-1])}[which]
+        fn = {
+            "fused": lambda: fusedkit.elementwise(spec, *ops),
+            "unfused": lambda: spec.reference(*args),
+            "torch_add": lambda: torch.add(ops[0], ops[-1]),
+        }[which]
     _record(benchmark, spec, ops, which)
     # One table per op, dtype, size and layout: the peers side by side.
     benchmark.group = f"{spec.name} {str(dtype).removeprefix('torch.')} n={n} {layout}"

@@ -29,12 +29,18 @@ def _batched(fn):
             fn()
         if ON_GPU:
             torch.cuda.synchronize()
+
     return run
 
 
 def _bench(benchmark, fn, **info):
-    benchmark.extra_info.update(info, calls_per_round=BATCH, torch=torch.__version__, triton=triton.__version__,
-                                backend=fusedkit.backend_for(DEVICE))
+    benchmark.extra_info.update(
+        info,
+        calls_per_round=BATCH,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        backend=fusedkit.backend_for(DEVICE),
+    )
     if ON_GPU:
         benchmark.extra_info["gpu"] = torch.cuda.get_device_name(DEVICE)
     else:
@@ -48,8 +54,12 @@ def _bench(benchmark, fn, **info):
 @pytest.mark.parametrize("which", ["torch.add", "relu(x + y)", "fusedkit.add", "fusedkit.add_relu"])
 def test_elementwise_latency(benchmark, which, dtype, n):
     x, y = (torch.randn(n, device=DEVICE).to(dtype) for _ in range(2))
-    fn = {"torch.add": lambda: torch.add(x, y), "relu(x + y)": lambda: torch.relu(x + y),
-          "fusedkit.add": lambda: fusedkit.add(x, y), "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y)}[which]
+    fn = {
+        "torch.add": lambda: torch.add(x, y),
+        "relu(x + y)": lambda: torch.relu(x + y),
+        "fusedkit.add": lambda: fusedkit.add(x, y),
+        "fusedkit.add_relu": lambda: fusedkit.add_relu(x, y),
+    }[which]
     benchmark.group = f"per call: add_relu {str(dtype).removeprefix('torch.')} n={n}"
     _bench(benchmark, fn, case=which, n=n, dtype=str(dtype))
 
@@ -59,7 +69,9 @@ def test_elementwise_latency(benchmark, which, dtype, n):
 def test_linear_relu_latency(benchmark, which, m, k):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     a, w, b = (torch.randn(*s, device=DEVICE).to(dtype) for s in ((m, k), (k, k), (k,)))
-    fn = {"fusedkit.linear_relu": lambda: fusedkit.linear_relu(a, w, b),
-          "relu(F.linear)": lambda: torch.relu(F.linear(a, w, b))}[which]
+    fn = {
+        "fusedkit.linear_relu": lambda: fusedkit.linear_relu(a, w, b),
+        "relu(F.linear)": lambda: torch.relu(F.linear(a, w, b)),
+    }[which]
     benchmark.group = f"per call: linear_relu {str(dtype).removeprefix('torch.')} {m}x{k}x{k}"
     _bench(benchmark, fn, case=which, m=m, k=k, n=k, dtype=str(dtype))

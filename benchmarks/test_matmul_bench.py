@@ -3,7 +3,6 @@ eager addmm + relu, and torch.compile of the eager composition."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import triton
@@ -26,18 +25,28 @@ def test_matmul_relu(fk_settings, benchmark, m, n, k, dtype, which):
     benchmark.group = f"matmul_relu {str(dtype).removeprefix('torch.')} {m}x{n}x{k}"
     if which.startswith("fusedkit_"):
         fk_settings(matmul_kernel=which.removeprefix("fusedkit_"))
-        fn = lambda: fusedkit.matmul_relu(a, b, bias)  # noqa: E731
+        fn = lambda: fusedkit.matmul_relu(a, b, bias)
     elif which == "compiled":
         if not ON_GPU:
             pytest.skip("torch.compile is a GPU peer")
         compiled = torch.compile(lambda a, b, bias: torch.relu(torch.addmm(bias, a, b)))
-        fn = lambda: compiled(a, b, bias)  # noqa: E731
+        fn = lambda: compiled(a, b, bias)
     else:
-        fn = {"cublaslt_epilogue": lambda: torch._addmm_activation(bias, a, b),
-              "addmm_relu": lambda: torch.relu(torch.addmm(bias, a, b))}[which]
+        fn = {
+            "cublaslt_epilogue": lambda: torch._addmm_activation(bias, a, b),
+            "addmm_relu": lambda: torch.relu(torch.addmm(bias, a, b)),
+        }[which]
     info = benchmark.extra_info
-    info.update(case=which, m=m, n=n, k=k, dtype=str(dtype), torch=torch.__version__, triton=triton.__version__,
-                autotune=fusedkit.settings.current().autotune)
+    info.update(
+        case=which,
+        m=m,
+        n=n,
+        k=k,
+        dtype=str(dtype),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        autotune=fusedkit.settings.current().autotune,
+    )
     if ON_GPU:
         us = 1e3 * triton.testing.do_bench(fn, return_mode="median")
         info.update(gpu=torch.cuda.get_device_name(DEVICE), do_bench_median_us=us, tflops=2 * m * n * k / us / 1e6)
@@ -48,4 +57,5 @@ def test_matmul_relu(fk_settings, benchmark, m, n, k, dtype, which):
         fn()
         if ON_GPU:
             torch.cuda.synchronize()
+
     benchmark.pedantic(timed, rounds=10 if ON_GPU else 2, warmup_rounds=2 if ON_GPU else 1)

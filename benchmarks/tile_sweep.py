@@ -27,7 +27,6 @@ from fusedkit.bench.cases import BIAS_COLS, DTYPE_NAMES, make_operands, timer
 from fusedkit.runtime import configs
 from fusedkit.runtime.elementwise import INTERPRETED
 
-
 #: The layouts whose tile the sweep sets (a transposed operand takes ``TRANSPOSED_TILE``).
 LAYOUTS = ("contiguous", "bias")
 
@@ -83,7 +82,8 @@ def main(argv=None) -> None:
     print(f"{'kernel':<14}{'dtype':<10}{'layout':<11}{'n':>6}  tile/warps: us (* fastest)   current/fastest")
     try:
         for name, dtype_name, layout, log2 in itertools.product(
-                args.kernels.split(","), args.dtypes.split(","), layouts, sizes):
+            args.kernels.split(","), args.dtypes.split(","), layouts, sizes
+        ):
             kernel, dtype = registry.get(name), DTYPE_NAMES[dtype_name]
             now = _current_tile(layout, 1 << log2, dtype)
             operands = make_operands(kernel, layout, 1 << log2, dtype, device)

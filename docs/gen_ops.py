@@ -32,13 +32,21 @@ TABLE_PAGES = ("elementwise.md",)
 #: The committed GPU runs whose plots the docs show: ``benchmarks/results/<run>/<name>``.
 PLOTS = {"elementwise_gbps.png": "h200", "elementwise_bytes.png": "h200", "matmul_tflops.png": "h200"}
 
-_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-          torch.int32: "int32", torch.int64: "int64"}
+_SHORT = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 #: Elements in the operands the byte model is evaluated on (meta tensors: no memory).
 _N = 4096
 
-HEADER = ("| op | formula | operands | scalar | dtypes | replaces (eager) | fused, per element | "
-          "unfused, per element | backward |")
+HEADER = (
+    "| op | formula | operands | scalar | dtypes | replaces (eager) | fused, per element | "
+    "unfused, per element | backward |"
+)
 RULE = "|---|---|---|---|---|---|---|---|---|"
 
 
@@ -58,8 +66,9 @@ def _moves(kernel: ElementwiseKernel) -> tuple[str, str]:
     cells = []
     for traffic in (kernel.bytes_fused(*ops), kernel.bytes_unfused(*ops)):
         reads, writes = traffic.read // (_N * size), traffic.written // (_N * size)
-        cells.append(f"{reads} reads + {writes} write{'s' if writes != 1 else ''} "
-                     f"= {traffic.total // _N} B ({_SHORT[dtype]})")
+        cells.append(
+            f"{reads} reads + {writes} write{'s' if writes != 1 else ''} = {traffic.total // _N} B ({_SHORT[dtype]})"
+        )
     return cells[0], cells[1]
 
 

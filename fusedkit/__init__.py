@@ -16,8 +16,17 @@ from __future__ import annotations
 
 from . import nn, registry, settings
 from .errors import (
-    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
-    ShapeError, SignatureError, TracingError, UnknownKernelError,
+    ArgumentError,
+    DeviceError,
+    DTypeError,
+    FusedkitError,
+    NotDifferentiableError,
+    OverlapError,
+    ScalarOverflowError,
+    ShapeError,
+    SignatureError,
+    TracingError,
+    UnknownKernelError,
 )
 from .fusion import FusionSite, advise, fuse
 from .memory import MemoryCounterMode
@@ -62,9 +71,36 @@ from . import sharding as _sharding  # noqa: E402
 _sharding.install()  # DTensor's rules: now if torch.distributed.tensor is imported, else with its import
 
 __all__ = [
-    "add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "elementwise", "clear_caches", "matmul", "matmul_relu",
-    "linear_relu", "nn", "registry", "MemoryCounterMode", "advise", "fuse", "FusionSite",
-    "settings", "set_fp32_precision", "get_fp32_precision", "backend_for", "BACKENDS",
-    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError", "SignatureError",
-    "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",
+    "add",
+    "add_relu",
+    "silu_mul",
+    "gelu_mul",
+    "add_gelu",
+    "elementwise",
+    "clear_caches",
+    "matmul",
+    "matmul_relu",
+    "linear_relu",
+    "nn",
+    "registry",
+    "MemoryCounterMode",
+    "advise",
+    "fuse",
+    "FusionSite",
+    "settings",
+    "set_fp32_precision",
+    "get_fp32_precision",
+    "backend_for",
+    "BACKENDS",
+    "FusedkitError",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+    "OverlapError",
+    "ArgumentError",
+    "SignatureError",
+    "UnknownKernelError",
+    "NotDifferentiableError",
+    "ScalarOverflowError",
+    "TracingError",
 ]

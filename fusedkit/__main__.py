@@ -30,11 +30,13 @@ def _choices(kind: str, allowed, aliases=None, groups=None):
         for item in (s.strip() for s in text.split(",")):
             for name in groups.get(item, (aliases.get(item, item),)):
                 if name not in allowed:
-                    raise argparse.ArgumentTypeError(f"unknown {kind} {item!r}; choose from "
-                                                     f"{', '.join((*groups, *allowed))}")
+                    raise argparse.ArgumentTypeError(
+                        f"unknown {kind} {item!r}; choose from {', '.join((*groups, *allowed))}"
+                    )
                 if name not in items:  # "a,a" runs a once
                     items.append(name)
         return items
+
     return parse
 
 
@@ -61,64 +63,111 @@ def _shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fusedkit",
-                                     description="fusedkit: fused GPU kernels in Triton for PyTorch.")
-    parser.add_argument("--version", action="version",
-                        version=f"fusedkit {__version__} (torch {torch.__version__})")
+    parser = argparse.ArgumentParser(
+        prog="python -m fusedkit", description="fusedkit: fused GPU kernels in Triton for PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"fusedkit {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    p = commands.add_parser("bench", help="the fused-vs-unfused report (also --matmul, --latency, --backward)",
-                            description="Time fusedkit's kernels beside the unfused PyTorch ops they replace, "
-                                        "peers in the same process; on a CPU, in Triton's interpreter.")
+    p = commands.add_parser(
+        "bench",
+        help="the fused-vs-unfused report (also --matmul, --latency, --backward)",
+        description="Time fusedkit's kernels beside the unfused PyTorch ops they replace, "
+        "peers in the same process; on a CPU, in Triton's interpreter.",
+    )
     kernels = registry.names()
     dtypes = tuple(DTYPE_NAMES)
     # "ops": the entries model code calls (each has a backward), not the gradient kernels
     ops = tuple(k.name for k in registry.kernels() if k.backward is not None)
-    p.add_argument("--kernels", type=_choices("kernel", kernels, groups={"ops": ops}), default=list(kernels),
-                   help=f"comma-separated registry names, or ops: those with a backward ({','.join(ops)}) "
-                        f"(default: all: {','.join(kernels)})")
-    p.add_argument("--dtypes", type=_choices("dtype", dtypes, {str(v)[6:]: k for k, v in DTYPE_NAMES.items()}),
-                   default=["fp32", "bf16"], help=f"comma-separated, from {','.join(dtypes)} (default: fp32,bf16)")
+    p.add_argument(
+        "--kernels",
+        type=_choices("kernel", kernels, groups={"ops": ops}),
+        default=list(kernels),
+        help=f"comma-separated registry names, or ops: those with a backward ({','.join(ops)}) "
+        f"(default: all: {','.join(kernels)})",
+    )
+    p.add_argument(
+        "--dtypes",
+        type=_choices("dtype", dtypes, {str(v)[6:]: k for k, v in DTYPE_NAMES.items()}),
+        default=["fp32", "bf16"],
+        help=f"comma-separated, from {','.join(dtypes)} (default: fp32,bf16)",
+    )
     p.add_argument("--sizes", type=_sizes, default=None, help="element counts or powers of two (20 = 2**20)")
-    p.add_argument("--layouts", type=_choices("layout", LAYOUTS), default=list(LAYOUTS),
-                   help=f"comma-separated, from {','.join(LAYOUTS)}")
+    p.add_argument(
+        "--layouts",
+        type=_choices("layout", LAYOUTS),
+        default=list(LAYOUTS),
+        help=f"comma-separated, from {','.join(LAYOUTS)}",
+    )
     p.add_argument("--bias-cols", type=int, default=BIAS_COLS, help="columns of the bias layout")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    p.add_argument("--ncu", action="store_true",
-                   help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model")
+    p.add_argument(
+        "--ncu",
+        action="store_true",
+        help="also read DRAM bytes with Nsight Compute (GPU with ncu on PATH) beside the model",
+    )
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR (needs matplotlib)")
     report = p.add_mutually_exclusive_group()
     report.add_argument("--matmul", action="store_true", help="the matmul-epilogue report instead")
-    report.add_argument("--backward", action="store_true",
-                        help="the backward and memory report instead (add_relu, the gates, bias + GELU; against eager and compiled torch)")
-    report.add_argument("--traffic", action="store_true",
-                        help="the byte counter against Nsight Compute's DRAM bytes, op by op, in a ResNet-50 "
-                             "Bottleneck's and a SwiGLU MLP's training step instead (GPU with ncu on PATH)")
-    report.add_argument("--latency", action="store_true",
-                        help="the small-tensor report instead: host time per call against torch")
+    report.add_argument(
+        "--backward",
+        action="store_true",
+        help="the backward and memory report instead (add_relu, the gates, bias + GELU; against eager and "
+        "compiled torch)",
+    )
+    report.add_argument(
+        "--traffic",
+        action="store_true",
+        help="the byte counter against Nsight Compute's DRAM bytes, op by op, in a ResNet-50 "
+        "Bottleneck's and a SwiGLU MLP's training step instead (GPU with ncu on PATH)",
+    )
+    report.add_argument(
+        "--latency", action="store_true", help="the small-tensor report instead: host time per call against torch"
+    )
     models = tuple(MODELS)
-    report.add_argument("--models", type=_choices("model", models), nargs="?", const=list(models), default=None,
-                        metavar="NAMES", help="the real-model report instead (training step, inference, memory, "
-                                              f"loss against stock eager and torch.compile); NAMES from "
-                                              f"{','.join(models)} (default: all)")
-    p.add_argument("--shapes", type=_shapes, default=None,
-                   help="matmul shapes MxNxK, comma-separated (default: the report's set)")
-    p.add_argument("--tf32", action="store_true",
-                   help="allow TF32 in fp32 matmuls (torch.backends.cuda.matmul.allow_tf32), both sides")
+    report.add_argument(
+        "--models",
+        type=_choices("model", models),
+        nargs="?",
+        const=list(models),
+        default=None,
+        metavar="NAMES",
+        help="the real-model report instead (training step, inference, memory, "
+        f"loss against stock eager and torch.compile); NAMES from "
+        f"{','.join(models)} (default: all)",
+    )
+    p.add_argument(
+        "--shapes", type=_shapes, default=None, help="matmul shapes MxNxK, comma-separated (default: the report's set)"
+    )
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="allow TF32 in fp32 matmuls (torch.backends.cuda.matmul.allow_tf32), both sides",
+    )
     p.add_argument("--json", help="write rows and environment to this JSON file")
     p.add_argument("--csv", help="write rows to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = commands.add_parser("advise", help="fusedkit.advise and fuse on the real models: sites, bytes, time",
-                            description="Find where fusedkit fuses the model report's stock models (fusedkit.advise), "
-                                        "and time the model fusedkit.fuse returns against the original.")
-    a.add_argument("--models", type=_choices("model", models), default=list(models),
-                   help=f"comma-separated, from {','.join(models)} (default: all)")
+    a = commands.add_parser(
+        "advise",
+        help="fusedkit.advise and fuse on the real models: sites, bytes, time",
+        description="Find where fusedkit fuses the model report's stock models (fusedkit.advise), "
+        "and time the model fusedkit.fuse returns against the original.",
+    )
+    a.add_argument(
+        "--models",
+        type=_choices("model", models),
+        default=list(models),
+        help=f"comma-separated, from {','.join(models)} (default: all)",
+    )
     a.add_argument("--json", help="write sites, timings and environment to this JSON file")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
-    commands.add_parser("build", help="build the C++ launch table ahead of the first call that would build it",
-                        description="Build (or find) the C++ extension that launches repeated eager calls and "
-                                    "records their autograd nodes; needs a C++ compiler and ninja. Without it "
-                                    "every call takes the Python path.")
+    commands.add_parser(
+        "build",
+        help="build the C++ launch table ahead of the first call that would build it",
+        description="Build (or find) the C++ extension that launches repeated eager calls and "
+        "records their autograd nodes; needs a C++ compiler and ninja. Without it "
+        "every call takes the Python path.",
+    )
     return parser
 
 

@@ -26,10 +26,28 @@ from .errors import ArgumentError, NotDifferentiableError, UnknownKernelError
 from .registry import get, result_dtype
 from .runtime import elementwise, matmul, native
 
-__all__ = ["EagerElementwise", "EagerMatmul", "FuncElementwise", "FuncMatmul", "PAIRS", "call_autograd",
-           "call_functorch", "call_op", "call_pair", "elementwise_op", "elementwise_out_op", "elementwise_pair_op",
-           "functorch_active", "matmul_functorch", "matmul_op", "matmul_setup_context", "native_backward",
-           "record_matmul", "register_matmul_backward", "register_pair"]
+__all__ = [
+    "EagerElementwise",
+    "EagerMatmul",
+    "FuncElementwise",
+    "FuncMatmul",
+    "PAIRS",
+    "call_autograd",
+    "call_functorch",
+    "call_op",
+    "call_pair",
+    "elementwise_op",
+    "elementwise_out_op",
+    "elementwise_pair_op",
+    "functorch_active",
+    "matmul_functorch",
+    "matmul_op",
+    "matmul_setup_context",
+    "native_backward",
+    "record_matmul",
+    "register_matmul_backward",
+    "register_pair",
+]
 
 #: Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active; a C call. Its
 #: wrapped tensors have no storage, so a launch waits until none is.
@@ -63,8 +81,9 @@ def _param(kernel, param):
 # The ops take their tensors first: torch 2.11's DTensor looks for the device mesh in an op's
 # first argument only (with the kernel's name first, every tensor-parallel call failed there).
 @torch.library.custom_op("fusedkit::elementwise", mutates_args=())
-def elementwise_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar],
-                   param: Scalar) -> torch.Tensor:
+def elementwise_op(
+    tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar], param: Scalar
+) -> torch.Tensor:
     kernel = get(name)
     operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
     call = elementwise.validate(kernel, operands, _param(kernel, param), None)
@@ -148,6 +167,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
     def backward(grad, saved):
         arg = saved[0] if saves == "output" else saved if saves == "inputs" else None
         return [_operand_grad(g, m) for g, m in zip(formula(grad, arg, param), meta)]
+
     plan = ()
     if kernel.backward_kernels is not None and all(d.is_floating_point for _, d, _ in meta):
         plan = _plan(kernel, param)
@@ -166,7 +186,7 @@ def _plan(kernel, param) -> tuple:
         if steps is None:
             return ()
         plan = tuple(None if step is None else _step(*step) for step in steps)
-    except Exception:  # noqa: BLE001 - any failure of a user's plan falls back to its backward
+    except Exception:
         return ()
     if len(plan) != kernel.arity or not all(step is None or _step_fits(*step, operands) for step in plan):
         return ()
@@ -211,8 +231,9 @@ def _batch_first(kernel, tensors, tensor_slots, scalars, in_dims) -> list:
     operands as they are. A batched operand that is 0-d per example is converted to the
     per-example result dtype first: gaining dims, it would otherwise promote as a tensor
     with dims (an fp32 0-d beside fp16 gives fp16 in torch, fp32 with dims)."""
-    per_example = [torch.empty((1,) * (t.dim() - (d is not None)), dtype=t.dtype, device="meta")
-                   for t, d in zip(tensors, in_dims)]
+    per_example = [
+        torch.empty((1,) * (t.dim() - (d is not None)), dtype=t.dtype, device="meta") for t, d in zip(tensors, in_dims)
+    ]
     rank = max(t.dim() for t in per_example)
     dtype = result_dtype(_assemble(kernel.arity, per_example, tensor_slots, scalars))
     moved = []
@@ -228,16 +249,23 @@ def _batch_first(kernel, tensors, tensor_slots, scalars, in_dims) -> list:
 
 def _elementwise_vmap(info, in_dims, tensors, name, tensor_slots, scalars, param):
     # (the other arguments are not tensors)
-    return elementwise_op(_batch_first(get(name), tensors, tensor_slots, scalars, in_dims[0]), name, tensor_slots,
-                          scalars, param), 0
+    return elementwise_op(
+        _batch_first(get(name), tensors, tensor_slots, scalars, in_dims[0]), name, tensor_slots, scalars, param
+    ), 0
 
 
 torch.library.register_vmap(elementwise_op, _elementwise_vmap)
 
 
 @torch.library.custom_op("fusedkit::elementwise_out", mutates_args=("out",))
-def elementwise_out_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar],
-                       param: Scalar, out: torch.Tensor) -> None:
+def elementwise_out_op(
+    tensors: list[torch.Tensor],
+    name: str,
+    tensor_slots: list[int],
+    scalars: list[Scalar],
+    param: Scalar,
+    out: torch.Tensor,
+) -> None:
     kernel = get(name)
     operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
     elementwise.run_validated(elementwise.validate(kernel, operands, _param(kernel, param), out))
@@ -256,8 +284,9 @@ def _elementwise_out_vmap(info, in_dims, tensors, name, tensor_slots, scalars, p
     rank = max(t.dim() - (d is not None) for t, d in zip(tensors, tensor_dims))
     out = out.movedim(out_dim, 0)
     out = out.reshape(out.shape[0], *(1,) * (rank - out.dim() + 1), *out.shape[1:])
-    elementwise_out_op(_batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), name, tensor_slots,
-                       scalars, param, out)
+    elementwise_out_op(
+        _batch_first(get(name), tensors, tensor_slots, scalars, tensor_dims), name, tensor_slots, scalars, param, out
+    )
     return None, None
 
 
@@ -275,8 +304,9 @@ def register_pair(kernel) -> None:
 
 
 @torch.library.custom_op("fusedkit::elementwise_pair", mutates_args=())
-def elementwise_pair_op(tensors: list[torch.Tensor], name: str, tensor_slots: list[int],
-                        scalars: list[Scalar]) -> tuple[torch.Tensor, torch.Tensor]:
+def elementwise_pair_op(
+    tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output kernel: the registered op a dispatch mode sees (a byte
     counter, ``make_fx``) where an eager backward would call ``run_pair`` directly."""
     kernel = PAIRS[name]
@@ -287,8 +317,9 @@ def elementwise_pair_op(tensors: list[torch.Tensor], name: str, tensor_slots: li
 def _(tensors, name, tensor_slots, scalars):
     kernel = PAIRS[name]
     with torch.no_grad():
-        call = elementwise.validate(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None, None,
-                                    outputs=2)
+        call = elementwise.validate(
+            kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None, None, outputs=2
+        )
     return elementwise.allocate_out(call), elementwise.allocate_out(call)
 
 
@@ -301,8 +332,10 @@ def call_pair(kernel, operands: tuple) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check_registered(kernel) -> None:
     if get(kernel.name) is not kernel:
-        raise UnknownKernelError(f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
-                                 "fusedkit.registry.register() it first")
+        raise UnknownKernelError(
+            f"{kernel.name!r}: autograd and torch.compile run registered kernels only; "
+            "fusedkit.registry.register() it first"
+        )
 
 
 def call_op(kernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
@@ -391,8 +424,9 @@ def _inner(kernel, operands: tuple, param) -> torch.Tensor:
 
 
 @torch.library.custom_op("fusedkit::matmul", mutates_args=())
-def matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-              store_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def matmul_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """2-D ``act(a @ b + bias)`` and, when ``store_pre``, the pre-activation (else an empty tensor)."""
     out, pre = matmul.forward(a, b, bias, activation, store_pre)
     return out, pre if pre is not None else out.new_empty(0)
@@ -449,8 +483,9 @@ class EagerMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a2, b, bias, activation, store_pre, kept=None):
         if store_pre:
-            out, pre = (kept.launch_pre(a2, b, bias) if kept is not None
-                        else matmul.forward(a2, b, bias, activation, store_pre))
+            out, pre = (
+                kept.launch_pre(a2, b, bias) if kept is not None else matmul.forward(a2, b, bias, activation, store_pre)
+            )
         elif kept is not None:  # a repeated signature's kept plan
             out, pre = kept.launch(a2, b, bias), None
         else:  # grad is off in here: a repeated call is kept
@@ -465,8 +500,10 @@ class EagerMatmul(torch.autograd.Function):
         if torch.is_grad_enabled() and ctx.activation in matmul.NEEDS_PRE:
             # The saved pre-activation carries no graph, so a second derivative would
             # silently miss its term.
-            raise NotDifferentiableError(f"matmul(): double backward through activation={ctx.activation!r} is not "
-                                      "supported (None and 'relu' are)")
+            raise NotDifferentiableError(
+                f"matmul(): double backward through activation={ctx.activation!r} is not "
+                "supported (None and 'relu' are)"
+            )
         return (*_matmul_backward(ctx, grad_out), None, None, None)
 
 
@@ -507,7 +544,6 @@ class FuncMatmul(torch.autograd.Function):
         out = torch.stack([p[0] for p in parts])
         pre = torch.stack([p[1] for p in parts]) if store_pre else parts[0][1]
         return (out, pre), (0, 0 if store_pre else None)
-
 
 
 def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:

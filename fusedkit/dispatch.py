@@ -22,7 +22,7 @@ from .errors import FusedkitError, NotDifferentiableError, TracingError
 from .registry import ElementwiseKernel
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
-from .runtime import launch, native
+from .runtime import native
 
 __all__ = ["elementwise", "matmul", "observed", "tracing"]
 
@@ -57,8 +57,12 @@ def observed(tensors) -> bool:
     """True when a Python dispatch mode watches eager calls on plain tensors (a byte or FLOP
     counter, ``make_fx``), not while compiling or under a ``torch.func`` transform: fusedkit's
     kernels run there, through registered ops the mode sees."""
-    return (bool(_dispatch_modes()) and not _is_compiling() and not _functorch()
-            and all(type(t) in _PLAIN for t in tensors if isinstance(t, torch.Tensor)))
+    return (
+        bool(_dispatch_modes())
+        and not _is_compiling()
+        and not _functorch()
+        and all(type(t) in _PLAIN for t in tensors if isinstance(t, torch.Tensor))
+    )
 
 
 def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
@@ -89,8 +93,10 @@ def _no_forward_ad(name: str, tensors) -> None:
     if _forward_ad._current_level >= 0 and not _functorch():
         for t in tensors:
             if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
-                raise NotDifferentiableError(f"{name}(): forward-mode AD is not supported (an operand carries a "
-                                             "tangent); use the PyTorch composition under forward_ad")
+                raise NotDifferentiableError(
+                    f"{name}(): forward-mode AD is not supported (an operand carries a "
+                    "tangent); use the PyTorch composition under forward_ad"
+                )
 
 
 def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
@@ -114,8 +120,10 @@ def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch
 
 def _no_jit_trace(name: str) -> None:
     if not _is_compiling() and _jit_tracing():  # (Dynamo cannot trace the flag's query)
-        raise TracingError(f"fusedkit.{name}(): torch.jit.trace cannot record fusedkit's ops (their kernels would "
-                           "be missing from the trace); use torch.compile or torch.export")
+        raise TracingError(
+            f"fusedkit.{name}(): torch.jit.trace cannot record fusedkit's ops (their kernels would "
+            "be missing from the trace); use torch.compile or torch.export"
+        )
 
 
 def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None, key) -> torch.Tensor:
@@ -126,8 +134,10 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
             return autograd.call_functorch(kernel, operands, param)
         # (inside a transform ``requires_grad`` says whether it differentiates through a tensor)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*operands, out) if isinstance(t, torch.Tensor)):
-            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, but a "
-                                "torch.func transform tracks the gradient of an argument")
+            raise FusedkitError(
+                f"{kernel.name}(): out= does not support automatic differentiation, but a "
+                "torch.func transform tracks the gradient of an argument"
+            )
         # vmap: the out= op's rule unwraps the batch, and the call it makes is validated then.
         return autograd.call_op(kernel, operands, param, out)
     if tracing(operands, out):
@@ -165,12 +175,17 @@ def autocast(*tensors) -> tuple:
     autocast is on for the first one's device: floating tensors other than float64 to the
     autocast dtype; anything else, and everything when autocast is off there, as it is."""
     first = tensors[0]
-    if not (isinstance(first, torch.Tensor) and first.device.type in AUTOCAST_DEVICES
-            and torch.is_autocast_enabled(first.device.type)):
+    if not (
+        isinstance(first, torch.Tensor)
+        and first.device.type in AUTOCAST_DEVICES
+        and torch.is_autocast_enabled(first.device.type)
+    ):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                 else t for t in tensors)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 def matmul(a, b, bias=None, activation=None) -> torch.Tensor:

@@ -9,8 +9,17 @@ that mistake (``ValueError``, ``TypeError``, ``KeyError``, ``NotImplementedError
 from __future__ import annotations
 
 __all__ = [
-    "FusedkitError", "ShapeError", "DTypeError", "DeviceError", "OverlapError", "ArgumentError",
-    "SignatureError", "UnknownKernelError", "NotDifferentiableError", "ScalarOverflowError", "TracingError",
+    "FusedkitError",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+    "OverlapError",
+    "ArgumentError",
+    "SignatureError",
+    "UnknownKernelError",
+    "NotDifferentiableError",
+    "ScalarOverflowError",
+    "TracingError",
 ]
 
 

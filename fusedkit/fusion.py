@@ -42,8 +42,13 @@ __all__ = ["FusionSite", "advise", "fuse"]
 
 #: Activation modules of other libraries kept whole by the tracer, by class name, and the
 #: activation each computes (transformers' GPT-2 ``gelu_new`` is ``NewGELUActivation``).
-FOREIGN_ACTIVATIONS = {"NewGELUActivation": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUTanh": "gelu_tanh",
-                       "GELUActivation": "gelu", "SiLUActivation": "silu"}
+FOREIGN_ACTIVATIONS = {
+    "NewGELUActivation": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "GELUActivation": "gelu",
+    "SiLUActivation": "silu",
+}
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
 
@@ -52,10 +57,10 @@ _ADD_FUNCTIONS = (operator.add, torch.add)
 class FusionSite:
     """One chain of ops fusedkit runs as one kernel."""
 
-    pattern: str        # e.g. "add -> relu"
-    module: str         # the qualified name of the module holding it ("" for the model itself)
-    bytes_saved: int    # per forward pass, at the example inputs' shapes
-    replacement: str    # the fusedkit call that replaces it
+    pattern: str  # e.g. "add -> relu"
+    module: str  # the qualified name of the module holding it ("" for the model itself)
+    bytes_saved: int  # per forward pass, at the example inputs' shapes
+    replacement: str  # the fusedkit call that replaces it
     nodes: tuple = field(default=(), compare=False, repr=False)  # the traced graph's nodes, first to last
 
 
@@ -69,8 +74,12 @@ class _Tracer(fx.Tracer):
         self.whole = whole
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return (type(m) in self.whole or type(m).__name__ in FOREIGN_ACTIVATIONS
-                or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU)) or super().is_leaf_module(m, qualname))
+        return (
+            type(m) in self.whole
+            or type(m).__name__ in FOREIGN_ACTIVATIONS
+            or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
+            or super().is_leaf_module(m, qualname)
+        )
 
     def call_module(self, m, forward, args, kwargs):
         try:
@@ -102,9 +111,11 @@ def _trace(model: torch.nn.Module, whole: frozenset = frozenset()) -> tuple[fx.G
             if failed is not None and failed is not model and type(failed) not in whole:
                 whole.add(type(failed))
                 continue
-            raise TracingError(f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
-                               "graph; pass a submodule that traces, e.g. the MLP)") from exc
+            raise TracingError(
+                f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
+                "graph; pass a submodule that traces, e.g. the MLP)"
+            ) from exc
     return fx.GraphModule(tracer.root, graph, type(model).__name__), frozenset(whole)
 
 
@@ -112,10 +123,13 @@ def _warn_kept_whole(model: torch.nn.Module, whole: frozenset) -> None:
     """Tell the caller of advise or fuse (two frames up) which submodules were kept whole."""
     if not whole:
         return
-    counts = sorted(((cls.__name__, sum(type(m) is cls for m in model.modules())) for cls in whole))
+    counts = sorted((cls.__name__, sum(type(m) is cls for m in model.modules())) for cls in whole)
     names = ", ".join(f"{name} ({n} module{'s' if n > 1 else ''})" for name, n in counts)
-    warnings.warn(f"torch.fx cannot trace through {names} of {type(model).__name__}: kept whole, so fusedkit does "
-                  "not look for sites inside", stacklevel=3)
+    warnings.warn(
+        f"torch.fx cannot trace through {names} of {type(model).__name__}: kept whole, so fusedkit does "
+        "not look for sites inside",
+        stacklevel=3,
+    )
 
 
 def _activation(node: fx.Node, modules: dict) -> str | None:
@@ -150,8 +164,11 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 def _fresh(value, node: fx.Node) -> bool:
     """Whether ``value`` is an intermediate only ``node`` uses: an in-place op on it changes
     nothing anyone else sees (not an input, a parameter, or a tensor used again)."""
-    return (isinstance(value, fx.Node) and value.op in ("call_function", "call_method", "call_module")
-            and len(value.users) == 1)
+    return (
+        isinstance(value, fx.Node)
+        and value.op in ("call_function", "call_method", "call_module")
+        and len(value.users) == 1
+    )
 
 
 def _add_operands(node: fx.Node):
@@ -268,8 +285,11 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
         if linear is not None and act is not None and not _feeds_gate(last, act):
             x, w, b, transposed = linear
             then = f", then {user.name}" if middle else ""
-            site = (f"linear -> {act}", f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
-                    f"{_name(b)}, activation={act!r}){then}")
+            site = (
+                f"linear -> {act}",
+                f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
+                f"{_name(b)}, activation={act!r}){then}",
+            )
         elif middle:
             continue
         elif add is not None and act in ("relu", "gelu", "gelu_tanh"):
@@ -302,13 +322,21 @@ def _feeds_gate(act_node: fx.Node, act: str) -> bool:
 
 
 def _is_reshape(node: fx.Node) -> bool:
-    return ((node.op == "call_method" and node.target in ("view", "reshape"))
-            or (node.op == "call_function" and node.target is torch.reshape))
+    return (node.op == "call_method" and node.target in ("view", "reshape")) or (
+        node.op == "call_function" and node.target is torch.reshape
+    )
 
 
 def _is_mul(node: fx.Node | None) -> bool:
-    return node is not None and ((node.op == "call_function" and node.target in (operator.mul, torch.mul) and len(node.args) == 2
-             and not node.kwargs) or (node.op == "call_method" and node.target == "mul" and len(node.args) == 2))
+    return node is not None and (
+        (
+            node.op == "call_function"
+            and node.target in (operator.mul, torch.mul)
+            and len(node.args) == 2
+            and not node.kwargs
+        )
+        or (node.op == "call_method" and node.target == "mul" and len(node.args) == 2)
+    )
 
 
 @contextlib.contextmanager
@@ -329,8 +357,9 @@ def _copies(inputs) -> tuple:
     return tuple(torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs))
 
 
-def _traced(model: torch.nn.Module, example_inputs, whole: frozenset = frozenset()
-            ) -> tuple[fx.GraphModule, list[FusionSite], frozenset]:
+def _traced(
+    model: torch.nn.Module, example_inputs, whole: frozenset = frozenset()
+) -> tuple[fx.GraphModule, list[FusionSite], frozenset]:
     """The traced model, its sites and the classes kept whole (``whole`` from the start);
     shapes are learnt by one run in eval mode without gradients, on copies of the inputs
     (batch statistics, the random stream and the inputs stay as they were)."""
@@ -367,8 +396,9 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
             if act == "relu":
                 new = graph.call_function(add_relu, (x, y), {"alpha": alpha})
             else:
-                new = graph.call_function(add_gelu, (x, y), {"alpha": alpha,
-                                                             "approximate": "tanh" if act == "gelu_tanh" else "none"})
+                new = graph.call_function(
+                    add_gelu, (x, y), {"alpha": alpha, "approximate": "tanh" if act == "gelu_tanh" else "none"}
+                )
         else:
             other = last.args[1] if last.args[0] is first else last.args[0]
             if site.pattern.startswith("silu"):
@@ -414,9 +444,11 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
             other, _ = _trace(model, whole)
     _warn_kept_whole(model, whole)
     if other.code != gm.code:
-        raise TracingError(f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
-                           "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
-                           "the parts that do not")
+        raise TracingError(
+            f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
+            "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
+            "the parts that do not"
+        )
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()

@@ -19,9 +19,26 @@ from .kernels import activations
 from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin, result_dtype
 from .runtime import elementwise as ew
 
-__all__ = ["ADD", "ADD_GELU", "ADD_GELU_GRAD", "ADD_GELU_TANH", "ADD_GELU_TANH_GRAD", "ADD_RELU", "GELU_GRAD",
-           "GELU_MUL", "GELU_MUL_GRAD", "GELU_TANH_GRAD", "GELU_TANH_MUL", "GELU_TANH_MUL_GRAD", "RELU_GRAD",
-           "SILU_GRAD", "SILU_MUL", "SILU_MUL_GRAD", "activation_grad", "matmul_backward"]
+__all__ = [
+    "ADD",
+    "ADD_GELU",
+    "ADD_GELU_GRAD",
+    "ADD_GELU_TANH",
+    "ADD_GELU_TANH_GRAD",
+    "ADD_RELU",
+    "GELU_GRAD",
+    "GELU_MUL",
+    "GELU_MUL_GRAD",
+    "GELU_TANH_GRAD",
+    "GELU_TANH_MUL",
+    "GELU_TANH_MUL_GRAD",
+    "RELU_GRAD",
+    "SILU_GRAD",
+    "SILU_MUL",
+    "SILU_MUL_GRAD",
+    "activation_grad",
+    "matmul_backward",
+]
 
 
 def _scaled(grad, alpha):
@@ -61,37 +78,43 @@ def _relu_grad_backward(grad, saved, alpha):
     return dispatch.elementwise(RELU_GRAD, (grad, saved[1]), alpha, None), None
 
 
-ADD = register_builtin(ElementwiseKernel(
-    name="add",
-    math=activations.add_math,
-    reference=lambda x, y, alpha=1: torch.add(x, y, alpha=alpha),
-    formula="x + alpha * y",
-    unfused=("torch.add",),
-    backward=_add_backward,
-))
+ADD = register_builtin(
+    ElementwiseKernel(
+        name="add",
+        math=activations.add_math,
+        reference=lambda x, y, alpha=1: torch.add(x, y, alpha=alpha),
+        formula="x + alpha * y",
+        unfused=("torch.add",),
+        backward=_add_backward,
+    )
+)
 
-ADD_RELU = register_builtin(ElementwiseKernel(
-    name="add_relu",
-    math=activations.add_relu_math,
-    reference=lambda x, y, alpha=1: torch.relu(torch.add(x, y, alpha=alpha)),
-    formula="relu(x + alpha * y)",
-    unfused=("torch.add", "torch.relu"),
-    saves="output",
-    backward=_add_relu_backward,
-    backward_kernels=_add_relu_backward_kernels,
-))
+ADD_RELU = register_builtin(
+    ElementwiseKernel(
+        name="add_relu",
+        math=activations.add_relu_math,
+        reference=lambda x, y, alpha=1: torch.relu(torch.add(x, y, alpha=alpha)),
+        formula="relu(x + alpha * y)",
+        unfused=("torch.add", "torch.relu"),
+        saves="output",
+        backward=_add_relu_backward,
+        backward_kernels=_add_relu_backward_kernels,
+    )
+)
 
-RELU_GRAD = register_builtin(ElementwiseKernel(
-    name="relu_grad",
-    math=activations.relu_grad_math,
-    reference=_relu_grad_reference,
-    arg_names=("grad", "out"),
-    dtypes=FLOAT_DTYPES,
-    formula="where(out <= 0, 0, alpha * grad)",
-    unfused=("torch.mul", "torch.where"),
-    saves="inputs",
-    backward=_relu_grad_backward,
-))
+RELU_GRAD = register_builtin(
+    ElementwiseKernel(
+        name="relu_grad",
+        math=activations.relu_grad_math,
+        reference=_relu_grad_reference,
+        arg_names=("grad", "out"),
+        dtypes=FLOAT_DTYPES,
+        formula="where(out <= 0, 0, alpha * grad)",
+        unfused=("torch.mul", "torch.where"),
+        saves="inputs",
+        backward=_relu_grad_backward,
+    )
+)
 
 
 def _aten_operands(grad, pre):
@@ -107,19 +130,32 @@ def _activation_grad_entry(name: str, math, aten_backward, formula: str) -> Elem
     """The gradient through a matmul epilogue's activation from its input (the kept
     pre-activation), in one kernel with fp32 math for half types. Its reference is PyTorch's
     own backward op; it declares no backward of its own (a gradient of it takes the reference)."""
-    return register_builtin(ElementwiseKernel(
-        name=name, math=math, reference=lambda grad, pre: aten_backward(*_aten_operands(grad, pre)),
-        arg_names=("grad", "pre"), dtypes=FLOAT_DTYPES, param=None, formula=formula,
-        unfused=(f"torch.ops.aten.{name.removesuffix('_grad').split('_')[0]}_backward",)))
+    return register_builtin(
+        ElementwiseKernel(
+            name=name,
+            math=math,
+            reference=lambda grad, pre: aten_backward(*_aten_operands(grad, pre)),
+            arg_names=("grad", "pre"),
+            dtypes=FLOAT_DTYPES,
+            param=None,
+            formula=formula,
+            unfused=(f"torch.ops.aten.{name.removesuffix('_grad').split('_')[0]}_backward",),
+        )
+    )
 
 
-GELU_GRAD = _activation_grad_entry("gelu_grad", activations.gelu_grad_math, torch.ops.aten.gelu_backward,
-                                   "grad * gelu'(pre)")
+GELU_GRAD = _activation_grad_entry(
+    "gelu_grad", activations.gelu_grad_math, torch.ops.aten.gelu_backward, "grad * gelu'(pre)"
+)
 GELU_TANH_GRAD = _activation_grad_entry(
-    "gelu_tanh_grad", activations.gelu_tanh_grad_math,
-    lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"), "grad * gelu_tanh'(pre)")
-SILU_GRAD = _activation_grad_entry("silu_grad", activations.silu_grad_math, torch.ops.aten.silu_backward,
-                                   "grad * silu'(pre)")
+    "gelu_tanh_grad",
+    activations.gelu_tanh_grad_math,
+    lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"),
+    "grad * gelu_tanh'(pre)",
+)
+SILU_GRAD = _activation_grad_entry(
+    "silu_grad", activations.silu_grad_math, torch.ops.aten.silu_backward, "grad * silu'(pre)"
+)
 #: The kernel that takes a gradient through each activation that keeps its pre-activation.
 _ACTIVATION_GRAD = {"gelu": GELU_GRAD, "gelu_tanh": GELU_TANH_GRAD, "silu": SILU_GRAD}
 
@@ -157,8 +193,9 @@ def _opmath(*values) -> tuple[list, torch.dtype]:
     backward gives what the eager one gives."""
     dtype = result_dtype(values)
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return [v.to(wide) if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
-            for v in values], dtype
+    return [
+        v.to(wide) if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v for v in values
+    ], dtype
 
 
 def _needs_composition(*values) -> bool:
@@ -167,8 +204,11 @@ def _needs_composition(*values) -> bool:
     fake tensors); else fusedkit's kernels run it (through registered ops a watching dispatch
     mode sees: ``dispatch.observed``)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return (autograd.functorch_active() or (dispatch.tracing(tensors) and not dispatch.observed(tensors))
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    return (
+        autograd.functorch_active()
+        or (dispatch.tracing(tensors) and not dispatch.observed(tensors))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
 
 
 def _pair(kernel: ElementwiseKernel, operands: tuple):
@@ -181,12 +221,15 @@ def _pair(kernel: ElementwiseKernel, operands: tuple):
     return run(kernel, operands)
 
 
-_GELU_BACKWARD = {"none": torch.ops.aten.gelu_backward,
-                  "tanh": lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")}
+_GELU_BACKWARD = {
+    "none": torch.ops.aten.gelu_backward,
+    "tanh": lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"),
+}
 
 
 def _gate_grad_reference(approximate: str | None):
     """The two gradients of ``act(a) * b`` with torch's ops (``None``: SiLU; else GELU's ``approximate``)."""
+
     def reference(grad, a, b):
         (grad, a, b), dtype = _opmath(grad, a, b)
         a = _float64_if_number(a)
@@ -197,6 +240,7 @@ def _gate_grad_reference(approximate: str | None):
             da = _GELU_BACKWARD[approximate](*_aten_operands(grad * b, a))
             db = grad * F.gelu(a, approximate=approximate)
         return da.to(dtype), db.to(dtype)
+
     return reference
 
 
@@ -204,22 +248,30 @@ def _gate_grad_kernel(name: str, grad_math, approximate: str | None, act: str) -
     """Both gradients of ``act(a) * b`` from one read of grad, a and b: a two-output kernel,
     unregistered (the registry's ops return one tensor); its reference is torch's ops."""
     return ElementwiseKernel(
-        name=name, math=grad_math, reference=_gate_grad_reference(approximate), arg_names=("grad", "a", "b"),
-        dtypes=FLOAT_DTYPES, param=None, outputs=2, formula=f"(grad * b * {act}'(a), grad * {act}(a))",
-        unfused=("torch.mul", f"torch.ops.aten.{act.split('_')[0]}_backward"))
+        name=name,
+        math=grad_math,
+        reference=_gate_grad_reference(approximate),
+        arg_names=("grad", "a", "b"),
+        dtypes=FLOAT_DTYPES,
+        param=None,
+        outputs=2,
+        formula=f"(grad * b * {act}'(a), grad * {act}(a))",
+        unfused=("torch.mul", f"torch.ops.aten.{act.split('_')[0]}_backward"),
+    )
 
 
 SILU_MUL_GRAD = _gate_grad_kernel("silu_mul_grad", activations.silu_mul_grad_math, None, "silu")
 GELU_MUL_GRAD = _gate_grad_kernel("gelu_mul_grad", activations.gelu_mul_grad_math, "none", "gelu")
-GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_tanh_mul_grad_math, "tanh",
-                                       "gelu_tanh")
+GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_tanh_mul_grad_math, "tanh", "gelu_tanh")
 for _kernel in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD):
     autograd.register_pair(_kernel)
 
 
-def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None,
-                act: str) -> ElementwiseKernel:
+def _gate_entry(
+    name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None, act: str
+) -> ElementwiseKernel:
     """``act(a) * b`` as a registry entry; its backward runs ``grad_kernel``."""
+
     def backward(grad, saved, param):
         a, b = saved
         if _needs_composition(grad, a, b):
@@ -234,29 +286,48 @@ def _gate_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: st
         # backward's two gradients as one kept launch of grad_kernel on (grad, a, b)
         return (grad_kernel, None, 0), (grad_kernel, None, 1)
 
-    return register_builtin(ElementwiseKernel(
-        name=name, math=math, reference=reference, arg_names=("a", "b"), dtypes=FLOAT_DTYPES, param=None,
-        formula=f"{act}(a) * b", unfused=(f"torch.nn.functional.{act.split('_')[0]}", "torch.mul"),
-        saves="inputs", backward=backward, backward_kernels=backward_kernels))
+    return register_builtin(
+        ElementwiseKernel(
+            name=name,
+            math=math,
+            reference=reference,
+            arg_names=("a", "b"),
+            dtypes=FLOAT_DTYPES,
+            param=None,
+            formula=f"{act}(a) * b",
+            unfused=(f"torch.nn.functional.{act.split('_')[0]}", "torch.mul"),
+            saves="inputs",
+            backward=backward,
+            backward_kernels=backward_kernels,
+        )
+    )
 
 
 SILU_MUL = _gate_entry("silu_mul", activations.silu_mul_math, SILU_MUL_GRAD, None, "silu")
 GELU_MUL = _gate_entry("gelu_mul", activations.gelu_mul_math, GELU_MUL_GRAD, "none", "gelu")
-GELU_TANH_MUL = _gate_entry("gelu_tanh_mul", activations.gelu_tanh_mul_math, GELU_TANH_MUL_GRAD, "tanh",
-                            "gelu_tanh")
+GELU_TANH_MUL = _gate_entry("gelu_tanh_mul", activations.gelu_tanh_mul_math, GELU_TANH_MUL_GRAD, "tanh", "gelu_tanh")
 
 
 def _add_gelu_grad_entry(name: str, math, approximate: str) -> ElementwiseKernel:
     """The gradient through ``gelu(x + alpha * y)`` with respect to the sum, recomputed from x
     and y. Its reference is PyTorch's backward op; it declares no backward of its own."""
+
     def reference(grad, x, y, alpha=1):
         (grad, x, y), dtype = _opmath(grad, x, y)
         pre = torch.add(_float64_if_number(x), y, alpha=alpha)
         return _GELU_BACKWARD[approximate](*_aten_operands(grad, pre)).to(dtype)
-    return register_builtin(ElementwiseKernel(
-        name=name, math=math, reference=reference, arg_names=("grad", "x", "y"), dtypes=FLOAT_DTYPES,
-        formula=f"grad * {'gelu' if approximate == 'none' else 'gelu_tanh'}'(x + alpha * y)",
-        unfused=("torch.add", "torch.ops.aten.gelu_backward")))
+
+    return register_builtin(
+        ElementwiseKernel(
+            name=name,
+            math=math,
+            reference=reference,
+            arg_names=("grad", "x", "y"),
+            dtypes=FLOAT_DTYPES,
+            formula=f"grad * {'gelu' if approximate == 'none' else 'gelu_tanh'}'(x + alpha * y)",
+            unfused=("torch.add", "torch.ops.aten.gelu_backward"),
+        )
+    )
 
 
 ADD_GELU_GRAD = _add_gelu_grad_entry("add_gelu_grad", activations.add_gelu_grad_math, "none")
@@ -277,14 +348,21 @@ def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate
         # operands where alpha == 1 (else the scaling takes a number operand: Python runs it)
         return ((grad_kernel, alpha), (grad_kernel, alpha)) if alpha == 1 else None
 
-    return register_builtin(ElementwiseKernel(
-        name=name, math=math,
-        reference=lambda x, y, alpha=1: F.gelu(torch.add(_float64_if_number(x), y, alpha=alpha),
-                                               approximate=approximate),
-        dtypes=FLOAT_DTYPES,
-        formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
-        unfused=("torch.add", "torch.nn.functional.gelu"), saves="inputs", backward=backward,
-        backward_kernels=backward_kernels))
+    return register_builtin(
+        ElementwiseKernel(
+            name=name,
+            math=math,
+            reference=lambda x, y, alpha=1: F.gelu(
+                torch.add(_float64_if_number(x), y, alpha=alpha), approximate=approximate
+            ),
+            dtypes=FLOAT_DTYPES,
+            formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
+            unfused=("torch.add", "torch.nn.functional.gelu"),
+            saves="inputs",
+            backward=backward,
+            backward_kernels=backward_kernels,
+        )
+    )
 
 
 ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, ADD_GELU_GRAD, "none")

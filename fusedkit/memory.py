@@ -40,24 +40,53 @@ from .registry import Traffic, tensor_read_bytes
 __all__ = ["MemoryCounterMode", "op_traffic"]
 
 #: Ops that allocate without writing: they move nothing.
-ALLOCATING_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                            "empty_permuted"})
+ALLOCATING_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 #: Views without an alias annotation in their schema: they move nothing either.
 UNANNOTATED_VIEWS = frozenset({"_unsafe_view", "_reshape_alias"})
 #: Ops that read their tensor arguments' shapes only: they write their result.
-SHAPE_ONLY_OPS = frozenset({"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
-                            "new_zeros", "new_ones", "new_full"})
+SHAPE_ONLY_OPS = frozenset(
+    {
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    }
+)
 #: In-place ops that overwrite their target without reading it.
-OVERWRITING_OPS = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
-                             "bernoulli_", "geometric_", "log_normal_", "cauchy_"})
+OVERWRITING_OPS = frozenset(
+    {
+        "fill_",
+        "zero_",
+        "copy_",
+        "normal_",
+        "uniform_",
+        "random_",
+        "exponential_",
+        "bernoulli_",
+        "geometric_",
+        "log_normal_",
+        "cauchy_",
+    }
+)
 #: Gathers, by the name of their index argument: they read the indices and as many source
 #: elements as they write.
 GATHERING_OPS = {"embedding": "indices", "index_select": "index", "gather": "index", "index": "indices"}
 #: In-place scatters, by their index and source arguments: they read those and write as many
 #: elements of their target as the source has (an accumulating one reads them too).
-SCATTERING_OPS = {"index_put_": ("indices", "values"), "index_add_": ("index", "source"),
-                  "index_copy_": ("index", "source"), "scatter_": ("index", "src"), "scatter_add_": ("index", "src"),
-                  "scatter_reduce_": ("index", "src"), "index_reduce_": ("index", "source")}
+SCATTERING_OPS = {
+    "index_put_": ("indices", "values"),
+    "index_add_": ("index", "source"),
+    "index_copy_": ("index", "source"),
+    "scatter_": ("index", "src"),
+    "scatter_add_": ("index", "src"),
+    "scatter_reduce_": ("index", "src"),
+    "index_reduce_": ("index", "source"),
+}
 #: Of those, the ones that read the elements they update.
 ACCUMULATING_OPS = frozenset({"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_"})
 #: Batch norm forwards: in training, a pass for the batch statistics, then the normalizing
@@ -134,28 +163,32 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
 def _multi_pass_read(name: str, by_name: dict) -> int | None:
     """The bytes read by an op whose algorithm passes over some arguments more than once, or
     None (every argument read once)."""
+
     def size(*names):
         return sum(_bytes(_tensors(by_name.get(n))) for n in names)
+
     if name in BATCH_NORM_OPS and by_name.get("training"):
         # the batch statistics, then the normalizing pass
         return 2 * size("input") + size("weight", "bias", "running_mean", "running_var")
     if name == "native_batch_norm_backward" and by_name.get("train") and by_name["output_mask"][0]:
         # the reduction the input's gradient needs, then the elementwise pass: both read both
-        return 2 * size("grad_out", "input") + size("weight", "running_mean", "running_var", "save_mean",
-                                                     "save_invstd")
+        return 2 * size("grad_out", "input") + size("weight", "running_mean", "running_var", "save_mean", "save_invstd")
     if name == "convolution_backward":
         # each gradient its own kernel reading grad_output; the input's reads the weight, the
         # weight's the input
         grad_input, grad_weight, grad_bias = by_name["output_mask"]
-        return ((grad_input + grad_weight + grad_bias) * size("grad_output") + grad_input * size("weight")
-                + grad_weight * size("input"))
+        return (
+            (grad_input + grad_weight + grad_bias) * size("grad_output")
+            + grad_input * size("weight")
+            + grad_weight * size("input")
+        )
     return None
 
 
 class _Counting(TorchDispatchMode):
     """The dispatch mode: runs each op, then hands it to the counter."""
 
-    def __init__(self, counter: "MemoryCounterMode"):
+    def __init__(self, counter: MemoryCounterMode):
         super().__init__()
         self.counter = counter
 
@@ -189,7 +222,7 @@ class MemoryCounterMode:
         #: many calls went uncounted.
         self.uncounted: dict[str, int] = defaultdict(int)
 
-    def __enter__(self) -> "MemoryCounterMode":
+    def __enter__(self) -> MemoryCounterMode:
         if self._mode is not None:
             raise FusedkitError("MemoryCounterMode: this counter is counting already (use another one to nest)")
         self._counts.clear()
@@ -211,7 +244,7 @@ class MemoryCounterMode:
         name = op_name(func, args)
         try:
             traffic = op_traffic(func, args, kwargs, out)
-        except Exception:  # noqa: BLE001 - a tensor the model cannot size (a jagged nested tensor): not counted
+        except Exception:
             self.uncounted[name] += 1
             return
         if traffic.total == 0:
@@ -246,8 +279,10 @@ class MemoryCounterMode:
         labels = [_level(m) + len(m) for m in modules]
         labels += [_level(m) + 3 + len(op) for m in modules for op in self._counts[m]]
         width = max([len("Module"), *labels])
-        head = (f"{'Module':<{width}} {'read MB':>10} {'written MB':>10} {'forward MB':>10} {'backward MB':>11} "
-                f"{'% total':>7}")
+        head = (
+            f"{'Module':<{width}} {'read MB':>10} {'written MB':>10} {'forward MB':>10} {'backward MB':>11} "
+            f"{'% total':>7}"
+        )
         lines = [head, "-" * len(head)]
         for m in modules:
             ops = self._counts[m]
@@ -270,5 +305,7 @@ def _row(label: str, cells, total: int, width: int) -> str:
     backward = sum((c[1] for c in cells), Traffic(0, 0))
     both = forward + backward
     share = both.total / total if total else 0.0
-    return (f"{label:<{width}} {both.read / MB:>10.3f} {both.written / MB:>10.3f} {forward.total / MB:>10.3f} "
-            f"{backward.total / MB:>11.3f} {share:>7.1%}")
+    return (
+        f"{label:<{width}} {both.read / MB:>10.3f} {both.written / MB:>10.3f} {forward.total / MB:>10.3f} "
+        f"{backward.total / MB:>11.3f} {share:>7.1%}"
+    )

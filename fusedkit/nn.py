@@ -25,10 +25,15 @@ class LinearReLU(nn.Linear):
         return linear_relu(x, self.weight, self.bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "LinearReLU":
+    def from_linear(cls, linear: nn.Linear) -> LinearReLU:
         """A new LinearReLU holding a copy of ``linear``'s weight and bias."""
-        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                device=linear.weight.device, dtype=linear.weight.dtype)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         m.load_state_dict(linear.state_dict())
         return m
 
@@ -60,8 +65,12 @@ class AddReLU(nn.Module):
         is_tensor = isinstance(residual, torch.Tensor)
         grad = torch.is_grad_enabled() and (x.requires_grad or (is_tensor and residual.requires_grad))
         shape = broadcast_shape([x.shape, residual.shape]) if is_tensor else tuple(x.shape)
-        return (not grad and shape == tuple(x.shape) and not (x.is_inference() and not torch.is_inference_mode_enabled())
-                and torch.result_type(x, residual) == x.dtype)
+        return (
+            not grad
+            and shape == tuple(x.shape)
+            and not (x.is_inference() and not torch.is_inference_mode_enabled())
+            and torch.result_type(x, residual) == x.dtype
+        )
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, inplace={self.inplace}"
@@ -96,12 +105,14 @@ class SwiGLU(nn.Module):
     @classmethod
     def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            head, _, rest = key[len(prefix):].partition(".")
+            head, _, rest = key[len(prefix) :].partition(".")
             target = f"{prefix}{cls.LLAMA_NAMES.get(head)}.{rest}"
             # (both names present: the LLaMA key stays, and a strict load reports it unexpected)
             if head in cls.LLAMA_NAMES and rest and target not in state_dict:
                 state_dict[target] = state_dict.pop(key)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "
-                f"bias={self.gate.bias is not None}")
+        return (
+            f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "
+            f"bias={self.gate.bias is not None}"
+        )

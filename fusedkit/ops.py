@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import math
-import typing
 
 import torch
 
@@ -19,11 +18,10 @@ from .registry import ElementwiseKernel, get
 from .runtime import matmul as mm
 from .runtime.layout import broadcast_shape
 
-__all__ = ["add", "add_gelu", "add_relu", "elementwise", "gelu_mul", "linear_relu", "matmul", "matmul_relu",
-           "silu_mul"]
+__all__ = ["add", "add_gelu", "add_relu", "elementwise", "gelu_mul", "linear_relu", "matmul", "matmul_relu", "silu_mul"]
 
 #: What an operand may be: a tensor, or a host number standing for a scalar.
-Operand = typing.Union[torch.Tensor, float, int]
+Operand = torch.Tensor | float | int
 
 
 def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,8 +59,7 @@ def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | N
     return dispatch.elementwise(ADD, (x, y), alpha, out)
 
 
-def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def add_relu(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """``relu(x + alpha * y)`` in one kernel: reads x and y once and writes once,
     where ``torch.relu(torch.add(x, y, alpha=alpha))`` also writes and re-reads the sum.
 
@@ -104,8 +101,9 @@ def gelu_mul(a: Operand, b: Operand, *, approximate: str = "none", out: torch.Te
     return dispatch.elementwise(_by_approximate(_GELU_MUL, approximate, "gelu_mul"), (a, b), None, out)
 
 
-def add_gelu(x: Operand, y: Operand, *, alpha: float | int = 1, approximate: str = "none",
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def add_gelu(
+    x: Operand, y: Operand, *, alpha: float | int = 1, approximate: str = "none", out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.gelu(torch.add(x, y, alpha=alpha), approximate=approximate)`` in one kernel: a bias
     or residual added before a GELU. Arguments and errors as :func:`add` (floating dtypes
     only) and :func:`gelu_mul`. Differentiable: autograd keeps x and y (no sum) and takes
@@ -134,8 +132,9 @@ def elementwise(kernel: ElementwiseKernel | str, *operands, out: torch.Tensor | 
     return dispatch.elementwise(kernel, operands, value, out)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-           activation: str | None = None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+) -> torch.Tensor:
     """``act(a @ b + bias)`` in one kernel: bias and activation run on the accumulator.
 
     Args:
@@ -220,8 +219,10 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         shape = broadcast_shape([product, tuple(bias.shape)])
         if shape != product and not (x.dim() == 1 and shape is not None and math.prod(shape) == math.prod(product)):
-            raise ShapeError(f"linear_relu(): a bias of shape {tuple(bias.shape)} does not broadcast to the "
-                             f"product's shape {product}, as F.linear requires")
+            raise ShapeError(
+                f"linear_relu(): a bias of shape {tuple(bias.shape)} does not broadcast to the "
+                f"product's shape {product}, as F.linear requires"
+            )
     y = matmul(x, weight[:, None]).squeeze(-1) if weight.dim() == 1 else matmul(x, weight.t())
     if bias is None:
         return dispatch.elementwise(ADD_RELU, (y, 0), 1, None)

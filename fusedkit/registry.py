@@ -28,8 +28,8 @@ from __future__ import annotations
 import inspect
 import math as _math
 import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -38,8 +38,17 @@ from triton.runtime.jit import KernelInterface
 from .errors import ArgumentError, DTypeError, UnknownKernelError
 
 __all__ = [
-    "ElementwiseKernel", "Traffic", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES",
-    "register", "unregister", "get", "kernels", "names", "on_change",
+    "ElementwiseKernel",
+    "Traffic",
+    "FLOAT_DTYPES",
+    "INT_DTYPES",
+    "SUPPORTED_DTYPES",
+    "register",
+    "unregister",
+    "get",
+    "kernels",
+    "names",
+    "on_change",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,7 +74,7 @@ class Traffic:
     def total(self) -> int:
         return self.read + self.written
 
-    def __add__(self, other: "Traffic") -> "Traffic":
+    def __add__(self, other: Traffic) -> Traffic:
         return Traffic(self.read + other.read, self.written + other.written)
 
 
@@ -164,8 +173,10 @@ class ElementwiseKernel:
         n_math = len(inspect.signature(self.math.fn).parameters)
         expected = self.arity + (self.param is not None)
         if n_math != expected:
-            raise ArgumentError(f"{self.name}: math takes {n_math} arguments, expected {expected} "
-                             f"(the operands{' and ' + self.param if self.param else ''})")
+            raise ArgumentError(
+                f"{self.name}: math takes {n_math} arguments, expected {expected} "
+                f"(the operands{' and ' + self.param if self.param else ''})"
+            )
         if not self.unfused:
             raise ArgumentError(f"{self.name}: unfused must name the eager ops of the reference")
         if self.saves not in SAVES:
@@ -175,12 +186,17 @@ class ElementwiseKernel:
         if self.outputs not in (1, 2):
             raise ArgumentError(f"{self.name}: outputs must be 1 or 2, got {self.outputs!r}")
         if self.outputs == 2 and (self.backward is not None or self.saves != "none"):
-            raise ArgumentError(f"{self.name}: a two-output kernel is a backward's, run outside autograd: it takes "
-                                "no backward and saves nothing")
-        if self.backward_kernels is not None and (self.backward is None or self.saves not in ("output", "inputs")
-                                                  or not callable(self.backward_kernels)):
-            raise ArgumentError(f"{self.name}: backward_kernels states a backward on what the call saves: it needs "
-                                "backward and saves='output' or 'inputs'")
+            raise ArgumentError(
+                f"{self.name}: a two-output kernel is a backward's, run outside autograd: it takes "
+                "no backward and saves nothing"
+            )
+        if self.backward_kernels is not None and (
+            self.backward is None or self.saves not in ("output", "inputs") or not callable(self.backward_kernels)
+        ):
+            raise ArgumentError(
+                f"{self.name}: backward_kernels states a backward on what the call saves: it needs "
+                "backward and saves='output' or 'inputs'"
+            )
 
     @property
     def arity(self) -> int:
@@ -232,11 +248,14 @@ def register(kernel: ElementwiseKernel, *, replace: bool = False) -> Elementwise
     if not isinstance(kernel, ElementwiseKernel):
         raise DTypeError(f"register() takes an ElementwiseKernel, got {type(kernel).__name__}")
     if kernel.outputs != 1:
-        raise ArgumentError(f"{kernel.name!r} has {kernel.outputs} outputs; the registry's ops return one tensor "
-                            "(run a two-output kernel with fusedkit.runtime.elementwise.run_pair)")
+        raise ArgumentError(
+            f"{kernel.name!r} has {kernel.outputs} outputs; the registry's ops return one tensor "
+            "(run a two-output kernel with fusedkit.runtime.elementwise.run_pair)"
+        )
     if kernel.name in BUILTIN_NAMES:
-        raise ArgumentError(f"{kernel.name!r} is a built-in kernel and cannot be replaced; register yours "
-                            "under another name")
+        raise ArgumentError(
+            f"{kernel.name!r} is a built-in kernel and cannot be replaced; register yours under another name"
+        )
     if kernel.name in _REGISTRY and not replace:
         raise ArgumentError(f"an elementwise kernel named {kernel.name!r} is already registered")
     replaced = _REGISTRY.get(kernel.name)

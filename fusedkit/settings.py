@@ -10,17 +10,18 @@ process-wide, as ``torch.backends`` flags do; fusedkit never writes ``os.environ
 
 | setting | values (default first) | environment variable |
 |---|---|---|
-| ``fp32_precision`` | ``"tf32x3"``, ``"ieee"``: float32 matmuls when PyTorch rules TF32 out | ``FUSEDKIT_FP32_MATMUL`` |
+| ``fp32_precision`` | ``"tf32x3"``, ``"ieee"``: fp32 matmuls where PyTorch rules TF32 out | ``FUSEDKIT_FP32_MATMUL`` |
 | ``autotune`` | ``True``, ``False`` (one fixed tile: deterministic, no tuning time) | ``FUSEDKIT_AUTOTUNE`` (``0``) |
 | ``matmul_kernel`` | ``"auto"``, ``"pointer"``, ``"tma"`` | ``FUSEDKIT_MATMUL_KERNEL`` |
 | ``fast_launch`` | ``True``, ``False``: keep the launches of repeated eager calls | ``FUSEDKIT_FAST_LAUNCH`` (``0``) |
-| ``native_launch`` | ``True``, ``False``: keep them in C++ too, autograd nodes included (built once; needs a C++ compiler and ninja) | ``FUSEDKIT_NATIVE_LAUNCH`` (``0``) |
+| ``native_launch`` | ``True``, ``False``: keep them in C++, autograd nodes too | ``FUSEDKIT_NATIVE_LAUNCH`` (``0``) |
 
 ``fp32_precision``: "tf32x3" computes each float32 product as three TF32 tensor-core
 products (fp32-sized errors, measured below torch's own fp32 matmul: see docs/matmul.md);
 "ieee" runs fp32 multiply-adds on the CUDA cores. When PyTorch allows TF32
 (``torch.backends.cuda.matmul``), TF32 itself is used. ``fast_launch`` and
-``native_launch`` are read when a launch is kept: ``fusedkit.clear_caches()`` drops the
+``native_launch`` are read when a launch is kept (the C++ table is built once and needs a C++
+compiler and ninja): ``fusedkit.clear_caches()`` drops the
 ones kept before a change. The C++ table's build lives in ``$FUSEDKIT_CACHE_DIR`` (default
 ``~/.cache/fusedkit``; ``python -m fusedkit build`` makes it ahead).
 """
@@ -30,12 +31,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from .errors import ArgumentError
 
-__all__ = ["Settings", "current", "set", "restore", "override", "from_environment", "ENVIRONMENT", "FP32_PRECISIONS",
-           "MATMUL_KERNELS"]
+__all__ = [
+    "Settings",
+    "current",
+    "set",
+    "restore",
+    "override",
+    "from_environment",
+    "ENVIRONMENT",
+    "FP32_PRECISIONS",
+    "MATMUL_KERNELS",
+]
 
 FP32_PRECISIONS = ("tf32x3", "ieee")
 MATMUL_KERNELS = ("auto", "pointer", "tma")
@@ -61,7 +71,7 @@ class Settings:
     fast_launch: bool = True
     native_launch: bool = True
 
-    def replace(self, **values) -> "Settings":
+    def replace(self, **values) -> Settings:
         """A copy with ``values`` changed, each checked (``ArgumentError`` names the choices)."""
         fields = {f.name for f in dataclasses.fields(self)}
         for name, value in values.items():
@@ -109,7 +119,7 @@ def current() -> Settings:
     return _current
 
 
-def set(**values) -> Settings:  # noqa: A001 - the module's verb, as in ``fusedkit.settings.set(...)``
+def set(**values) -> Settings:
     """Change settings from now on, process-wide; returns the previous ones (pass them to
     :func:`restore` to go back)."""
     global _current

@@ -65,7 +65,7 @@ class _Loader(importlib.abc.Loader):
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
         try:
             ensure_registered()
-        except Exception as exc:  # noqa: BLE001 - never break the user's import; DTensor calls will say
+        except Exception as exc:
             warnings.warn(f"fusedkit: DTensor sharding rules not registered: {exc!r}", RuntimeWarning, stacklevel=2)
 
 
@@ -107,8 +107,10 @@ def k_sharded(a, b) -> bool:
     last dim or ``b``'s first), so the local products are partial sums."""
     if (type(a) in _PLAIN and type(b) in _PLAIN) or _DTensor is None:
         return False  # (the eager path's check: two type lookups)
-    return any(isinstance(t, _DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
-               for t, dim in ((a, -1), (b, 0)))
+    return any(
+        isinstance(t, _DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
+        for t, dim in ((a, -1), (b, 0))
+    )
 
 
 def reduce_partial(t):
@@ -158,9 +160,12 @@ def _register() -> None:
         def option(result, pa, pb, pbias):
             # ``pre`` is sharded as the result when kept, else an empty tensor, replicated.
             return [result, result if store_pre else Replicate()], [pa, pb, None if bias is None else pbias, None, None]
-        options = [option(Replicate(), Replicate(), Replicate(), Replicate()),
-                   option(Shard(0), Shard(0), Replicate(), Replicate()),
-                   option(Shard(1), Replicate(), Shard(1), Shard(0))]
+
+        options = [
+            option(Replicate(), Replicate(), Replicate(), Replicate()),
+            option(Shard(0), Shard(0), Replicate(), Replicate()),
+            option(Shard(1), Replicate(), Shard(1), Shard(0)),
+        ]
         if activation is None:
             options.append(option(Partial(), Shard(1), Shard(0), Partial()))
         return options

@@ -11,11 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime.matmul import tf32_enabled
 from .registry import ElementwiseKernel, result_dtype
+from .runtime.matmul import tf32_enabled
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance", "reference_result", "assert_matches_reference", "poisoned",
-           "MATMUL_REL_ERR", "matmul_rel_err", "assert_rel_err", "matmul_error_floor"]
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "tolerance",
+    "reference_result",
+    "assert_matches_reference",
+    "poisoned",
+    "MATMUL_REL_ERR",
+    "matmul_rel_err",
+    "assert_rel_err",
+    "matmul_error_floor",
+]
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,9 @@ def reference_result(kernel: ElementwiseKernel, operands, param=None) -> torch.T
     return kernel.reference(*args)
 
 
-def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
-                             check_signed_zero: bool = True) -> None:
+def assert_matches_reference(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, check_signed_zero: bool = True
+) -> None:
     """``actual`` (any device) equals the wide ``expected`` within ``dtype``'s bounds.
 
     NaN must meet NaN, infinities must match, and with ``check_signed_zero`` a
@@ -121,19 +132,24 @@ def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, dtype
         big = expected.abs() > torch.finfo(dtype).max
         if big.any():
             expected = torch.where(big, expected.to(dtype).to(expected.dtype), expected)
-    torch.testing.assert_close(got, expected.to(got.dtype).expand_as(got), atol=tol.atol, rtol=tol.rtol,
-                               equal_nan=True, check_dtype=False)
+    torch.testing.assert_close(
+        got, expected.to(got.dtype).expand_as(got), atol=tol.atol, rtol=tol.rtol, equal_nan=True, check_dtype=False
+    )
     if check_signed_zero and got.is_floating_point():
         zeros = expected.expand_as(got) == 0
         if zeros.any():
-            assert torch.equal(torch.signbit(got[zeros]), torch.signbit(expected.expand_as(got)[zeros])), \
+            assert torch.equal(torch.signbit(got[zeros]), torch.signbit(expected.expand_as(got)[zeros])), (
                 "signed zeros differ from the reference"
+            )
 
 
 def poisoned(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
     """An output buffer filled with a value no kernel should leave behind:
     NaN for floats, the dtype's minimum for integers."""
-    t = (torch.empty(shape, dtype=dtype, device=device) if strides is None
-         else torch.empty_strided(shape, strides, dtype=dtype, device=device))
+    t = (
+        torch.empty(shape, dtype=dtype, device=device)
+        if strides is None
+        else torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    )
     fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
     return t.fill_(fill)

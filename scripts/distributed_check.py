@@ -43,12 +43,12 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -162,6 +162,7 @@ def add_relu_into(x, y, out):
 def check_rules(mesh, device) -> dict:
     """Each rule on one call: ``{case: [result placements, largest difference from torch,
     {collective: count}]}`` (the collectives the call ran, from ``CommDebugMode``)."""
+
     def spread(t, *placements):
         return distribute_tensor(t.to(device), mesh, list(placements))
 
@@ -169,22 +170,38 @@ def check_rules(mesh, device) -> dict:
     h, y = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN)
     # case: (the operands, distributed outside the counted region; the call; torch's result)
     cases = {
-        "linear_relu_colwise": (lambda: (spread(x, Replicate()), spread(w, Shard(0)), spread(b, Shard(0))),
-                                fusedkit.linear_relu, torch.relu(x @ w.t() + b)),
-        "linear_relu_rowwise": (lambda: (spread(h, Shard(1)), spread(w.t().contiguous(), Shard(1)),
-                                         spread(x[0], Replicate())),
-                                fusedkit.linear_relu, torch.relu(h @ w + x[0])),
+        "linear_relu_colwise": (
+            lambda: (spread(x, Replicate()), spread(w, Shard(0)), spread(b, Shard(0))),
+            fusedkit.linear_relu,
+            torch.relu(x @ w.t() + b),
+        ),
+        "linear_relu_rowwise": (
+            lambda: (spread(h, Shard(1)), spread(w.t().contiguous(), Shard(1)), spread(x[0], Replicate())),
+            fusedkit.linear_relu,
+            torch.relu(h @ w + x[0]),
+        ),
         "matmul_rowwise_partial": (lambda: (spread(h, Shard(1)), spread(w, Shard(0))), fusedkit.matmul, h @ w),
-        "add_relu_broadcast": (lambda: (spread(h, Shard(1)), spread(b, Shard(0))), fusedkit.add_relu,
-                               torch.relu(h + b)),
-        "silu_mul_rows": (lambda: (spread(h, Shard(0)), spread(y, Shard(0))), fusedkit.silu_mul,
-                          torch.nn.functional.silu(h) * y),
-        "add_relu_out": (lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(torch.full_like(h, -7.0), Shard(0))),
-                         add_relu_into, torch.relu(h + y)),
+        "add_relu_broadcast": (
+            lambda: (spread(h, Shard(1)), spread(b, Shard(0))),
+            fusedkit.add_relu,
+            torch.relu(h + b),
+        ),
+        "silu_mul_rows": (
+            lambda: (spread(h, Shard(0)), spread(y, Shard(0))),
+            fusedkit.silu_mul,
+            torch.nn.functional.silu(h) * y,
+        ),
+        "add_relu_out": (
+            lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(torch.full_like(h, -7.0), Shard(0))),
+            add_relu_into,
+            torch.relu(h + y),
+        ),
         # an out= placed otherwise than the result: written all the same (copied in, as torch does)
-        "add_relu_out_replicated": (lambda: (spread(h, Shard(0)), spread(y, Shard(0)),
-                                             spread(torch.full_like(h, -7.0), Replicate())),
-                                    add_relu_into, torch.relu(h + y)),
+        "add_relu_out_replicated": (
+            lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(torch.full_like(h, -7.0), Replicate())),
+            add_relu_into,
+            torch.relu(h + y),
+        ),
     }
     found = {}
     for name, (operands, call, want) in cases.items():
@@ -219,8 +236,10 @@ def main() -> int:
     # DDP: the MLP above, and the earlier check's LinearReLU stack and conv block.
     ddp = DDP(copy.deepcopy(fused0), device_ids=[rank] if _gpus else None)
     compare("ddp", result, ddp.module, train(ddp, batches, device, rank, world), torch_trained, torch_run)
-    extra = {"linear_relu_mlp": (linear_relu_mlp(), [torch.randn(8 * world, 16) for _ in range(args.steps)]),
-             "conv_block": (ConvBlock(4), [torch.randn(2 * world, 4, 6, 6) for _ in range(args.steps)])}
+    extra = {
+        "linear_relu_mlp": (linear_relu_mlp(), [torch.randn(8 * world, 16) for _ in range(args.steps)]),
+        "conv_block": (ConvBlock(4), [torch.randn(2 * world, 4, 6, 6) for _ in range(args.steps)]),
+    }
     for name, (model, data) in extra.items():
         single = copy.deepcopy(model).to(device)
         wrapped = DDP(model.to(device), device_ids=[rank] if _gpus else None)
@@ -234,6 +253,7 @@ def main() -> int:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
+
     fsdp = sharded_fsdp()
     compare("fsdp", result, fsdp, train(fsdp, batches, device, rank, world), torch_trained, torch_run)
 
@@ -255,15 +275,20 @@ def main() -> int:
     def keep(gm, example_inputs):
         graphs.append(gm.code)
         return gm
+
     compiled_run = torch.compile(compiled, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
     x = batches[0].to(device)
     out, want = compiled_run(x), torch0(x)
     mean_loss(out).backward()
     mean_loss(want).backward()
     result["tp_compiled_out_diff"] = max_diff([out], [want])
-    result["tp_compiled_grad_diff"] = max_diff([p.grad for p in compiled.parameters()], [p.grad for p in torch0.parameters()])
-    result["tp_compiled_collectives"] = {name: sum(code.count(f"{name}.default(") for code in graphs)
-                                         for name in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")}
+    result["tp_compiled_grad_diff"] = max_diff(
+        [p.grad for p in compiled.parameters()], [p.grad for p in torch0.parameters()]
+    )
+    result["tp_compiled_collectives"] = {
+        name: sum(code.count(f"{name}.default(") for code in graphs)
+        for name in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
+    }
     torch0.zero_grad(set_to_none=True)
 
     # A LLaMA-style MLP: gate and up column-parallel, down row-parallel; silu_mul on the shards.
@@ -275,7 +300,9 @@ def main() -> int:
     mean_loss(out).backward()
     mean_loss(want).backward()
     result["tp_swiglu_out_diff"] = max_diff([out], [want])
-    result["tp_swiglu_grad_diff"] = max_diff([p.grad for p in swiglu.parameters()], [p.grad for p in plain.parameters()])
+    result["tp_swiglu_grad_diff"] = max_diff(
+        [p.grad for p in swiglu.parameters()], [p.grad for p in plain.parameters()]
+    )
 
     # The rules themselves: fusedkit's ops on DTensors give DTensors placed as a rule says.
     result["rules"] = check_rules(mesh, device)
@@ -300,6 +327,7 @@ def main() -> int:
     dist.barrier()
     if made is not None:
         import shutil
+
         shutil.rmtree(made, ignore_errors=True)
     if rank == 0:
         print(json.dumps(result))

@@ -2,6 +2,7 @@
 # fusedkit's two jobs from a fresh clone, on a CPU or a GPU machine, with nothing done first:
 #   bash scripts/run.sh bench [options]   the fused-vs-unfused report (python -m fusedkit bench --help)
 #   bash scripts/run.sh test [pytest args]   the test suite (add -m "not slow" for the quick subset)
+#   bash scripts/run.sh lint                 ruff check and ruff format --check (CI runs it before the tests)
 # It uses $PYTHON, else python3 when it already has PyTorch and Triton (a GPU machine's own
 # stack), else a virtual environment in .venv with PyTorch 2.13 and Triton 3.9, and installs
 # whatever else the job needs (the package's "test" or "bench" extra) that is missing.
@@ -9,11 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-}
 case $job in
-  bench|test) shift ;;
-  *) echo "usage: bash scripts/run.sh bench|test [args...]" >&2; exit 2 ;;
+  bench|test|lint) shift ;;
+  *) echo "usage: bash scripts/run.sh bench|test|lint [args...]" >&2; exit 2 ;;
 esac
 
 py=${PYTHON:-python3}
+RUFF_VERSION=0.17.6
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && ! "$py" -c "import torch, triton" 2>/dev/null; then
   py=.venv/bin/python
 fi
@@ -32,6 +34,13 @@ fi
 
 # What the job needs, as import name=distribution name: the required ones must install, the
 # optional ones may fail (no network, say: a GPU machine), and the tests that need them skip.
+if [ "$job" = lint ]; then
+  # One pinned ruff: its rules and its formatting change between releases (configured in pyproject.toml).
+  "$py" -m ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION" \
+    || "$py" -m pip install --quiet --disable-pip-version-check "ruff==$RUFF_VERSION"
+  "$py" -m ruff check .
+  exec "$py" -m ruff format --check .
+fi
 if [ "$job" = test ]; then
   required="packaging=packaging numpy=numpy pytest=pytest hypothesis=hypothesis"
   optional="xdist=pytest-xdist matplotlib=matplotlib pytest_benchmark=pytest-benchmark tqdm=tqdm ninja=ninja mkdocs=mkdocs-material mkdocstrings_handlers=mkdocstrings-python transformers=transformers"

@@ -17,9 +17,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's n
 # the suite runs the fixed config and test_matmul.py::test_autotuned_path covers tuning.
 os.environ.setdefault("FUSEDKIT_AUTOTUNE", "0")
 
-import pytest  # noqa: E402
+import pytest
 
-import fusedkit  # noqa: E402
+import fusedkit
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -45,8 +45,10 @@ def fk_settings():
 
 
 def pytest_report_header(config):
-    return (f"fusedkit {fusedkit.__version__}: device {DEVICE}, backend {fusedkit.backend_for(DEVICE)}, "
-            f"torch {torch.__version__}, triton {__import__('triton').__version__}")
+    return (
+        f"fusedkit {fusedkit.__version__}: device {DEVICE}, backend {fusedkit.backend_for(DEVICE)}, "
+        f"torch {torch.__version__}, triton {__import__('triton').__version__}"
+    )
 
 
 def passed_in_log(lines) -> set[str]:

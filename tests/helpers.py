@@ -21,9 +21,9 @@ def views(shape2d, dtype, device):
     big = rand((r * 2 + 3, c * 3 + 1), dtype, device)
     return {
         "transposed": base.t(),
-        "row_sliced": big[1:1 + 2 * r:2, :c],
-        "col_strided": big[3:3 + r, 1:1 + 2 * c:2][:, :c] if 2 * c <= big.shape[1] - 1 else big[3:3 + r, :c],
-        "offset": big[2:2 + r, 5:5 + c],
+        "row_sliced": big[1 : 1 + 2 * r : 2, :c],
+        "col_strided": big[3 : 3 + r, 1 : 1 + 2 * c : 2][:, :c] if 2 * c <= big.shape[1] - 1 else big[3 : 3 + r, :c],
+        "offset": big[2 : 2 + r, 5 : 5 + c],
         "expanded_row": rand((1, c), dtype, device).expand(r, c),
         "expanded_col": rand((r, 1), dtype, device).expand(r, c),
     }

@@ -61,9 +61,9 @@ class GeluMLP(nn.Module):
         self.bias = nn.Parameter(torch.randn(d))
 
     def forward(self, x):
-        h = self.act(self.fc(x))                       # linear -> gelu_tanh
-        g = F.gelu(h) * self.value(h)                  # gelu * mul
-        return F.gelu(self.out(g) + self.bias)         # add -> gelu
+        h = self.act(self.fc(x))  # linear -> gelu_tanh
+        g = F.gelu(h) * self.value(h)  # gelu * mul
+        return F.gelu(self.out(g) + self.bias)  # add -> gelu
 
 
 class Net(nn.Module):
@@ -87,12 +87,21 @@ def test_advise_finds_every_site_with_its_bytes():
     net, images = _net()
     sites = fusedkit.advise(net, images)
     assert [(s.pattern, s.module) for s in sites] == [
-        ("add -> relu", "block"), ("linear -> gelu_tanh", "mlp"), ("gelu * mul", "mlp"), ("add -> gelu", "mlp"),
-        ("silu * mul", "llama")]
+        ("add -> relu", "block"),
+        ("linear -> gelu_tanh", "mlp"),
+        ("gelu * mul", "mlp"),
+        ("add -> gelu", "mlp"),
+        ("silu * mul", "llama"),
+    ]
     # each saves the write and the read of its intermediate: the join's (2, 8, 5, 5), the
     # MLP's (2, 32) hidden activations and (2, 16) output, the gate's (2, 24)
-    assert [s.bytes_saved for s in sites] == [2 * 2 * 8 * 25 * F32, 2 * 2 * 32 * F32, 2 * 2 * 32 * F32,
-                                              2 * 2 * 16 * F32, 2 * 2 * 24 * F32]
+    assert [s.bytes_saved for s in sites] == [
+        2 * 2 * 8 * 25 * F32,
+        2 * 2 * 32 * F32,
+        2 * 2 * 32 * F32,
+        2 * 2 * 16 * F32,
+        2 * 2 * 24 * F32,
+    ]
     assert sites[0].replacement.startswith("fusedkit.add_relu(")
     assert sites[1].replacement.startswith("fusedkit.matmul(") and "activation='gelu_tanh'" in sites[1].replacement
     assert "approximate" not in sites[2].replacement and sites[4].replacement.startswith("fusedkit.silu_mul(")
@@ -121,6 +130,7 @@ def test_a_chain_whose_intermediate_has_another_user_is_left_alone():
         def forward(self, x, y):
             s = x + y
             return torch.relu(s) + s.sum()
+
     x, y = rand((4, 3), torch.float32, DEVICE), rand((4, 3), torch.float32, DEVICE)
     assert fusedkit.advise(TwoUsers(), x, y) == []
     torch.testing.assert_close(fusedkit.fuse(TwoUsers(), x, y)(x, y), TwoUsers()(x, y))
@@ -131,6 +141,7 @@ def test_alpha_and_functional_forms():
         def forward(self, x, y, w, b):
             h = F.relu(torch.add(x, y, alpha=2))
             return F.silu(F.linear(h, w, b))
+
     x, y = rand((4, 6), torch.float32, DEVICE), rand((4, 6), torch.float32, DEVICE)
     w, b = rand((5, 6), torch.float32, DEVICE), rand((5,), torch.float32, DEVICE)
     sites = fusedkit.advise(Functional(), x, y, w, b)
@@ -143,10 +154,12 @@ def test_transformers_mlps():
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
     from transformers.models.llama.modeling_llama import LlamaMLP
+
     x = rand((2, 5, 32), torch.float32, DEVICE)
     gpt2 = GPT2MLP(128, transformers.GPT2Config(n_embd=32, n_inner=128, n_head=4, activation_function="gelu_new"))
-    llama = LlamaMLP(transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_attention_heads=4,
-                                              num_key_value_heads=4))
+    llama = LlamaMLP(
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_attention_heads=4, num_key_value_heads=4)
+    )
     for model, pattern, hidden in ((gpt2, "linear -> gelu_tanh", 128), (llama, "silu * mul", 88)):
         model = model.to(DEVICE).eval()
         (site,) = fusedkit.advise(model, x)
@@ -173,6 +186,7 @@ def test_an_untraceable_model_raises_a_tracing_error():
     class DataDependent(nn.Module):
         def forward(self, x):
             return torch.relu(x) if x.sum() > 0 else x
+
     with pytest.raises(fusedkit.TracingError, match="torch.fx cannot trace DataDependent"):
         fusedkit.advise(DataDependent(), rand((3,), torch.float32, DEVICE))
 
@@ -230,10 +244,15 @@ def test_the_advise_command_on_the_report_models(tmp_path):
     import json
     import subprocess
     import sys
+
     pytest.importorskip("transformers")
     out = tmp_path / "advice.json"
-    run = subprocess.run([sys.executable, "-m", "fusedkit", "advise", "--models", "llama_mlp", "--json",
-                          str(out), "--no-progress"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "fusedkit", "advise", "--models", "llama_mlp", "--json", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     (site,) = data["sites"]
@@ -252,13 +271,17 @@ def test_the_advise_command_on_the_report_models(tmp_path):
 def test_keyword_linear_shapes_it_cannot_take_and_in_place_targets():
     class Kw(nn.Module):
         def forward(self, x, w, b, v):
-            h = F.relu(F.linear(x, weight=w, bias=b))     # keywords: x stays x
-            g = F.relu(F.linear(h, v))                     # a 1-D weight: not a matmul fusedkit takes
+            h = F.relu(F.linear(x, weight=w, bias=b))  # keywords: x stays x
+            g = F.relu(F.linear(h, v))  # a 1-D weight: not a matmul fusedkit takes
             z = h.clone()
-            s = z.add_(h)                                  # in place on a fresh intermediate used again below
+            s = z.add_(h)  # in place on a fresh intermediate used again below
             return g, torch.relu(s), z
-    x, w, b = rand((4, 6), torch.float32, DEVICE), rand((5, 6), torch.float32, DEVICE), rand((5,), torch.float32,
-                                                                                               DEVICE)
+
+    x, w, b = (
+        rand((4, 6), torch.float32, DEVICE),
+        rand((5, 6), torch.float32, DEVICE),
+        rand((5,), torch.float32, DEVICE),
+    )
     v = rand((5,), torch.float32, DEVICE)
     sites = fusedkit.advise(Kw(), x, w, b, v)
     assert [s.pattern for s in sites] == ["linear -> relu"]
@@ -286,6 +309,7 @@ def test_module_names_of_a_module_called_twice():
 
         def forward(self, x):
             return self.mlp(self.mlp(x))
+
     x = rand((3, 16), torch.float32, DEVICE)
     assert [s.module for s in fusedkit.advise(Twice().to(DEVICE), x)] == ["mlp", "mlp"]
 
@@ -294,15 +318,26 @@ def test_a_forward_reading_self_training_is_refused():
     class Functional(nn.Module):
         def forward(self, x):
             return F.dropout(torch.relu(x + 1), 0.5, training=self.training)
+
     with pytest.raises(fusedkit.TracingError, match="self.training"):
         fusedkit.fuse(Functional(), rand((4,), torch.float32, DEVICE))
 
 
 def test_the_report_gives_the_gpu_busy_time_saved():
     from fusedkit.bench.advice import format_advice
-    timing = {"model": "m", "sites": 1, "bytes_saved": 10**6, "original_forward_ms": 1.0, "fused_forward_ms": 0.9,
-              "original_train_ms": 3.0, "fused_train_ms": 2.5, "predicted_ms": 0.25,
-              "original_forward_gpu_ms": 0.75, "fused_forward_gpu_ms": 0.5}
+
+    timing = {
+        "model": "m",
+        "sites": 1,
+        "bytes_saved": 10**6,
+        "original_forward_ms": 1.0,
+        "fused_forward_ms": 0.9,
+        "original_train_ms": 3.0,
+        "fused_train_ms": 2.5,
+        "predicted_ms": 0.25,
+        "original_forward_gpu_ms": 0.75,
+        "fused_forward_gpu_ms": 0.5,
+    }
     row = format_advice([], [timing], {}).splitlines()[-1].split()
     assert row[6:9] == ["0.250", "0.100", "0.250"]  # predicted, saved, GPU saved
     older = {k: v for k, v in timing.items() if "gpu" not in k}  # a record written before the busy times

@@ -125,10 +125,13 @@ def test_addrelu_module():
 
 @pytest.mark.parametrize("kernel", [k for k in fusedkit.registry.kernels()], ids=lambda k: k.name)
 def test_opcheck(kernel):
-    dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
-              if d in kernel.dtypes]
+    dtypes = [
+        d
+        for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+        if d in kernel.dtypes
+    ]
     for dtype in dtypes:
-        a, *rest = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (6,), (5, 1))[:kernel.arity])
+        a, *rest = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (6,), (5, 1))[: kernel.arity])
         if dtype.is_floating_point and kernel.backward is not None:
             a.requires_grad_()
         param = 2 if kernel.param is not None else 0
@@ -196,11 +199,15 @@ def test_cuda_graph_capture_and_replay():
 
 # --- matmul and modules ------------------------------------------------------------
 
+
 def test_matmul_opcheck():
     from fusedkit.autograd import matmul_op
 
-    a, b, bias = rand((6, 5), torch.float32, DEVICE), rand((5, 7), torch.float32, DEVICE), rand((7,), torch.float32,
-                                                                                               DEVICE)
+    a, b, bias = (
+        rand((6, 5), torch.float32, DEVICE),
+        rand((5, 7), torch.float32, DEVICE),
+        rand((7,), torch.float32, DEVICE),
+    )
     for activation, store_pre in ((None, False), ("relu", False), ("gelu", True)):
         torch.library.opcheck(matmul_op, (a.requires_grad_(), b, bias, activation, store_pre))
 
@@ -255,8 +262,9 @@ def test_training_matches_torch_mlp_and_resnet_block():
     torch.manual_seed(3)
     ref_mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU())
     ref_mlp = ref_mlp.to(DEVICE).double()
-    mlp = torch.nn.Sequential(fusedkit.nn.LinearReLU.from_linear(ref_mlp[0]),
-                              fusedkit.nn.LinearReLU.from_linear(ref_mlp[2]))
+    mlp = torch.nn.Sequential(
+        fusedkit.nn.LinearReLU.from_linear(ref_mlp[0]), fusedkit.nn.LinearReLU.from_linear(ref_mlp[2])
+    )
     data = [rand((8, 16), torch.float64, DEVICE) for _ in range(5)]
     torch.testing.assert_close(_train(mlp, data), _train(ref_mlp, data), rtol=1e-9, atol=1e-12)
     for fused, ref in ((mlp[0], ref_mlp[0]), (mlp[1], ref_mlp[2])):

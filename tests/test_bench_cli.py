@@ -20,10 +20,31 @@ def test_bench_report_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
     out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedkit", "bench", "--sizes", "1024", "--layouts", "contiguous,bias,transposed",
-         "--dtypes", "fp32", "--no-compile", "--json", str(out_json), "--csv", str(out_csv),
-         "--plots", str(tmp_path / "plots")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "fusedkit",
+            "bench",
+            "--sizes",
+            "1024",
+            "--layouts",
+            "contiguous,bias,transposed",
+            "--dtypes",
+            "fp32",
+            "--no-compile",
+            "--json",
+            str(out_json),
+            "--csv",
+            str(out_csv),
+            "--plots",
+            str(tmp_path / "plots"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     on_gpu = torch.cuda.is_available()
     assert ("NOT GPU times" in proc.stdout) != on_gpu
@@ -42,11 +63,28 @@ def test_matmul_report_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out_json = tmp_path / "m.json"
     # On a GPU: two small shapes, so the test checks the harness, not the tuning sweep.
-    args = ["--dtypes", "bf16", "--shapes", "256x256x128,1x512x256"] if torch.cuda.is_available() \
-        else ["--dtypes", "fp32"]
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--matmul", *args, "--json", str(out_json),
-                           "--plots", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    args = (
+        ["--dtypes", "bf16", "--shapes", "256x256x128,1x512x256"] if torch.cuda.is_available() else ["--dtypes", "fp32"]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusedkit",
+            "bench",
+            "--matmul",
+            *args,
+            "--json",
+            str(out_json),
+            "--plots",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out_json.read_text())["matmul"]
     assert rows and all(r["fusedkit_us"] > 0 and r["cublaslt_epilogue_us"] > 0 for r in rows)
@@ -57,8 +95,14 @@ def bench_cli(tmp_path, *args) -> tuple[str, dict]:
     """Run ``python -m fusedkit bench *args --json F`` as a user would; (stdout, the JSON)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
     out_json = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", *args, "--json", str(out_json)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedkit", "bench", *args, "--json", str(out_json)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out_json.read_text())
 
@@ -104,9 +148,14 @@ def test_benchmark_suite_runs_on_the_cpu():
         pytest.skip("on a GPU the suite is timed for real: scripts/gpu_run.sh pybench runs it")
     # a fresh session: not an xdist worker of this one (pytest-benchmark disables itself there)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--benchmark-only", "-q",
-                           "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "--benchmark-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
 
@@ -115,9 +164,28 @@ def test_tile_sweep_runs_and_restores_the_tuning_table():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must turn it on itself
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
-        [sys.executable, "benchmarks/tile_sweep.py", "--kernels", "silu_mul", "--dtypes", "bf16", "--sizes", "12",
-         "--blocks", "1024,4096", "--tiles", "2048", "--warps", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "benchmarks/tile_sweep.py",
+            "--kernels",
+            "silu_mul",
+            "--dtypes",
+            "bf16",
+            "--sizes",
+            "12",
+            "--blocks",
+            "1024,4096",
+            "--tiles",
+            "2048",
+            "--warps",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("silu_mul")]
     assert [r[2] for r in rows] == ["contiguous", "bias"], proc.stdout
@@ -130,14 +198,29 @@ def test_tile_sweep_leaves_the_tuning_table_and_no_plan_behind(capsys):
 
     from fusedkit.runtime import configs, layout
     from fusedkit.runtime.elementwise import INTERPRETED
+
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("off a GPU the sweep restarts itself in the interpreter")
     spec = importlib.util.spec_from_file_location("tile_sweep", ROOT / "benchmarks" / "tile_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     table = (configs.BLOCK_1D, configs.BLOCK_1D_NARROW, configs.TILE_ELEMS_2D, configs.ELEMENTWISE_WARPS)
-    sweep.main(["--kernels", "add_relu", "--dtypes", "bf16", "--sizes", "12", "--blocks", "2048", "--tiles", "8192",
-                "--warps", "2"])
+    sweep.main(
+        [
+            "--kernels",
+            "add_relu",
+            "--dtypes",
+            "bf16",
+            "--sizes",
+            "12",
+            "--blocks",
+            "2048",
+            "--tiles",
+            "8192",
+            "--warps",
+            "2",
+        ]
+    )
     assert "add_relu" in capsys.readouterr().out
     assert (configs.BLOCK_1D, configs.BLOCK_1D_NARROW, configs.TILE_ELEMS_2D, configs.ELEMENTWISE_WARPS) == table
     assert layout.plan_elementwise.cache_info().currsize == 0  # (no plan made with a swept tile survives)
@@ -150,16 +233,20 @@ def test_unknown_command():
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--dtypes", "float8"], "unknown dtype 'float8'; choose from fp16, bf16, fp32, fp64"),
-    (["--kernels", "addrelu"], "unknown kernel 'addrelu'; choose from"),
-    (["--layouts", "diagonal"], "unknown layout 'diagonal'"),
-    (["--sizes", "many"], "is not a size"),
-    (["--matmul", "--shapes", "4096x4096"], "is not MxNxK"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--dtypes", "float8"], "unknown dtype 'float8'; choose from fp16, bf16, fp32, fp64"),
+        (["--kernels", "addrelu"], "unknown kernel 'addrelu'; choose from"),
+        (["--layouts", "diagonal"], "unknown layout 'diagonal'"),
+        (["--sizes", "many"], "is not a size"),
+        (["--matmul", "--shapes", "4096x4096"], "is not MxNxK"),
+    ],
+)
 def test_bad_choices_are_usage_errors_before_anything_runs(args, words):
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedkit", "bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -28,8 +28,9 @@ def run_fresh(script: str, **env) -> dict:
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ.update(env)
     environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          env=environ, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=environ, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -195,8 +196,9 @@ def test_two_output_kernels_compile_for_hopper_with_two_stores(codegen):
     from fusedkit.library import GELU_MUL_GRAD, GELU_TANH_MUL_GRAD, SILU_MUL_GRAD
 
     # each tile stored twice, masked and unmasked: four stores
-    assert codegen["pairs"] == [f"{k.name}:{d}:4" for k in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD)
-                                for d in k.dtypes]
+    assert codegen["pairs"] == [
+        f"{k.name}:{d}:4" for k in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD) for d in k.dtypes
+    ]
 
 
 FALLBACK = """
@@ -252,7 +254,7 @@ from fusedkit.runtime.configs import HOPPER_SMEM_BYTES, matmul_configs, prune_ma
 r["fp64_fits"] = {}
 for bucket in (1, 128):  # each pruned set has a tile that fits fp64 operands
     fits = []
-    a, b = torch.empty(64, 64, device="meta", dtype=torch.float64), torch.empty(64, 64, device="meta", dtype=torch.float64)
+    a = b = torch.empty(64, 64, device="meta", dtype=torch.float64)
     for cfg in prune_matmul_configs(matmul_configs(), {"M_BUCKET": bucket, "a_ptr": a}):
         c = compile_matmul(a, b, None, "relu", torch.empty(64, 64, device="meta", dtype=torch.float64), cfg.kwargs,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -355,7 +357,6 @@ def test_multiply_and_sum_tiles_stay_off_the_tensor_cores():
         assert not f["dot"], f
 
 
-
 FP32_CODEGEN = """
 import json, os, torch
 from fusedkit.runtime.codegen import compile_matmul
@@ -363,7 +364,8 @@ tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, DOT=True)
 a, w = torch.empty(64, 512, device="meta"), torch.empty(256, 512, device="meta")
 c = compile_matmul(a, w.t(), None, "relu", torch.empty(64, 256, device="meta"), tile, num_warps=4, num_stages=3)
 ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
-print(json.dumps({"dots": ttgir.count("warp_group_dot "), "tf32": "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32" in ptx,
+print(json.dumps({"dots": ttgir.count("warp_group_dot "),
+                  "tf32": "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32" in ptx,
                   "split": "cvt.rna.satfinite.tf32.f32" in ptx, "nan_mask": "cmpf oeq" in ttgir,
                   "fma": "fma.rn.f32" in ptx}))
 """

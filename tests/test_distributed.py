@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow  # processes under torch.distributed (about 10 s on the CPU)
 
@@ -26,16 +25,21 @@ GPU_TOLERANCE = 1e-3
 #: Per case of scripts/distributed_check.py's check_rules: the result's placements and the
 #: collectives the call runs: none but a row-parallel activation's reduction, and the gather
 #: an ``out=`` placed otherwise than the result needs (nothing is gathered to compute).
-RULES = {"linear_relu_colwise": (["S(1)"], {}), "linear_relu_rowwise": (["R"], {"all_reduce": 1}),
-         "matmul_rowwise_partial": (["P(sum)"], {}), "add_relu_broadcast": (["S(1)"], {}),
-         "silu_mul_rows": (["S(0)"], {}), "add_relu_out": (["S(0)"], {}),
-         "add_relu_out_replicated": (["R"], {"all_gather_into_tensor": 1})}
+RULES = {
+    "linear_relu_colwise": (["S(1)"], {}),
+    "linear_relu_rowwise": (["R"], {"all_reduce": 1}),
+    "matmul_rowwise_partial": (["P(sum)"], {}),
+    "add_relu_broadcast": (["S(1)"], {}),
+    "silu_mul_rows": (["S(0)"], {}),
+    "add_relu_out": (["S(0)"], {}),
+    "add_relu_out_replicated": (["R"], {"all_gather_into_tensor": 1}),
+}
 
 
 @pytest.fixture(scope="module")
 def result():
     try:
-        import torch.distributed.run  # noqa: F401
+        import torch.distributed.run
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
         pytest.skip("torch.distributed (with FSDP2) is not available in this build")
@@ -43,9 +47,23 @@ def result():
     ranks = min(2, gpus) if gpus else 2
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           str(ROOT / "scripts/distributed_check.py"), "--steps", "5"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            str(ROOT / "scripts/distributed_check.py"),
+            "--steps",
+            "5",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["world"] == ranks and found["backend"] == ("nccl" if gpus else "gloo")

@@ -58,8 +58,8 @@ def extract_blocks(text: str, page: str) -> list[Block]:
         if end is None:
             raise AssertionError(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: unclosed code fence")
         if m["lang"].lower() in _PYTHON:
-            body = text[m.end() + 1:end.start()]
-            lines = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in body.splitlines()]
+            body = text[m.end() + 1 : end.start()]
+            lines = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in body.splitlines()]
             blocks.append(Block(page, text.count("\n", 0, m.start()) + 2, "\n".join(lines) + "\n"))
         pos = end.end()
     return blocks
@@ -103,9 +103,9 @@ def _run_page_through(block: Block, tmp_dir: Path) -> object:
         path = tmp_dir / f"{Path(current.page).stem}_line{current.line}.py"
         path.write_text("\n" * (current.line - 1) + current.source)
         try:
-            exec(compile(path.read_text(), str(path), "exec"), run.namespace)  # noqa: S102
+            exec(compile(path.read_text(), str(path), "exec"), run.namespace)
             run.done.append(None)
-        except Exception as e:  # noqa: BLE001 - recorded, re-raised by the block's own test
+        except Exception as e:
             run.done.append(e)
     return run.done[index]
 
@@ -134,7 +134,7 @@ def test_example(block: Block, example_dir: Path):
 
 
 def test_block_extraction():
-    text = "x\n```python\na = 1\n```\n\n```bash\nls\n```\n  ```py title=\"t\"\n  # gpu-only\n  b = 2\n  ```\n"
+    text = 'x\n```python\na = 1\n```\n\n```bash\nls\n```\n  ```py title="t"\n  # gpu-only\n  b = 2\n  ```\n'
     blocks = extract_blocks(text, "t.md")
     assert [b.source for b in blocks] == ["a = 1\n", "# gpu-only\nb = 2\n"]
     assert [b.line for b in blocks] == [3, 10] and blocks[1].gpu_only and not blocks[0].gpu_only
@@ -143,6 +143,7 @@ def test_block_extraction():
 
 
 # --- the op table -------------------------------------------------------------------
+
 
 def _gen_ops():
     spec = importlib.util.spec_from_file_location("docs_gen_ops", DOCS / "gen_ops.py")
@@ -157,8 +158,9 @@ def _table_names(markdown: str) -> list[str]:
 
 def test_op_table_lists_every_registered_kernel():
     gen = _gen_ops()
-    assert re.search(r"^hooks:\s*\n\s*-\s*docs/gen_ops\.py\s*$", (ROOT / "mkdocs.yml").read_text(), re.M), \
+    assert re.search(r"^hooks:\s*\n\s*-\s*docs/gen_ops\.py\s*$", (ROOT / "mkdocs.yml").read_text(), re.M), (
         "mkdocs.yml must run docs/gen_ops.py as a hook"
+    )
     source = (DOCS / "elementwise.md").read_text()
     assert gen.MARKER in source, "docs/elementwise.md lost the op-table marker"
     rendered = gen.render(source)
@@ -171,9 +173,15 @@ def test_op_table_lists_every_registered_kernel():
     # The table follows the registry: a kernel registered now shows up.
     from fusedkit.kernels.activations import add_relu_math
 
-    extra = fusedkit.registry.register(fusedkit.registry.ElementwiseKernel(
-        name="docs_table_probe", math=add_relu_math, reference=lambda x, y, alpha=1: torch.relu(x + alpha * y),
-        formula="probe(x, y)", unfused=("torch.add", "torch.relu")))
+    extra = fusedkit.registry.register(
+        fusedkit.registry.ElementwiseKernel(
+            name="docs_table_probe",
+            math=add_relu_math,
+            reference=lambda x, y, alpha=1: torch.relu(x + alpha * y),
+            formula="probe(x, y)",
+            unfused=("torch.add", "torch.relu"),
+        )
+    )
     try:
         assert _table_names(gen.ops_table())[-1] == extra.name
         assert "`probe(x, y)`" in gen.render(source)
@@ -188,6 +196,7 @@ def test_op_table_byte_columns_follow_the_model():
 
 # --- the site -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     for plugin in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
@@ -195,8 +204,14 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NO_MKDOCS_2_WARNING"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--clean", "-d", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--clean", "-d", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
 
@@ -207,8 +222,13 @@ def test_site_builds_strict(site: Path):
         expected = "index.html" if page == "index.md" else f"{Path(page).stem}/index.html"
         assert expected in pages, f"{page} was not built"
     api = (site / "api/index.html").read_text()
-    for name in ("fusedkit.add_relu", "fusedkit.matmul", "fusedkit.registry.ElementwiseKernel",
-                 "fusedkit.nn.LinearReLU", "fusedkit.testing.assert_matches_reference"):
+    for name in (
+        "fusedkit.add_relu",
+        "fusedkit.matmul",
+        "fusedkit.registry.ElementwiseKernel",
+        "fusedkit.nn.LinearReLU",
+        "fusedkit.testing.assert_matches_reference",
+    ):
         assert f'id="{name}"' in api, f"the API reference lost {name}"
 
 

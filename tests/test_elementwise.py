@@ -52,8 +52,14 @@ def test_contiguous(kernel, dtype, shape):
     assert fresh.is_contiguous() and fresh.dtype == dtype and fresh.device.type == DEVICE.type
 
 
-BROADCASTS = [((37, 53), (53,)), ((37, 1), (1, 53)), ((5, 1, 7), (4, 1)), ((), (6, 7)), ((3, 4, 5), (1, 4, 1)),
-              ((2, 1, 3, 1, 5), (4, 1, 6, 1))]
+BROADCASTS = [
+    ((37, 53), (53,)),
+    ((37, 1), (1, 53)),
+    ((5, 1, 7), (4, 1)),
+    ((), (6, 7)),
+    ((3, 4, 5), (1, 4, 1)),
+    ((2, 1, 3, 1, 5), (4, 1, 6, 1)),
+]
 
 
 @pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
@@ -64,8 +70,7 @@ def test_broadcast(kernel, dtype, shapes):
         run_and_check(kernel, operands_for(kernel, ops))
 
 
-@pytest.mark.parametrize("view", ["transposed", "row_sliced", "col_strided", "offset", "expanded_row",
-                                  "expanded_col"])
+@pytest.mark.parametrize("view", ["transposed", "row_sliced", "col_strided", "offset", "expanded_row", "expanded_col"])
 @pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
 def test_strided_views(kernel, dtype, view):
     shape = (67, 45)
@@ -96,8 +101,12 @@ def test_scalars_and_alpha(kernel, dtype, alpha):
         pytest.skip("integer results take integer alpha (a float alpha is tested as an error)")
     x = rand((33, 17), dtype, DEVICE)
     scalar = 2 if not dtype.is_floating_point else 1.3
-    for ops in ((x, scalar), (scalar, x), (x, torch.tensor(scalar, dtype=dtype)),
-                (torch.tensor(-scalar, dtype=dtype, device=DEVICE), x)):
+    for ops in (
+        (x, scalar),
+        (scalar, x),
+        (x, torch.tensor(scalar, dtype=dtype)),
+        (torch.tensor(-scalar, dtype=dtype, device=DEVICE), x),
+    ):
         run_and_check(kernel, operands_for(kernel, ops), param=alpha, dtype=dtype)
 
 
@@ -108,8 +117,14 @@ def test_float64_scalar_keeps_double_precision():
     torch.testing.assert_close(result.cpu(), x.cpu() + (1 / 3) * 0.1, rtol=1e-15, atol=0)
 
 
-MIXED = [(torch.float16, torch.float32), (torch.bfloat16, torch.float16), (torch.int32, torch.float16),
-         (torch.int32, torch.int64), (torch.float64, torch.bfloat16), (torch.int64, torch.float32)]
+MIXED = [
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float16),
+    (torch.int32, torch.float16),
+    (torch.int32, torch.int64),
+    (torch.float64, torch.bfloat16),
+    (torch.int64, torch.float32),
+]
 
 
 MIXED_CASES = [(k, d) for k in KERNELS for d in MIXED if all(x in k.dtypes for x in d)]
@@ -143,8 +158,11 @@ def test_integer_and_half_operands_round_like_torch(kernel, half):
 SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.5, -2.25, 1e13, -1e13, 1e20]
 
 
-@pytest.mark.parametrize("kernel,dtype", [c for c in CASES if c[1].is_floating_point],
-                         ids=[i for c, i in zip(CASES, IDS) if c[1].is_floating_point])
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [c for c in CASES if c[1].is_floating_point],
+    ids=[i for c, i in zip(CASES, IDS) if c[1].is_floating_point],
+)
 def test_special_values(kernel, dtype):
     pairs = list(itertools.product(SPECIALS, repeat=2))
     x = torch.tensor([p[0] for p in pairs], dtype=dtype, device=DEVICE)
@@ -207,8 +225,10 @@ def test_integer_results_are_exact_and_wrap_like_torch():
     info = torch.iinfo(torch.int32)
     x = torch.tensor([info.max, info.min, 5, -7], dtype=torch.int32, device=DEVICE)
     y = torch.tensor([1, -1, 3, 2], dtype=torch.int32, device=DEVICE)
-    for fn, ref in ((fusedkit.add, lambda a, b: torch.add(a, b, alpha=3)),
-                    (fusedkit.add_relu, lambda a, b: torch.relu(torch.add(a, b, alpha=3)))):
+    for fn, ref in (
+        (fusedkit.add, lambda a, b: torch.add(a, b, alpha=3)),
+        (fusedkit.add_relu, lambda a, b: torch.relu(torch.add(a, b, alpha=3))),
+    ):
         assert torch.equal(fn(x, y, alpha=3).cpu(), ref(x.cpu(), y.cpu()))
 
 
@@ -247,8 +267,10 @@ def test_block_boundaries(n):
     x, y = rand((n,), torch.float32, DEVICE), rand((n,), torch.float32, DEVICE)
     run_and_check(fusedkit.registry.get("add_relu"), (x, y))
     r, c = n, 3
-    run_and_check(fusedkit.registry.get("add_relu"), (rand((r, c), torch.float32, DEVICE).t(),
-                                                    rand((c, r), torch.float32, DEVICE)))
+    run_and_check(
+        fusedkit.registry.get("add_relu"),
+        (rand((r, c), torch.float32, DEVICE).t(), rand((c, r), torch.float32, DEVICE)),
+    )
 
 
 @pytest.mark.parametrize("case", ["bias", "batched"])

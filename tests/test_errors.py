@@ -9,8 +9,8 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
-from fusedkit.runtime import elementwise as ew
 from fusedkit.errors import DeviceError, DTypeError, FusedkitError, OverlapError, ShapeError
+from fusedkit.runtime import elementwise as ew
 
 OPS = [fusedkit.add, fusedkit.add_relu]
 
@@ -18,8 +18,10 @@ OPS = [fusedkit.add, fusedkit.add_relu]
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
     """Any launch during these tests is a failure: errors must come first."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was launched for bad input")
+
     monkeypatch.setattr(ew, "launch_elementwise", refuse)
 
 
@@ -50,8 +52,13 @@ BAD = [
     ("bool tensor", lambda: (x32(), torch.ones(4, 5, dtype=torch.bool, device=DEVICE)), {}, DTypeError, "'y'"),
     ("int8 tensor", lambda: (torch.ones(3, dtype=torch.int8, device=DEVICE), x32(3)), {}, DTypeError, "'x'"),
     ("no tensor", lambda: (1.0, 2.0), {}, DTypeError, "must be a Tensor"),
-    ("float alpha, int result", lambda: (torch.ones(3, dtype=torch.int32, device=DEVICE),) * 2, {"alpha": 0.5},
-     DTypeError, "alpha"),
+    (
+        "float alpha, int result",
+        lambda: (torch.ones(3, dtype=torch.int32, device=DEVICE),) * 2,
+        {"alpha": 0.5},
+        DTypeError,
+        "alpha",
+    ),
     ("complex alpha", lambda: (x32(), x32()), {"alpha": 1j}, DTypeError, "alpha"),
     ("string alpha", lambda: (x32(), x32()), {"alpha": "2"}, DTypeError, "alpha"),
     ("meta and device", lambda: (torch.ones(4, 5, device="meta"), x32()), {}, DeviceError, "'y'"),
@@ -125,4 +132,3 @@ def test_wrong_arity_and_keywords():
         fusedkit.elementwise("add", x32(), x32(), beta=2)
     with pytest.raises(KeyError, match="no elementwise kernel named"):
         fusedkit.elementwise("nope", x32(), x32())
-

@@ -11,11 +11,11 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
+from fusedkit.errors import ArgumentError, ShapeError
+from fusedkit.library import ADD, ADD_RELU
 from fusedkit.runtime import elementwise as ew
 from fusedkit.runtime import launch as fk_launch
 from fusedkit.runtime import matmul as mm
-from fusedkit.errors import ArgumentError, ShapeError
-from fusedkit.library import ADD, ADD_RELU
 from fusedkit.testing import assert_rel_err, matmul_rel_err
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="direct launches of compiled kernels need a CUDA GPU")
@@ -93,10 +93,12 @@ def test_eager_grad_calls_skip_the_registered_ops(monkeypatch):
     """Autograd records eager calls through plain autograd Functions whose forward takes
     the fast path: on the H200 host a call through a registered op cost ~100 us. (Traced
     calls still go through the ops: tests/test_autograd_compile.py.)"""
+
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through the registered op")
 
     from fusedkit import autograd
+
     monkeypatch.setattr(autograd, "elementwise_op", refuse)
     monkeypatch.setattr(autograd, "matmul_op", refuse)
     x = rand((6, 8), torch.float32, DEVICE).requires_grad_()
@@ -123,9 +125,14 @@ def test_kernel_specs_need_not_be_hashable():
     from fusedkit import registry
     from fusedkit.kernels import activations
 
-    spec = registry.ElementwiseKernel(name="test_listy_add", math=activations.add_math,
-                                      reference=lambda x, y: x + y, arg_names=["x", "y"],
-                                      dtypes=[torch.float32], unfused=["torch.add"])
+    spec = registry.ElementwiseKernel(
+        name="test_listy_add",
+        math=activations.add_math,
+        reference=lambda x, y: x + y,
+        arg_names=["x", "y"],
+        dtypes=[torch.float32],
+        unfused=["torch.add"],
+    )
     registry.register(spec)
     try:
         x, y = rand((9,), torch.float32, DEVICE), rand((9,), torch.float32, DEVICE)
@@ -148,7 +155,7 @@ def test_negated_views_are_read_as_negated():
 def test_out_of_range_int_scalar_after_a_cached_call():
     x = rand((8,), torch.float32, DEVICE)
     torch.testing.assert_close(fusedkit.add(x, 3), x + 3)
-    for huge in (2**64, -2**63 - 1):
+    for huge in (2**64, -(2**63) - 1):
         with pytest.raises(OverflowError):
             torch.add(x, huge)
         with pytest.raises(OverflowError):
@@ -251,8 +258,15 @@ def _stand_in_entry(recipe, monkeypatch):
     """Route ``recipe``'s direct launches to a stand-in launcher (no GPU needed), kept
     with the tail the recipe keeps a compiled kernel with."""
     launcher = _StandInLauncher()
-    entry = fk_launch.Entry(compiled=launcher, launcher=launcher, function=7, packed_metadata="packed",
-                          grid=(3, 1, 1), tail=recipe.launch_tail, extra=None)
+    entry = fk_launch.Entry(
+        compiled=launcher,
+        launcher=launcher,
+        function=7,
+        packed_metadata="packed",
+        grid=(3, 1, 1),
+        tail=recipe.launch_tail,
+        extra=None,
+    )
     monkeypatch.setattr(recipe.compiled, "get", lambda spec: entry)
     monkeypatch.setattr(fk_launch, "current_device", lambda: recipe.device.index)
     monkeypatch.setattr(fk_launch, "current_stream", lambda index: 1234)
@@ -293,8 +307,16 @@ def test_raw_launch_calls_the_c_launch_function(monkeypatch):
     cuda_launcher = _StandInCudaLauncher()
     launch, head, layouts = fk_launch.raw_launcher(cuda_launcher)
     assert launch is cuda_launcher.launch and head == (0, 1, None, None) and layouts is None
-    entry = fk_launch.Entry(compiled=None, launcher=launch, function=7, packed_metadata="packed", grid=(3, 1, 1),
-                          tail=("tail",), extra=None, head=head)
+    entry = fk_launch.Entry(
+        compiled=None,
+        launcher=launch,
+        function=7,
+        packed_metadata="packed",
+        grid=(3, 1, 1),
+        tail=("tail",),
+        extra=None,
+        head=head,
+    )
     monkeypatch.setattr(fk_launch, "current_stream", lambda index: 1234)
     fk_launch.CompiledCache.run(entry, (11, 12), 0)
     assert launch.calls == [(3, 1, 1, 1234, 7, 0, 1, None, None, "packed", None, None, None, 11, 12, "tail")]
@@ -326,8 +348,10 @@ def test_raw_launch_takes_encoded_descriptors(monkeypatch):
     # the C launch inside it, with the layouts the compiled kernel recorded.
     monkeypatch.setattr(fk_launch, "RAW_LAUNCH", True)
     monkeypatch.setattr(fk_launch, "TMA_HOST_TYPE", {10: 8, 7: 7})
-    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False},
-            {"swizzle": 2, "elem_size": 4, "elem_type": 7, "block_size": [64, 32], "fp4_padded": False}]
+    meta = [
+        {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False},
+        {"swizzle": 2, "elem_size": 4, "elem_type": 7, "block_size": [64, 32], "fp4_padded": False},
+    ]
     cuda_launcher = _StandInCudaLauncher()
     c_launch = cuda_launcher.launch
     cuda_launcher.launch = _descriptor_wrapper(c_launch, meta)
@@ -351,8 +375,12 @@ def test_tensor_maps_are_encoded_once_per_operand(monkeypatch):
     assert encoded == [(4096, 3, 2, 8, (128, 64), (300, 64), (64, 1), 0)]  # zero padding
     assert fk_launch.tensor_map_args(4096, (300, 64), (64, 1), layout) is first  # reused
     # Any other address, size, stride or layout is its own encoding.
-    for args in ((8192, (300, 64), (64, 1), layout), (4096, (299, 64), (64, 1), layout),
-                 (4096, (300, 64), (128, 1), layout), (4096, (300, 64), (64, 1), (3, 2, 8, (64, 64)))):
+    for args in (
+        (8192, (300, 64), (64, 1), layout),
+        (4096, (299, 64), (64, 1), layout),
+        (4096, (300, 64), (128, 1), layout),
+        (4096, (300, 64), (64, 1), (3, 2, 8, (64, 64))),
+    ):
         fk_launch.tensor_map_args(*args)
     assert len(encoded) == 5
     # A full cache starts over.
@@ -431,6 +459,7 @@ def test_two_output_launches_are_kept_with_both_results():
     # A gate's backward (run_pair) keeps its launch as one-output calls do; each call gets
     # two new tensors, and new values and a misaligned view are read correctly.
     from fusedkit.library import SILU_MUL_GRAD
+
     base = rand((3 * 97 + 1,), torch.float32, DEVICE)
     g, b = rand((3, 97), torch.float32, DEVICE), rand((3, 97), torch.float32, DEVICE)
     seen = []
@@ -466,7 +495,7 @@ def test_misaligned_view_takes_its_own_kernel(dtype):
     # loads on the misaligned pointer would fault or read wrong.
     n = 4096
     base = rand((n + 8,), dtype, DEVICE)
-    aligned, misaligned = base[:n], base[1:n + 1]
+    aligned, misaligned = base[:n], base[1 : n + 1]
     y = rand((n,), dtype, DEVICE)
     for x in (aligned, misaligned, aligned, misaligned):
         assert torch.equal(fusedkit.add(x, y), torch.add(x, y))

@@ -34,7 +34,7 @@ def operand(draw, shape, dtype):
     """A tensor that reads as ``shape``: maybe broadcast, transposed, sliced or offset."""
     # Broadcast: drop leading dims and set some dims to 1.
     rank = draw(st.integers(0, len(shape)))
-    own = [1 if draw(st.booleans()) and draw(st.booleans()) else n for n in shape[len(shape) - rank:]]
+    own = [1 if draw(st.booleans()) and draw(st.booleans()) else n for n in shape[len(shape) - rank :]]
     steps = [draw(st.sampled_from([1, 1, 2, 3])) for _ in own]
     offset = draw(st.integers(0, 3))
     base_shape = [n * s for n, s in zip(own, steps)]
@@ -42,7 +42,7 @@ def operand(draw, shape, dtype):
     for n in base_shape:
         numel *= n
     flat = _rand(numel + offset, dtype, draw(SEEDS), specials=draw(st.booleans()) and draw(st.booleans()))
-    t = flat[offset:].view(base_shape) if base_shape else flat[offset:offset + 1].view(())
+    t = flat[offset:].view(base_shape) if base_shape else flat[offset : offset + 1].view(())
     t = t[tuple(slice(None, None, s) for s in steps)] if steps else t
     if t.dim() >= 2 and draw(st.booleans()):
         perm = draw(st.permutations(range(t.dim())))
@@ -62,7 +62,7 @@ def _rand(n, dtype, seed: int, specials: bool = False):
         t = (torch.randn(n, device=DEVICE, generator=gen) * 3).to(dtype)
         if specials and n:
             idx = torch.randint(0, n, (min(n, 4),), device=DEVICE, generator=gen)
-            t[idx] = torch.tensor(SPECIALS[:len(idx)], device=DEVICE, dtype=dtype)
+            t[idx] = torch.tensor(SPECIALS[: len(idx)], device=DEVICE, dtype=dtype)
         return t
     return torch.randint(1, 40, (n,), device=DEVICE, dtype=dtype, generator=gen)
 
@@ -93,8 +93,12 @@ def _fuzz(strategy, check, shard: int, record_property) -> None:
     examples run goes to the JUnit report (``--junitxml``) as the ``examples`` property.
     Shares round up, so the shards together run at least ``EXAMPLES`` (12 shards of 2,000
     rounded down ran 1,992 on the H200, 2026-12-03)."""
-    share = settings(max_examples=max(1, -(-EXAMPLES // SHARDS)), deadline=None, database=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    share = settings(
+        max_examples=max(1, -(-EXAMPLES // SHARDS)),
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     runs = []
 
     def counted(args):
@@ -123,8 +127,13 @@ def _check_elementwise(args):
         out = poisoned(expected.shape, dtype, DEVICE)
     elif use_out == "transposed" and expected.dim() >= 2:
         out = poisoned(expected.shape[::-1], dtype, DEVICE).permute(*reversed(range(expected.dim())))
-    elif use_out == "inplace" and isinstance(x, torch.Tensor) and x.shape == expected.shape \
-            and x.dtype == dtype and not _self_overlapping(x):
+    elif (
+        use_out == "inplace"
+        and isinstance(x, torch.Tensor)
+        and x.shape == expected.shape
+        and x.dtype == dtype
+        and not _self_overlapping(x)
+    ):
         out = x  # in place, as a residual join does
     if out is None:
         first = fusedkit.elementwise(kernel, x, y, **param)
@@ -152,9 +161,16 @@ def matmul_case(draw):
     m, n, k = (draw(st.integers(0, 70)) for _ in range(3))
     dtype = draw(st.sampled_from(MATMUL_DTYPES))
     seed = draw(SEEDS)
-    a = _rand(m * k * 2, dtype, seed).view(m, 2 * k)[:, ::2] if draw(st.booleans()) else \
-        _rand(m * k, dtype, seed).view(m, k)
-    b = _rand(n * k, dtype, seed + 1).view(n, k).t() if draw(st.booleans()) else _rand(k * n, dtype, seed + 1).view(k, n)
+    a = (
+        _rand(m * k * 2, dtype, seed).view(m, 2 * k)[:, ::2]
+        if draw(st.booleans())
+        else _rand(m * k, dtype, seed).view(m, k)
+    )
+    b = (
+        _rand(n * k, dtype, seed + 1).view(n, k).t()
+        if draw(st.booleans())
+        else _rand(k * n, dtype, seed + 1).view(k, n)
+    )
     bias = _rand(n, dtype, seed + 2) if draw(st.booleans()) else None
     if draw(st.booleans()) and m % 2 == 0:
         a = a.view(2, m // 2, k) if a.is_contiguous() else a.unflatten(0, (2, m // 2))  # batched (..., M, K)

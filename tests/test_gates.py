@@ -67,8 +67,10 @@ def test_half_types_compute_in_float32_and_round_once(fused, plain, dtype):
 def test_approximate_is_checked_before_anything_runs():
     a = rand((4,), torch.float32, DEVICE)
     out = torch.full((4,), 7.0, device=DEVICE)
-    for call in (lambda: fusedkit.gelu_mul(a, a, approximate="erf", out=out),
-                 lambda: fusedkit.add_gelu(a, a, approximate=None, out=out)):
+    for call in (
+        lambda: fusedkit.gelu_mul(a, a, approximate="erf", out=out),
+        lambda: fusedkit.add_gelu(a, a, approximate=None, out=out),
+    ):
         with pytest.raises(fusedkit.ArgumentError, match="approximate must be 'none' or 'tanh'") as info:
             call()
         assert isinstance(info.value, ValueError)
@@ -103,16 +105,20 @@ def _launches(monkeypatch):
     def counted(kernel, *args, **kwargs):
         calls.append(kernel.name)
         return real(kernel, *args, **kwargs)
+
     monkeypatch.setattr(ew, "launch_elementwise", counted)
     return calls
 
 
-@pytest.mark.parametrize("op,alpha,expected", [
-    (fusedkit.silu_mul, None, ["silu_mul_grad"]),
-    (fusedkit.gelu_mul, None, ["gelu_mul_grad"]),
-    (fusedkit.add_gelu, 1, ["add_gelu_grad"]),
-    (fusedkit.add_gelu, 2.0, ["add_gelu_grad", "add"]),  # d/dy = alpha * d/dx
-])
+@pytest.mark.parametrize(
+    "op,alpha,expected",
+    [
+        (fusedkit.silu_mul, None, ["silu_mul_grad"]),
+        (fusedkit.gelu_mul, None, ["gelu_mul_grad"]),
+        (fusedkit.add_gelu, 1, ["add_gelu_grad"]),
+        (fusedkit.add_gelu, 2.0, ["add_gelu_grad", "add"]),  # d/dy = alpha * d/dx
+    ],
+)
 def test_backward_is_one_fused_launch(monkeypatch, op, alpha, expected):
     if fusedkit.backend_for(DEVICE) == "torch":
         pytest.skip("the PyTorch path launches no kernel")
@@ -128,19 +134,36 @@ def test_backward_is_one_fused_launch(monkeypatch, op, alpha, expected):
 
 def test_two_output_kernels_stay_out_of_the_registry():
     assert "silu_mul_grad" not in fusedkit.registry.names()
-    pair = ElementwiseKernel(name="pair", math=activations.silu_mul_grad_math, reference=lambda g, a, b: (g, g),
-                             arg_names=("g", "a", "b"), param=None, outputs=2, formula="pair", unfused=("x",))
+    pair = ElementwiseKernel(
+        name="pair",
+        math=activations.silu_mul_grad_math,
+        reference=lambda g, a, b: (g, g),
+        arg_names=("g", "a", "b"),
+        param=None,
+        outputs=2,
+        formula="pair",
+        unfused=("x",),
+    )
     with pytest.raises(fusedkit.ArgumentError, match="2 outputs"):
         fusedkit.registry.register(pair)
     with pytest.raises(fusedkit.ArgumentError, match="outputs must be 1 or 2"):
-        ElementwiseKernel(name="three", math=activations.silu_mul_grad_math, reference=lambda g, a, b: g,
-                          arg_names=("g", "a", "b"), param=None, outputs=3, formula="three", unfused=("x",))
+        ElementwiseKernel(
+            name="three",
+            math=activations.silu_mul_grad_math,
+            reference=lambda g, a, b: g,
+            arg_names=("g", "a", "b"),
+            param=None,
+            outputs=3,
+            formula="three",
+            unfused=("x",),
+        )
     with pytest.raises(fusedkit.ArgumentError, match="two-output"):
         ew.run_pair(library.SILU_MUL, (rand((3,), torch.float32, DEVICE),) * 2, None)
 
 
-@pytest.mark.parametrize("kernel", [library.SILU_MUL_GRAD, library.GELU_MUL_GRAD, library.GELU_TANH_MUL_GRAD],
-                         ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "kernel", [library.SILU_MUL_GRAD, library.GELU_MUL_GRAD, library.GELU_TANH_MUL_GRAD], ids=lambda k: k.name
+)
 @pytest.mark.parametrize("layout", ["transposed", "expanded_col", "offset"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64])
 def test_run_pair_reads_strided_inputs_and_numbers(kernel, layout, dtype):
@@ -156,8 +179,15 @@ def test_run_pair_reads_strided_inputs_and_numbers(kernel, layout, dtype):
 
 
 @pytest.mark.slow  # float64 gradcheck and gradgradcheck in the interpreter
-@pytest.mark.parametrize("op", [fusedkit.silu_mul, lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
-                                lambda a, b: fusedkit.add_gelu(a, b, alpha=0.5)], ids=["silu", "gelu_tanh", "add"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        fusedkit.silu_mul,
+        lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
+        lambda a, b: fusedkit.add_gelu(a, b, alpha=0.5),
+    ],
+    ids=["silu", "gelu_tanh", "add"],
+)
 def test_second_derivatives(op):
     a, b = leaf((4, 3)), leaf((3,))
     assert torch.autograd.gradcheck(op, (a, b))
@@ -166,19 +196,22 @@ def test_second_derivatives(op):
 
 def test_torch_func_transforms():
     from torch.func import grad, vmap
+
     x, y = rand((5, 3), F64, DEVICE), rand((5, 3), F64, DEVICE)
     for fused, plain in GATES:
         torch.testing.assert_close(vmap(fused)(x, y), vmap(plain)(x, y))
         for f, p in ((fused, plain),):  # (bound per pair: the lambdas below run now)
             torch.testing.assert_close(grad(lambda a, f=f: f(a, y).sum())(x), grad(lambda a, p=p: p(a, y).sum())(x))
-            torch.testing.assert_close(vmap(grad(lambda a, b, f=f: f(a, b).sum()))(x, y),
-                                       vmap(grad(lambda a, b, p=p: p(a, b).sum()))(x, y))
+            torch.testing.assert_close(
+                vmap(grad(lambda a, b, f=f: f(a, b).sum()))(x, y), vmap(grad(lambda a, b, p=p: p(a, b).sum()))(x, y)
+            )
 
 
 @pytest.mark.slow  # torch.compile
 def test_compile_fullgraph_forward_and_backward():
     def f(a, b, c):
         return fusedkit.add_gelu(fusedkit.silu_mul(a, b), c, approximate="tanh").sum()
+
     a, b, c = leaf((8, 6), torch.float32), leaf((8, 6), torch.float32), leaf((6,), torch.float32)
     compiled = torch.compile(f, fullgraph=True)
     got = torch.autograd.grad(compiled(a, b, c), (a, b, c))
@@ -188,6 +221,7 @@ def test_compile_fullgraph_forward_and_backward():
 
 
 # --- nn.SwiGLU ------------------------------------------------------------------------------
+
 
 class _LlamaStyleMLP(torch.nn.Module):
     """The LLaMA MLP as people write it: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
@@ -225,9 +259,11 @@ def test_swiglu_loads_a_llama_mlp_and_trains_to_the_same_loss():
 
 def test_swiglu_loads_transformers_llama_mlp():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=24, hidden_act="silu", num_attention_heads=4,
-                                      num_key_value_heads=4)
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=24, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4
+    )
     from transformers.models.llama.modeling_llama import LlamaMLP
+
     ref = LlamaMLP(config).to(DEVICE)
     ours = fusedkit.nn.SwiGLU(16, 24, device=DEVICE)
     ours.load_state_dict(ref.state_dict())
@@ -248,8 +284,9 @@ def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     assert m.gate.weight.grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("fused,plain", GATES + [(fusedkit.add_relu, lambda x, y: torch.relu(x + y))],
-                         ids=GATE_IDS + ["add_relu"])
+@pytest.mark.parametrize(
+    "fused,plain", GATES + [(fusedkit.add_relu, lambda x, y: torch.relu(x + y))], ids=GATE_IDS + ["add_relu"]
+)
 @pytest.mark.parametrize("grad_dtype", ["default", None, torch.float32])
 def test_gradient_dtype_is_autograds(fused, plain, grad_dtype):
     """A promoted operand's gradient takes the dtype torch's own ops give it: the operand's,
@@ -273,8 +310,11 @@ def test_scaled_gradient_keeps_the_sign_of_zero(op):
     # d/dy = alpha * grad, as torch's AddBackward: a -0.0 product stays -0.0.
     x, y = torch.tensor([0.0, 1.0], device=DEVICE, requires_grad=True), leaf((2,), torch.float32)
     g = torch.tensor([-0.0, 0.0], device=DEVICE)
-    plain = (lambda a, b: torch.add(a, b, alpha=2.0)) if op is fusedkit.add else \
-        (lambda a, b: F.gelu(torch.add(a, b, alpha=2.0)))
+    plain = (
+        (lambda a, b: torch.add(a, b, alpha=2.0))
+        if op is fusedkit.add
+        else (lambda a, b: F.gelu(torch.add(a, b, alpha=2.0)))
+    )
     ours = torch.autograd.grad(op(x, y, alpha=2.0), (x, y), g)[1]
     theirs = torch.autograd.grad(plain(x, y), (x, y), g)[1]
     assert torch.equal(torch.signbit(ours), torch.signbit(theirs)) and torch.equal(ours, theirs)
@@ -289,9 +329,18 @@ def test_a_two_output_kernel_is_refused_where_one_result_is_expected():
         fusedkit.elementwise(library.SILU_MUL_GRAD, t, t, t)
     assert torch.equal(out, torch.full((4,), 7.0, device=DEVICE))
     with pytest.raises(fusedkit.ArgumentError, match="no backward"):
-        ElementwiseKernel(name="pair", math=activations.silu_mul_grad_math, reference=lambda g, a, b: (g, g),
-                          arg_names=("g", "a", "b"), param=None, outputs=2, formula="pair", unfused=("x",),
-                          saves="inputs", backward=lambda g, s, p: (g, g, g))
+        ElementwiseKernel(
+            name="pair",
+            math=activations.silu_mul_grad_math,
+            reference=lambda g, a, b: (g, g),
+            arg_names=("g", "a", "b"),
+            param=None,
+            outputs=2,
+            formula="pair",
+            unfused=("x",),
+            saves="inputs",
+            backward=lambda g, s, p: (g, g, g),
+        )
 
 
 def test_the_gate_backward_has_a_profiler_range():
@@ -318,6 +367,7 @@ def test_swiglu_strict_load_does_not_let_a_llama_key_overwrite_its_own():
 
 def test_the_pair_op_passes_opcheck():
     from fusedkit.autograd import elementwise_pair_op
+
     for dtype in (torch.float32, torch.bfloat16, F64):
         g, a, b = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (5, 6), (6,)))
         torch.library.opcheck(elementwise_pair_op, ([g, a, b], "silu_mul_grad", [0, 1, 2], []))
@@ -371,8 +421,10 @@ def test_erf_gelu_in_16_bit_types_is_within_an_ulp_of_exact_everywhere(dtype):
     v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     v = v[torch.isfinite(v)].to(DEVICE)
     forward, slope = _exact_gelu(v.cpu())
-    for got, want in ((fusedkit.gelu_mul(v, torch.ones_like(v)), forward),
-                      (fusedkit.elementwise("gelu_grad", torch.ones_like(v), v), slope)):
+    for got, want in (
+        (fusedkit.gelu_mul(v, torch.ones_like(v)), forward),
+        (fusedkit.elementwise("gelu_grad", torch.ones_like(v), v), slope),
+    ):
         exact = want.to(dtype)
         keep = want.abs() >= 2.0**-100
         got = got.cpu()

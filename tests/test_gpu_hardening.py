@@ -20,10 +20,14 @@ def _ops():
     xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
     wg = w.clone().requires_grad_()
     # Backward too: a sync there would also explain a host-bound backward.
-    return [lambda: fusedkit.add(x, y, alpha=2), lambda: fusedkit.add_relu(x.t(), 1.5),
-            lambda: fusedkit.add_relu(x, torch.tensor(0.5)), lambda: fusedkit.linear_relu(xb, w),
-            lambda: torch.autograd.grad(fusedkit.add_relu(xg, yg, alpha=0.5).sum(), (xg, yg)),
-            lambda: torch.autograd.grad(fusedkit.linear_relu(xb, wg).sum(), (wg,))]
+    return [
+        lambda: fusedkit.add(x, y, alpha=2),
+        lambda: fusedkit.add_relu(x.t(), 1.5),
+        lambda: fusedkit.add_relu(x, torch.tensor(0.5)),
+        lambda: fusedkit.linear_relu(xb, w),
+        lambda: torch.autograd.grad(fusedkit.add_relu(xg, yg, alpha=0.5).sum(), (xg, yg)),
+        lambda: torch.autograd.grad(fusedkit.linear_relu(xb, wg).sum(), (wg,)),
+    ]
 
 
 def test_no_host_device_sync():
@@ -65,8 +69,10 @@ def test_every_op_launches_on_the_inputs_device():
     cases = {
         "add": (lambda: fusedkit.add(x, y, alpha=2), lambda: torch.add(x, y, alpha=2)),
         "add_relu": (lambda: fusedkit.add_relu(x, y), lambda: torch.relu(x + y)),
-        "matmul": (lambda: fusedkit.matmul(a, w.t(), b, "gelu"),
-                   lambda: torch.nn.functional.gelu(torch.addmm(b, a, w.t()))),
+        "matmul": (
+            lambda: fusedkit.matmul(a, w.t(), b, "gelu"),
+            lambda: torch.nn.functional.gelu(torch.addmm(b, a, w.t())),
+        ),
         "linear_relu": (lambda: fusedkit.linear_relu(a, w, b), lambda: torch.relu(torch.addmm(b, a, w.t()))),
     }
     for name, (op, ref) in cases.items():
@@ -106,8 +112,11 @@ def test_matmul_output_past_2_pow_31_elements(fk_settings, kernel, monkeypatch):
     a, b, bias = (rand(s, torch.bfloat16, DEV) for s in ((m, k), (k, n), (n,)))
     out = fusedkit.matmul_relu(a, b, bias)
     assert out.numel() > 2**31
-    for rows, cols in ((slice(0, 64), slice(0, 64)), (slice(m - 64, m), slice(n - 64, n)),
-                       (slice(m // 2, m // 2 + 64), slice(n - 100, n))):
+    for rows, cols in (
+        (slice(0, 64), slice(0, 64)),
+        (slice(m - 64, m), slice(n - 64, n)),
+        (slice(m // 2, m // 2 + 64), slice(n - 100, n)),
+    ):
         ref = torch.relu(a[rows].double() @ b[:, cols].double() + bias[cols].double())
         torch.testing.assert_close(out[rows, cols].double(), ref, atol=0.05, rtol=0.02)
     del out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fusedkit"
 
 #: fusedkit's layers, bottom first; a module belongs to the first prefix it matches.
@@ -68,45 +67,60 @@ def _read(root: pathlib.Path = PACKAGE) -> dict[str, tuple[ast.Module, list]]:
     """Every module below ``root``: its syntax tree and its fusedkit imports."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py")}
     trees = {name: ast.parse(path.read_text()) for name, path in paths.items()}
-    return {name: (tree, _imports(name, tree, paths[name].name == "__init__.py", set(paths)))
-            for name, tree in trees.items()}
+    return {
+        name: (tree, _imports(name, tree, paths[name].name == "__init__.py", set(paths)))
+        for name, tree in trees.items()
+    }
 
 
 def upward_imports(modules) -> list[str]:
-    return [f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)}), line {line}"
-            for name, (_, imports) in modules.items() for target, _, line in imports
-            if _layer(target) > _layer(name)]
+    return [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)}), line {line}"
+        for name, (_, imports) in modules.items()
+        for target, _, line in imports
+        if _layer(target) > _layer(name)
+    ]
 
 
 def private_imports(modules) -> list[str]:
     """``from x import _name`` and ``x._name`` where ``x`` is another fusedkit module."""
-    found = [f"{name} imports {target}.{what}, line {line}" for name, (_, imports) in modules.items()
-             for target, what, line in imports if what.startswith("_") and not what.startswith("__")]
+    found = [
+        f"{name} imports {target}.{what}, line {line}"
+        for name, (_, imports) in modules.items()
+        for target, what, line in imports
+        if what.startswith("_") and not what.startswith("__")
+    ]
     for name, (tree, imports) in modules.items():
         aliases = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 aliases.update({a.asname or a.name: a for a in node.names})
-        fusedkit_names = {alias for alias, a in aliases.items()
-                          if any(t.endswith("." + a.name) or w == a.name for t, w, _ in imports)}
+        fusedkit_names = {
+            alias for alias, a in aliases.items() if any(t.endswith("." + a.name) or w == a.name for t, w, _ in imports)
+        }
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in fusedkit_names and node.attr.startswith("_")
-                    and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in fusedkit_names
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 found.append(f"{name}: {node.value.id}.{node.attr}, line {node.lineno}")
     return found
 
 
 def cycles(modules) -> list[str]:
-    edges = {name: sorted({t for t, _, _ in imports if t in modules and t != name})
-             for name, (_, imports) in modules.items()}
+    edges = {
+        name: sorted({t for t, _, _ in imports if t in modules and t != name}) for name, (_, imports) in modules.items()
+    }
     found, state = [], {}
 
     def visit(node, trail):
         state[node] = 1
         for nxt in edges[node]:
             if state.get(nxt) == 1:
-                found.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+                found.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -146,6 +160,8 @@ def test_the_checks_find_an_upward_import_a_cycle_and_a_private_name(tmp_path):
         (root / name).write_text(text)
     modules = _read(root)
     assert upward_imports(modules) == ["fusedkit.runtime.launch (layer 3) imports fusedkit.ops (layer 7), line 1"]
-    assert sorted(private_imports(modules)) == ["fusedkit.runtime.launch imports fusedkit.runtime.layout._plan, line 2",
-                                                "fusedkit.runtime.layout: launch._cache, line 4"]
+    assert sorted(private_imports(modules)) == [
+        "fusedkit.runtime.launch imports fusedkit.runtime.layout._plan, line 2",
+        "fusedkit.runtime.layout: launch._cache, line 4",
+    ]
     assert cycles(modules) and all("fusedkit.runtime.launch" in c for c in cycles(modules))

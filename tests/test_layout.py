@@ -10,7 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fusedkit.runtime.layout import (
-    INT32_MAX, broadcast_shape, broadcast_strides, division_magic, is_dense_permutation, may_self_overlap,
+    INT32_MAX,
+    broadcast_shape,
+    broadcast_strides,
+    division_magic,
+    is_dense_permutation,
+    may_self_overlap,
     plan_elementwise,
 )
 
@@ -69,10 +74,17 @@ def test_too_many_uncollapsible_dims_is_a_clear_error():
         plan_for(x, torch.empty([2] * 7))
 
 
-@pytest.mark.parametrize("shape,strides,dense,overlap", [
-    ((2, 3), (3, 1), True, False), ((2, 3), (1, 2), True, False), ((2, 3), (4, 1), False, False),
-    ((2, 3), (0, 1), False, True), ((2, 3), (1, 1), False, True), ((4, 1), (1, 0), True, False),
-])
+@pytest.mark.parametrize(
+    "shape,strides,dense,overlap",
+    [
+        ((2, 3), (3, 1), True, False),
+        ((2, 3), (1, 2), True, False),
+        ((2, 3), (4, 1), False, False),
+        ((2, 3), (0, 1), False, True),
+        ((2, 3), (1, 1), False, True),
+        ((4, 1), (1, 0), True, False),
+    ],
+)
 def test_dense_and_overlap_predicates(shape, strides, dense, overlap):
     assert is_dense_permutation(shape, strides) == dense
     assert may_self_overlap(shape, strides) == overlap

@@ -13,8 +13,8 @@ import fusedkit
 from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from fusedkit.kernels import helpers
 from fusedkit.runtime import matmul as mm
-from fusedkit.runtime.matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
 from fusedkit.runtime.configs import matmul_configs, prune_matmul_configs
+from fusedkit.runtime.matmul import ACTIVATION_NAMES, MATMUL_DTYPES, launch_matmul, matmul_reference
 from fusedkit.testing import assert_rel_err, matmul_rel_err, poisoned
 
 # Autotuning every odd test shape and variant on a GPU would compile hundreds of
@@ -33,12 +33,13 @@ def matmul_kernel(fk_settings, monkeypatch, request):
     fk_settings(matmul_kernel=request.param)
     return request.param
 
+
 ACTS = [None, *ACTIVATION_NAMES]
 DT_IDS = [str(d).removeprefix("torch.") for d in MATMUL_DTYPES]
 
 
 def ref64(a, b, bias=None, activation=None):
-    wide = lambda t: None if t is None else t.detach().to("cpu", torch.float64)  # noqa: E731
+    wide = lambda t: None if t is None else t.detach().to("cpu", torch.float64)
     return matmul_reference(wide(a), wide(b), wide(bias), activation)
 
 
@@ -56,8 +57,9 @@ def test_every_activation_and_dtype(dtype, activation):
         assert_rel_err(out, ref64(a, b, with_bias, activation), matmul_rel_err(dtype))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 129, 250), (129, 7, 33), (250, 250, 7), (1, 250, 129),
-                                   (64, 64, 64), (33, 65, 97)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 1, 1), (7, 129, 250), (129, 7, 33), (250, 250, 7), (1, 250, 129), (64, 64, 64), (33, 65, 97)]
+)
 def test_odd_sizes(m, n, k):
     a, b, bias = mk(m, k), mk(k, n), mk(n)
     assert_rel_err(fusedkit.matmul_relu(a, b, bias), ref64(a, b, bias, "relu"), matmul_rel_err(torch.float32))
@@ -85,8 +87,10 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     a32, a16 = torch.empty(1, 1, device="meta"), torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
 
     def dot_flags(bucket, a, precision):
-        return {c.kwargs["DOT"] for c in prune_matmul_configs(configs, {"M_BUCKET": bucket, "a_ptr": a},
-                                                             INPUT_PRECISION=precision)}
+        return {
+            c.kwargs["DOT"]
+            for c in prune_matmul_configs(configs, {"M_BUCKET": bucket, "a_ptr": a}, INPUT_PRECISION=precision)
+        }
 
     assert dot_flags(1, a32, "ieee") == {True, False}
     assert dot_flags(64, a32, "ieee") == {True, False}
@@ -96,18 +100,31 @@ def test_exact_fp32_tunes_the_multiply_and_sum_tiles_at_small_m():
     assert dot_flags(128, a32, "ieee") == {True}
 
     def tall(bucket, a, precision):
-        return sum(c.kwargs["BLOCK_M"] >= bucket and c.kwargs["SPLIT_K"] > 1 for c in prune_matmul_configs(
-            configs, {"M_BUCKET": bucket, "a_ptr": a, "ws_ptr": a, "c_ptr": None, "M": bucket, "N": 64},
-            INPUT_PRECISION=precision))
+        return sum(
+            c.kwargs["BLOCK_M"] >= bucket and c.kwargs["SPLIT_K"] > 1
+            for c in prune_matmul_configs(
+                configs,
+                {"M_BUCKET": bucket, "a_ptr": a, "ws_ptr": a, "c_ptr": None, "M": bucket, "N": 64},
+                INPUT_PRECISION=precision,
+            )
+        )
 
     # Tall split FMA tiles only for exact fp32 / fp64 at M in 33..64.
     assert tall(64, a32, "ieee") > tall(64, a32, "tf32x3") == tall(64, a16, "ieee")
 
+
 def test_tma_prune_drops_only_configs_that_overflow_shared_memory():
     from types import SimpleNamespace
 
-    from fusedkit.runtime.configs import (HOPPER_SMEM_BYTES, TMA_FP32_TILES, tma_tile_of, matmul_tma_configs,
-                                  prune_tma_configs, tma_stage_bytes)
+    from fusedkit.runtime.configs import (
+        HOPPER_SMEM_BYTES,
+        TMA_FP32_TILES,
+        matmul_tma_configs,
+        prune_tma_configs,
+        tma_stage_bytes,
+        tma_tile_of,
+    )
+
     configs = matmul_tma_configs()
 
     def kept(dtype):
@@ -137,8 +154,9 @@ def test_strided_transposed_and_batched_operands():
     out = fusedkit.matmul(a, w.t(), mk(45), "relu")
     assert out.shape == (3, 4, 45)
     bias = mk(45)
-    assert_rel_err(fusedkit.matmul(a, w.t(), bias, "gelu"), ref64(a, w.t(), bias, "gelu"),
-                   matmul_rel_err(torch.float32))
+    assert_rel_err(
+        fusedkit.matmul(a, w.t(), bias, "gelu"), ref64(a, w.t(), bias, "gelu"), matmul_rel_err(torch.float32)
+    )
     big = mk(80, 130)
     a_strided = big[::2, 1:121:2]  # (40, 60), both strides > 1
     assert_rel_err(fusedkit.matmul(a_strided, w.t()), ref64(a_strided, w.t()), matmul_rel_err(torch.float32))
@@ -154,6 +172,7 @@ def test_linear_weight_is_not_copied(monkeypatch):
     def spy(a, b, *rest, **kw):
         seen.append(b)
         return real(a, b, *rest, **kw)
+
     monkeypatch.setattr(mm, "launch_matmul", spy)
     w = mk(30, 20)
     fusedkit.linear_relu(mk(5, 20), w)
@@ -198,8 +217,9 @@ def test_gradcheck_float64(activation):
     a = mk(6, 5, dtype=torch.float64).requires_grad_()
     b = mk(5, 4, dtype=torch.float64).requires_grad_()
     bias = mk(4, dtype=torch.float64).requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, y, z: fusedkit.matmul(x, y, z, activation), (a, b, bias),
-                                    eps=1e-6, atol=1e-5, rtol=1e-4)
+    assert torch.autograd.gradcheck(
+        lambda x, y, z: fusedkit.matmul(x, y, z, activation), (a, b, bias), eps=1e-6, atol=1e-5, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("activation", ACTS)
@@ -278,8 +298,11 @@ AUTOTUNED_CASES = [
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on a GPU only")
-@pytest.mark.parametrize("m,n,k,dtype,activation,linear", AUTOTUNED_CASES,
-                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}" for c in AUTOTUNED_CASES])
+@pytest.mark.parametrize(
+    "m,n,k,dtype,activation,linear",
+    AUTOTUNED_CASES,
+    ids=[f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}" for c in AUTOTUNED_CASES],
+)
 def test_autotuned_path(m, n, k, dtype, activation, linear):
     a = mk(m, k, dtype=dtype)
     if linear:
@@ -353,8 +376,12 @@ def test_tma_path_taken_exactly_when_eligible(matmul_kernel, monkeypatch):
 
 
 def test_auto_kernel_choice_by_rows(fk_settings, monkeypatch):
-    from fusedkit.runtime.configs import (MATMUL_TMA_HALF_M_BUCKET, MATMUL_TMA_MIN_M, MATMUL_TMA_MIN_M_TRANSPOSED,
-                                  matmul_kernel_choice)
+    from fusedkit.runtime.configs import (
+        MATMUL_TMA_HALF_M_BUCKET,
+        MATMUL_TMA_MIN_M,
+        MATMUL_TMA_MIN_M_TRANSPOSED,
+        matmul_kernel_choice,
+    )
 
     fk_settings(matmul_kernel="auto")
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M - 1) == "pointer"
@@ -364,9 +391,9 @@ def test_auto_kernel_choice_by_rows(fk_settings, monkeypatch):
     assert matmul_kernel_choice(MATMUL_TMA_MIN_M_TRANSPOSED, transposed=True) == "tma"
     # 2-byte operands also in one small-M bucket (33..64 rows), others not
     lo = MATMUL_TMA_HALF_M_BUCKET // 2
-    assert [matmul_kernel_choice(m, half=True) for m in (lo, lo + 1, MATMUL_TMA_HALF_M_BUCKET,
-                                                           MATMUL_TMA_HALF_M_BUCKET + 1)] == \
-        ["pointer", "tma", "tma", "pointer"]
+    assert [
+        matmul_kernel_choice(m, half=True) for m in (lo, lo + 1, MATMUL_TMA_HALF_M_BUCKET, MATMUL_TMA_HALF_M_BUCKET + 1)
+    ] == ["pointer", "tma", "tma", "pointer"]
     assert matmul_kernel_choice(MATMUL_TMA_HALF_M_BUCKET) == "pointer"
     # fp32 on TF32 tensor cores with a row-major b is the transposed product; nn.Linear's b is not
     a, w = torch.empty(8, 16, device="meta"), torch.empty(32, 16, device="meta")
@@ -414,6 +441,7 @@ def test_unhashable_activation_is_a_value_error():
 
 # --- Split-K: programs share a tile's K range; the last to arrive runs the epilogue ---------
 
+
 def _split_cases():
     from fusedkit.runtime.configs import MATMUL_EXACT_SPLIT_K_TILES, MATMUL_MID_M_SPLIT_K_TILES, MATMUL_SPLIT_K_TILES
 
@@ -421,8 +449,9 @@ def _split_cases():
     return cases + [(t, d) for t in MATMUL_EXACT_SPLIT_K_TILES for d in (torch.float32, torch.float64)]
 
 
-@pytest.mark.parametrize("tile,dtype", _split_cases(),
-                         ids=[f"{'x'.join(map(str, t[:3]))}-s{t[5]}-{str(d)[6:]}" for t, d in _split_cases()])
+@pytest.mark.parametrize(
+    "tile,dtype", _split_cases(), ids=[f"{'x'.join(map(str, t[:3]))}-s{t[5]}-{str(d)[6:]}" for t, d in _split_cases()]
+)
 def test_split_k_configs(tile, dtype, matmul_kernel):
     """Every split-K config tuning may pick, launched directly: ragged M, N and K (a last
     partial K step; with 8 splits, splits left without a K step), bias, a kept
@@ -476,6 +505,7 @@ def test_split_k_through_the_public_path(monkeypatch, matmul_kernel):
 def test_autotuned_split_k_path(dtype, monkeypatch, matmul_kernel):
     """Tuning over split-K tiles alone (decode-sized M), then the kept direct launch."""
     from fusedkit.runtime import configs
+
     if matmul_kernel == "tma":
         # Split-K is the pointer kernel's. With the TMA kernel forced this test read a
         # tuning result left by another test on its worker, or failed where none was
@@ -572,10 +602,11 @@ def test_kmajor_copy_is_exact(matmul_kernel):
 
 
 def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(fk_settings, tf32_allowed, matmul_kernel, monkeypatch):
-    """"auto" with TF32 and row-major ``a`` and ``b``: from ``MATMUL_TF32_COPY_MIN_M`` rows
+    """ "auto" with TF32 and row-major ``a`` and ``b``: from ``MATMUL_TF32_COPY_MIN_M`` rows
     the launch runs ``a @ b`` on a K-major copy of ``b`` (left as it was), below it not;
     a forced kernel never copies."""
     from fusedkit.runtime.configs import MATMUL_TF32_COPY_MIN_M, MATMUL_TMA_MIN_M
+
     if matmul_kernel == "tma":
         pytest.skip("the choice of 'auto': once is enough")
     # The copy pays only with the TMA kernel's a @ b after it (H200, 99b4b22: M = 256 with the
@@ -584,8 +615,11 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(fk_settings, tf32_all
     n, k = 40, 48
     b, bias = mk(k, n), mk(n)
     b_before = b.clone()
-    for m, kernel, copies in ((MATMUL_TF32_COPY_MIN_M, "auto", True), (MATMUL_TF32_COPY_MIN_M - 1, "auto", False),
-                              (MATMUL_TF32_COPY_MIN_M, "pointer", False)):
+    for m, kernel, copies in (
+        (MATMUL_TF32_COPY_MIN_M, "auto", True),
+        (MATMUL_TF32_COPY_MIN_M - 1, "auto", False),
+        (MATMUL_TF32_COPY_MIN_M, "pointer", False),
+    ):
         fk_settings(matmul_kernel=kernel)
         a = mk(m, k)
         out = poisoned((m, n), torch.float32, DEVICE)
@@ -597,8 +631,9 @@ def test_tf32_row_major_b_runs_on_a_kmajor_copy_from_min_m(fk_settings, tf32_all
     # the plan follows TF32: with it off (tf32x3) nothing is copied
     torch.backends.cuda.matmul.allow_tf32 = False
     fk_settings(matmul_kernel="auto")
-    assert not mm.plan_matmul(mk(MATMUL_TF32_COPY_MIN_M, k), b, bias, "relu",
-                              torch.empty(MATMUL_TF32_COPY_MIN_M, n, device=DEVICE)).copy_b
+    assert not mm.plan_matmul(
+        mk(MATMUL_TF32_COPY_MIN_M, k), b, bias, "relu", torch.empty(MATMUL_TF32_COPY_MIN_M, n, device=DEVICE)
+    ).copy_b
 
 
 @triton.jit
@@ -618,10 +653,15 @@ def test_tf32_split_rounds_to_nearest_and_stays_finite(matmul_kernel):
     if matmul_kernel == "tma":
         pytest.skip("a jit helper's test: once is enough")
     f32 = torch.finfo(torch.float32)
-    bits = lambda *v: torch.tensor(v, dtype=torch.int32).view(torch.float32)  # noqa: E731
+    bits = lambda *v: torch.tensor(v, dtype=torch.int32).view(torch.float32)
     ties = torch.tensor([1 + 2.0**-11, -(1 + 2.0**-11), 1 + 3 * 2.0**-11])
-    finite = torch.cat([rand((300,), torch.float32, "cpu") * 10.0 ** torch.randint(-30, 30, (300,)), ties,
-                        torch.tensor([f32.max, -f32.max, f32.max * (1 - 2.0**-20), f32.tiny / 7, 0.0, -0.0])])
+    finite = torch.cat(
+        [
+            rand((300,), torch.float32, "cpu") * 10.0 ** torch.randint(-30, 30, (300,)),
+            ties,
+            torch.tensor([f32.max, -f32.max, f32.max * (1 - 2.0**-20), f32.tiny / 7, 0.0, -0.0]),
+        ]
+    )
     special = torch.cat([torch.tensor([float("inf"), -float("inf"), float("nan")]), bits(-1, 0x7F800001, -4096)])
     x = torch.cat([finite, special]).to(DEVICE)
     big, small = poisoned(x.shape, torch.float32, DEVICE), poisoned(x.shape, torch.float32, DEVICE)
@@ -632,13 +672,13 @@ def test_tf32_split_rounds_to_nearest_and_stays_finite(matmul_kernel):
     assert torch.equal(big[:n].double() + small[:n].double(), x[:n].double())
     assert not (big[:n].view(torch.int32) & ((1 << 13) - 1)).any()
     normal = x[:n].abs() >= f32.tiny
-    normal[n - 6: n - 3] = False  # the maximum's three: truncated, up to a whole unit
+    normal[n - 6 : n - 3] = False  # the maximum's three: truncated, up to a whole unit
     bad = normal & (small[:n].abs() > x[:n].abs() * 2.0**-11)  # half a TF32 unit is at most that
     assert not bad.any(), list(zip(x[:n][bad].tolist(), small[:n][bad].tolist()))
-    assert big[n - 9: n - 6].tolist() == [1 + 2.0**-10, -(1 + 2.0**-10), 1 + 2 * 2.0**-10]  # ties away from 0
+    assert big[n - 9 : n - 6].tolist() == [1 + 2.0**-10, -(1 + 2.0**-10), 1 + 2 * 2.0**-10]  # ties away from 0
     assert big[n - 6] < f32.max and big[n - 5] > -f32.max  # truncated at the top, not inf
-    assert big[n:n + 2].tolist() == [float("inf"), -float("inf")] and small[n:n + 2].isnan().all()
-    assert big[n + 2:].isnan().all() and small[n + 2:].isnan().all()
+    assert big[n : n + 2].tolist() == [float("inf"), -float("inf")] and small[n : n + 2].isnan().all()
+    assert big[n + 2 :].isnan().all() and small[n + 2 :].isnan().all()
 
 
 def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(fk_settings, monkeypatch, matmul_kernel):
@@ -661,10 +701,14 @@ def test_fp32_tf32x3_keeps_inputs_near_the_fp32_maximum_finite(fk_settings, monk
     assert_rel_err(got[~big], ref[~big], matmul_rel_err(torch.float32))  # not judged against the maximum
 
 
-@pytest.mark.parametrize("dtype,a_val,b_val,activation", [
-    (torch.float16, 2.0, -0.5, "silu"),          # pre-activation -24: SiLU -9e-10, float16's 0
-    (torch.float32, 3.1821, -2.8535, "gelu_tanh"),  # -9.08: float64's GELU-tanh is -0, fp32's -2.9e-29
-], ids=["float16-silu", "float32-gelu_tanh"])
+@pytest.mark.parametrize(
+    "dtype,a_val,b_val,activation",
+    [
+        (torch.float16, 2.0, -0.5, "silu"),  # pre-activation -24: SiLU -9e-10, float16's 0
+        (torch.float32, 3.1821, -2.8535, "gelu_tanh"),  # -9.08: float64's GELU-tanh is -0, fp32's -2.9e-29
+    ],
+    ids=["float16-silu", "float32-gelu_tanh"],
+)
 def test_activation_tail_results(dtype, a_val, b_val, activation, matmul_kernel):
     """Results an activation sends to almost zero (examples the fuzz found on the H200,
     2026-12-03): within a few units of the dtype's rounding of their products' size, where

@@ -33,7 +33,8 @@ def test_exact_bytes_of_simple_ops():
     bias, w = rand((32,), torch.float32, DEVICE), rand((48, 32), torch.float32, DEVICE)
     # addmm reads bias, x and w once and writes the (64, 32) result
     assert count(lambda: torch.addmm(bias, x, w)).get_bytes_by_op() == {
-        "aten.addmm": (32 + 64 * 48 + 48 * 32 + 64 * 32) * F32}
+        "aten.addmm": (32 + 64 * 48 + 48 * 32 + 64 * 32) * F32
+    }
 
 
 def test_broadcast_transposed_and_views():
@@ -100,7 +101,7 @@ def test_modules_forward_and_backward():
     forward, backward = by_module["Sequential.1"]["aten.threshold_backward"]
     assert forward.total == 0 and backward.total == 3 * 64 * 32 * F32
     # a module's bytes are the sum of its children's and its own ops'
-    total = lambda m: sum(f.total + b.total for f, b in by_module[m].values())  # noqa: E731
+    total = lambda m: sum(f.total + b.total for f, b in by_module[m].values())
     assert total("Sequential") == sum(total(f"Sequential.{i}") for i in range(3))
     table = c.get_table()
     assert "Sequential.1" in table and "aten.threshold_backward" in table and "100.0%" in table
@@ -196,8 +197,9 @@ def test_gathers_and_scatters_move_the_rows_they_touch():
 
 
 def test_what_cannot_be_sized_is_left_uncounted_not_raised():
-    nested = torch.nested.nested_tensor([rand((2, 3), torch.float32, DEVICE), rand((4, 3), torch.float32, DEVICE)],
-                                        layout=torch.jagged)
+    nested = torch.nested.nested_tensor(
+        [rand((2, 3), torch.float32, DEVICE), rand((4, 3), torch.float32, DEVICE)], layout=torch.jagged
+    )
     with fusedkit.MemoryCounterMode(display=False, depth=None) as c:
         torch.relu(nested)
     assert sum(c.uncounted.values()) >= 1

@@ -10,10 +10,9 @@ import inspect
 
 import pytest
 import torch
+from conftest import DEVICE, ON_GPU
 
 from fusedkit.bench import models
-
-from conftest import DEVICE, ON_GPU
 
 CASES = list(models.MODELS)
 
@@ -42,6 +41,7 @@ def test_fused_model_matches_stock(name):
         def call(*args, **kwargs):
             calls.append(n)
             return originals[n](*args, **kwargs)
+
         return call
 
     x, t = case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True)
@@ -115,8 +115,15 @@ def test_peer_variants_run_where_they_import_and_work(monkeypatch):
 
     def broken(model):
         raise RuntimeError("no kernels for this device")
-    case = dataclasses.replace(case, peers=(("same", "torch", case.fuse), ("broken", "torch", broken),
-                                            ("absent", "no_such_package_fusedkit", case.fuse)))
+
+    case = dataclasses.replace(
+        case,
+        peers=(
+            ("same", "torch", case.fuse),
+            ("broken", "torch", broken),
+            ("absent", "no_such_package_fusedkit", case.fuse),
+        ),
+    )
     monkeypatch.setitem(models.MODELS, name, case)
     results, skipped = models.run_models([name], DEVICE, use_compile=False, small=True, progress=False, rounds=1)
     assert {r.variant for r in results} == {"eager", "eager2", "fusedkit", "same"}
@@ -135,6 +142,11 @@ def test_gpu_busy_time_leaves_annotated_ranges_out():
 
     def event(name, start, end, device_type=DeviceType.CUDA, annotation=False):
         return FunctionEvent(0, name, 0, start, end, device_type=device_type, is_user_annotation=annotation)
-    events = [event("Optimizer.step#SGD.step", 0, 100, annotation=True), event("sgd_kernel", 10, 60),
-              event("copy", 70, 90), event("Optimizer.step#SGD.step", 0, 120, DeviceType.CPU)]
+
+    events = [
+        event("Optimizer.step#SGD.step", 0, 100, annotation=True),
+        event("sgd_kernel", 10, 60),
+        event("copy", 70, 90),
+        event("Optimizer.step#SGD.step", 0, 120, DeviceType.CPU),
+    ]
     assert models.kernel_time_us(events) == 70

@@ -25,12 +25,15 @@ from helpers import rand
 
 import fusedkit
 from fusedkit.kernels.elementwise import NOT_SPECIALISED, POINTER_ARGS
-from fusedkit.runtime import elementwise as ew
-from fusedkit.runtime import launch as fk_launch, native
 from fusedkit.library import ADD_GELU, ADD_RELU, SILU_MUL, SILU_MUL_GRAD
+from fusedkit.runtime import elementwise as ew
+from fusedkit.runtime import launch as fk_launch
+from fusedkit.runtime import native
 
-pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c++") is None,
-                                reason="building the extension needs ninja and a C++ compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("ninja") is None or shutil.which("c++") is None,
+    reason="building the extension needs ninja and a C++ compiler",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +77,16 @@ def _kept(recipe, operands, param):
     bits = recipe.last_param[1][0]
     signature, values = _triton_signature(recipe, bits)
     compiled = SimpleNamespace(src=SimpleNamespace(signature=signature))
-    entry = fk_launch.Entry(compiled=compiled, launcher=None, function=7, packed_metadata=(4, 1, 0),
-                          grid=(3, 1, 1), tail=recipe.launch_tail, extra=None, head=(0, 0, None, None))
+    entry = fk_launch.Entry(
+        compiled=compiled,
+        launcher=None,
+        function=7,
+        packed_metadata=(4, 1, 0),
+        grid=(3, 1, 1),
+        tail=recipe.launch_tail,
+        extra=None,
+        head=(0, 0, None, None),
+    )
     return entry, signature, values
 
 
@@ -112,7 +123,7 @@ def test_table_refuses_every_other_call(table):
     recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
     assert native.register(recipe, entry, table)
-    call = lambda *ops, alpha=1: table.call(ADD_RELU, ops, alpha)  # noqa: E731
+    call = lambda *ops, alpha=1: table.call(ADD_RELU, ops, alpha)
     assert call(x, y) is not None
 
     base = rand((37 * 19 + 1,), torch.float32, DEVICE)
@@ -187,6 +198,7 @@ def test_the_cpp_node_launches_a_planned_backward_without_python(table, monkeypa
     def counting(*args):
         fn, saves, plan = factory(*args)
         return (lambda grad, saved: calls.append(1) or fn(grad, saved)), saves, plan
+
     monkeypatch.setattr(native, "_backward_factory", counting)
     x, y = (rand((37, 19), torch.float32, DEVICE).requires_grad_() for _ in range(2))
     _kept_in(table, x, y)
@@ -235,6 +247,7 @@ def _counting_backwards(monkeypatch) -> list:
             return None
         fn, saves, plan = made
         return (lambda grad, saved: calls.append(1) or fn(grad, saved)), saves, plan
+
     monkeypatch.setattr(native, "_backward_factory", counting)
     return calls
 
@@ -350,7 +363,9 @@ def test_an_error_in_the_backward_reaches_the_caller(table, monkeypatch):
     def failing(*args):
         def backward(grad, saved):
             raise fusedkit.errors.ShapeError("from the backward")
+
         return backward, 1, ()
+
     monkeypatch.setattr(native, "_backward_factory", failing)
     _kept_in(table, x, y)
     out = table.call(ADD_RELU, (x, y), 1)
@@ -368,6 +383,7 @@ def test_an_error_in_the_backward_reaches_the_caller(table, monkeypatch):
 def test_a_failed_build_leaves_python_in_charge(fk_settings, monkeypatch):
     def no_compiler(**kwargs):
         raise RuntimeError("no compiler here")
+
     monkeypatch.setattr(native, "build", no_compiler)
     monkeypatch.setattr(native, "TABLE", None)
     monkeypatch.setattr(native, "_BUILD_FAILED", False)
@@ -391,12 +407,19 @@ def test_a_build_lock_left_by_a_dead_process_does_not_block(tmp_path, monkeypatc
     with native._build_lock(lock):
         pass
     # A live holder makes the other wait, then give up: the Python path runs.
-    import fcntl
     import subprocess
     import sys
-    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, time; f = open({str(lock)!r}, 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)"],
-                              stdout=subprocess.PIPE, text=True)
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, time; f = open({str(lock)!r}, 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(native, "BUILD_WAIT_S", 0.5)
@@ -426,6 +449,7 @@ def test_dispatch_consults_the_table_first(table, monkeypatch):
 
     def hook(metadata):
         pass
+
     stepped_aside = {}
     for name, context in {
         "launch hook": lambda: _hooked(knobs.runtime.launch_enter_hook, hook),
@@ -497,8 +521,10 @@ def test_native_launches_match_torch(fk_settings, case, monkeypatch):
     for _ in range(3):
         x.copy_(rand(x.shape, x.dtype, DEVICE))
         got = fusedkit.add_relu(x, y, alpha=0.5)
-        assert torch.equal(got, torch.relu(torch.add(x, y, alpha=0.5))) and got.stride() == ew.allocate_out(
-            ew.validate(ADD_RELU, (x, y), 0.5, None)).stride()
+        assert (
+            torch.equal(got, torch.relu(torch.add(x, y, alpha=0.5)))
+            and got.stride() == ew.allocate_out(ew.validate(ADD_RELU, (x, y), 0.5, None)).stride()
+        )
     # Captured in a CUDA graph and replayed: the launch goes to the capturing stream.
     graph, static = torch.cuda.CUDAGraph(), None
     torch.cuda.synchronize()
@@ -561,8 +587,9 @@ _PLANNED = {
 
 @pytest.mark.skipif(not ON_GPU, reason="native launches run on a CUDA GPU")
 @pytest.mark.parametrize("op", list(_PLANNED))
-@pytest.mark.parametrize("case", ["contiguous-fp32", "contiguous-bf16", "transposed", "bias", "bias-bf16",
-                                  "one tensor"])
+@pytest.mark.parametrize(
+    "case", ["contiguous-fp32", "contiguous-bf16", "transposed", "bias", "bias-bf16", "one tensor"]
+)
 def test_planned_gradients_equal_the_python_backwards(fk_settings, monkeypatch, op, case):
     fn = _PLANNED[op]
     fk_settings(native_launch=True)
@@ -613,22 +640,31 @@ def test_a_wrong_backward_plan_falls_back_to_the_python_backward():
 
     def raising(param):
         raise RuntimeError("a plan that fails")
+
     assert autograd._plan(kernel(lambda p: (("relu_grad", 1), ("relu_grad", p))), 2.0)  # a good one
-    for bad in (lambda p: (("relu_grad", 1),), lambda p: (("no_such_kernel", 1), None), raising,
-                lambda p: (("relu_grad", "1"), None), lambda p: None,
-                lambda p: (("relu_grad", 1, 1), None),  # a second result of a one-output kernel
-                lambda p: (("relu_grad", None), None),  # no parameter for a kernel that takes one
-                lambda p: ((SILU_MUL_GRAD, None, 0), None)):  # three operands, where (grad, output) are two
+    for bad in (
+        lambda p: (("relu_grad", 1),),
+        lambda p: (("no_such_kernel", 1), None),
+        raising,
+        lambda p: (("relu_grad", "1"), None),
+        lambda p: None,
+        lambda p: (("relu_grad", 1, 1), None),  # a second result of a one-output kernel
+        lambda p: (("relu_grad", None), None),  # no parameter for a kernel that takes one
+        lambda p: ((SILU_MUL_GRAD, None, 0), None),
+    ):  # three operands, where (grad, output) are two
         assert autograd._plan(kernel(bad), 1) == ()
     # Saving the inputs: a two-output kernel on (grad, a, b), given to register_pair.
     gate = kernel(lambda p: ((SILU_MUL_GRAD, None, 0), (SILU_MUL_GRAD, None, 1)), saves="inputs")
     assert autograd._plan(gate, None) == ((SILU_MUL_GRAD, None, 0), (SILU_MUL_GRAD, None, 1))
     unregistered = SimpleNamespace(name="silu_mul_grad_copy", arity=3, param=None, outputs=2)
-    for bad in (lambda p: ((SILU_MUL_GRAD, None, 2), None), lambda p: ((SILU_MUL_GRAD, 1.0, 0), None),
-                lambda p: ((unregistered, None, 0), None)):
+    for bad in (
+        lambda p: ((SILU_MUL_GRAD, None, 2), None),
+        lambda p: ((SILU_MUL_GRAD, 1.0, 0), None),
+        lambda p: ((unregistered, None, 0), None),
+    ):
         assert autograd._plan(kernel(bad, saves="inputs"), None) == ()
     # A parameter the table cannot hold (an int beyond int64) leaves the step to Python.
-    assert native._param_encoding(2**63) is None and native._param_encoding(-2**63) == (1, -2**63)
+    assert native._param_encoding(2**63) is None and native._param_encoding(-(2**63)) == (1, -(2**63))
 
 
 def test_registry_changes_empty_the_table(table, monkeypatch):
@@ -637,8 +673,13 @@ def test_registry_changes_empty_the_table(table, monkeypatch):
     monkeypatch.setattr(native, "TABLE", table)
     assert len(table) == 1
     user = fusedkit.registry.register(
-        fusedkit.registry.ElementwiseKernel(name="fk_test_user_add", math=fusedkit.library.ADD.math,
-                                            reference=fusedkit.library.ADD.reference, unfused=("torch.add",)))
+        fusedkit.registry.ElementwiseKernel(
+            name="fk_test_user_add",
+            math=fusedkit.library.ADD.math,
+            reference=fusedkit.library.ADD.reference,
+            unfused=("torch.add",),
+        )
+    )
     assert len(table) == 1  # a new name changes nothing kept
     fusedkit.registry.unregister(user.name)
     assert len(table) == 0

@@ -23,8 +23,14 @@ CAPTURE = ROOT / "tests/data/ncu_h200_add_relu_2e26.csv"
 def test_parse_real_capture():
     ranges = ncu.parse_ncu_csv(CAPTURE.read_text())
     # Kernels outside NVTX ranges (torch.randn filling the inputs) are dropped.
-    assert set(ranges) == {"fused add_relu", "unfused add_relu", "fused add_relu bias", "unfused add_relu bias",
-                           "fused add_relu transposed", "unfused add_relu transposed"}
+    assert set(ranges) == {
+        "fused add_relu",
+        "unfused add_relu",
+        "fused add_relu bias",
+        "unfused add_relu bias",
+        "fused add_relu transposed",
+        "unfused add_relu transposed",
+    }
     fused, unfused = ranges["fused add_relu"], ranges["unfused add_relu"]
     assert fused.kernels == ["_elementwise_kernel"] and len(unfused.kernels) == 2
     assert (fused.read, fused.written) == (536_882_944, 246_177_024)
@@ -36,8 +42,13 @@ def test_verdict_on_the_capture_agrees_with_the_model():
     x = torch.empty(n, device="meta")
     spec = registry.get("add_relu")
     ranges = ncu.parse_ncu_csv(CAPTURE.read_text())
-    words = ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), ranges["fused add_relu"],
-                        ranges["unfused add_relu"], fits_l2=False)
+    words = ncu.verdict(
+        spec.bytes_fused(x, x),
+        spec.bytes_unfused(x, x),
+        ranges["fused add_relu"],
+        ranges["unfused add_relu"],
+        fits_l2=False,
+    )
     assert words.startswith("agrees"), words
     tiny = ncu.RangeCounters("t", read=1, written=1)
     assert ncu.verdict(spec.bytes_fused(x, x), spec.bytes_unfused(x, x), tiny, tiny, fits_l2=False).startswith("DIFF")
@@ -48,9 +59,29 @@ def test_verdict_on_the_capture_agrees_with_the_model():
 @pytest.mark.skipif(ncu.ncu_available() and torch.cuda.is_available(), reason="ncu present: the GPU script runs it")
 def test_ncu_flag_without_ncu_says_so():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--ncu", "--sizes", "1024", "--layouts",
-                           "contiguous", "--dtypes", "fp32", "--kernels", "add_relu", "--no-compile"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusedkit",
+            "bench",
+            "--ncu",
+            "--sizes",
+            "1024",
+            "--layouts",
+            "contiguous",
+            "--dtypes",
+            "fp32",
+            "--kernels",
+            "add_relu",
+            "--no-compile",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "measured traffic skipped" in proc.stdout
 
@@ -60,15 +91,23 @@ def test_parse_the_reports_own_range_names():
     from fusedkit.bench.cases import case_name
 
     case = case_name("add_relu", "contiguous", torch.float32, 1024)
-    head = ('"ID","Process ID","Process Name","Host Name","thread Domain:Push/Pop_Range:PL_Type:PL_Value",'
-            '"Id:Domain","Kernel Name","Metric Name","Metric Unit","Metric Value"')
+    head = (
+        '"ID","Process ID","Process Name","Host Name","thread Domain:Push/Pop_Range:PL_Type:PL_Value",'
+        '"Id:Domain","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    )
     rows = [head]
-    for launch, (which, kernel, read, wrote) in enumerate([("fused", "_elementwise_kernel", 8192, 4096),
-                                                            ("unfused", "add_kernel", 8192, 4096),
-                                                            ("unfused", "relu_kernel", 4096, 4096)]):
+    for launch, (which, kernel, read, wrote) in enumerate(
+        [
+            ("fused", "_elementwise_kernel", 8192, 4096),
+            ("unfused", "add_kernel", 8192, 4096),
+            ("unfused", "relu_kernel", 4096, 4096),
+        ]
+    ):
         for metric, value in (("dram__bytes_read.sum", read), ("dram__bytes_write.sum", wrote)):
-            rows.append(f'"{launch}","1","python","h","1  \"<default domain>:{case}|{which}:none\" ","",'
-                        f'"{kernel}","{metric}","byte","{value:,}"')
+            rows.append(
+                f'"{launch}","1","python","h","1  "<default domain>:{case}|{which}:none" ","",'
+                f'"{kernel}","{metric}","byte","{value:,}"'
+            )
     rows.append('"9","1","python","h","","","warmup_kernel","dram__bytes_read.sum","byte","1"')
     ranges = ncu.parse_ncu_csv("\n".join(rows))
     assert set(ranges) == {f"{case}|fused", f"{case}|unfused"}
@@ -82,8 +121,13 @@ def test_measure_passes_the_cache_control(monkeypatch):
 
     def fake_run(cmd, **kwargs):
         seen.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout='"ID","thread Domain:x","Kernel Name","Metric Name",'
-                                           '"Metric Unit","Metric Value"\n', stderr="")
+        return subprocess.CompletedProcess(
+            cmd,
+            0,
+            stdout='"ID","thread Domain:x","Kernel Name","Metric Name","Metric Unit","Metric Value"\n',
+            stderr="",
+        )
+
     monkeypatch.setattr(ncu.subprocess, "run", fake_run)
     assert ncu.measure(["add"]) == {} and ncu.measure(["add"], cache_control=ncu.CACHE_WARM) == {}
     assert [c[c.index("--cache-control") + 1] for c in seen] == ["all", "none"]
@@ -97,8 +141,7 @@ def test_cases_that_fit_in_l2_are_measured_again_warm(monkeypatch, capsys):
     from fusedkit.bench import report as bench
 
     small, large = 1 << 12, 1 << 24
-    rows = [bench.Row("add_relu", "contiguous", "float32", n, str(n), 0, 0, 1.0, 1.0, 1.0)
-            for n in (small, large)]
+    rows = [bench.Row("add_relu", "contiguous", "float32", n, str(n), 0, 0, 1.0, 1.0, 1.0) for n in (small, large)]
     calls = []
 
     def fake_measure(args, cache_control=ncu.CACHE_COLD):
@@ -108,13 +151,20 @@ def test_cases_that_fit_in_l2_are_measured_again_warm(monkeypatch, capsys):
             name = bench.case_name("add_relu", "contiguous", torch.float32, n)
             cold = cache_control == ncu.CACHE_COLD
             out[f"{name}|fused"] = ncu.RangeCounters("f", read=8 * n if cold else 0, written=4 * n if cold else 64)
-            out[f"{name}|unfused"] = ncu.RangeCounters("u", read=12 * n if cold else 0,
-                                                       written=8 * n if cold else 128)
+            out[f"{name}|unfused"] = ncu.RangeCounters("u", read=12 * n if cold else 0, written=8 * n if cold else 128)
         return out
+
     monkeypatch.setattr(ncu, "ncu_available", lambda: True)
     monkeypatch.setattr(ncu, "measure", fake_measure)
-    out = bench.run_ncu(rows, [registry.get("add_relu")], [torch.float32], [small, large], ["contiguous"],
-                        torch.device("cuda"), {"l2_bytes": 1 << 20})
+    out = bench.run_ncu(
+        rows,
+        [registry.get("add_relu")],
+        [torch.float32],
+        [small, large],
+        ["contiguous"],
+        torch.device("cuda"),
+        {"l2_bytes": 1 << 20},
+    )
     assert calls == [(f"{small},{large}", "all"), (str(small), "none")]
     by_n = {t["case"].rsplit("-", 1)[1]: t for t in out}
     assert by_n[str(large)]["verdict"].startswith("agrees") and "ncu_warm_fused_total" not in by_n[str(large)]

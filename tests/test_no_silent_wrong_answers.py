@@ -21,10 +21,14 @@ from conftest import DEVICE, ON_GPU
 from helpers import rand
 
 import fusedkit
-from fusedkit import library
-from fusedkit import registry
+from fusedkit import library, registry
 from fusedkit.errors import (
-    ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, SignatureError,
+    ArgumentError,
+    DTypeError,
+    FusedkitError,
+    NotDifferentiableError,
+    OverlapError,
+    SignatureError,
     UnknownKernelError,
 )
 from fusedkit.nn import AddReLU, LinearReLU
@@ -35,6 +39,7 @@ PYTORCH_PATH = os.environ.get("FUSEDKIT_TEST_CPU_BACKEND") == "torch"
 
 
 # 1. out= bumps autograd's version counter; inference tensors are refused outside inference mode.
+
 
 def test_out_bumps_the_version_counter_so_autograd_refuses_stale_values():
     a = rand((6,), torch.float32, DEVICE).requires_grad_()
@@ -65,6 +70,7 @@ def test_out_refuses_an_inference_tensor_outside_inference_mode():
 
 # 2. Integer operands convert exactly as torch converts them.
 
+
 def test_integer_operands_of_a_float64_result_convert_exactly():
     ints = torch.tensor([16777217, 2**53 - 1, -(2**62) - 1, 3], device=DEVICE)
     zeros = torch.zeros(4, dtype=torch.float64, device=DEVICE)
@@ -80,6 +86,7 @@ def test_integer_operands_of_a_float64_result_convert_exactly():
 
 # 3. out= a lazily negated view.
 
+
 def test_out_a_lazily_negated_view_is_written_as_torch_writes_it():
     z = torch.zeros(5, dtype=torch.complex64, device=DEVICE)
     out = z.conj().imag
@@ -92,10 +99,15 @@ def test_out_a_lazily_negated_view_is_written_as_torch_writes_it():
 
 # 4. Built-in kernels cannot be replaced; fusedkit's gradients hold kernel objects.
 
+
 def test_builtin_kernels_cannot_be_replaced_and_gradients_hold_their_kernels():
-    fake = registry.ElementwiseKernel(name="relu_grad", math=registry.get("add").math,
-                                      reference=lambda g, o, alpha=1: g, arg_names=("grad", "out"),
-                                      unfused=("torch.mul",))
+    fake = registry.ElementwiseKernel(
+        name="relu_grad",
+        math=registry.get("add").math,
+        reference=lambda g, o, alpha=1: g,
+        arg_names=("grad", "out"),
+        unfused=("torch.mul",),
+    )
     for name in registry.BUILTIN_NAMES:
         with pytest.raises(ArgumentError, match="cannot be replaced"):
             registry.register(registry.ElementwiseKernel(**{**fake.__dict__, "name": name}), replace=True)
@@ -106,6 +118,7 @@ def test_builtin_kernels_cannot_be_replaced_and_gradients_hold_their_kernels():
 
 
 # 5. An alpha torch refuses raises.
+
 
 @pytest.mark.parametrize("alpha", [1e300, -1e300, 2**64, -(2**63) - 1], ids=str)
 def test_an_alpha_torch_refuses_raises(alpha):
@@ -123,19 +136,26 @@ def test_an_alpha_torch_refuses_raises(alpha):
 def test_alphas_torch_takes_still_run():
     x = rand((4,), torch.float32, DEVICE)
     for alpha in (float("inf"), float("nan"), 2**63, 1e30):
-        assert_matches_reference(fusedkit.add(x, x, alpha=alpha), torch.add(x.cpu().double(), x.cpu().double(),
-                                                                             alpha=alpha), torch.float32)
+        assert_matches_reference(
+            fusedkit.add(x, x, alpha=alpha), torch.add(x.cpu().double(), x.cpu().double(), alpha=alpha), torch.float32
+        )
     x64 = x.double()
     assert torch.equal(fusedkit.add(x64, x64, alpha=1e300).cpu(), torch.add(x64.cpu(), x64.cpu(), alpha=1e300))
 
 
 # 6. Numerics: bf16 rounds to nearest even, keeps subnormals; x + alpha * y rounds once.
 
+
 def test_bf16_stores_round_to_nearest_even_and_keep_subnormals():
     bits = torch.randint(0, 2**31 - 1, (4096,), dtype=torch.int32)
     values = bits.view(torch.float32)
-    values = torch.cat([values, -values, torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1e-39, -3e-40, 2e-45,
-                                                       float("inf"), float("nan"), 3.3895e38])])
+    values = torch.cat(
+        [
+            values,
+            -values,
+            torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1e-39, -3e-40, 2e-45, float("inf"), float("nan"), 3.3895e38]),
+        ]
+    )
     values = values[values.isfinite() | values.isinf() | values.isnan()].to(DEVICE)
     out = torch.empty(values.shape, dtype=torch.bfloat16, device=DEVICE)
     fusedkit.add(values, 0.0, out=out)  # fp32 result converted into a bf16 out
@@ -179,6 +199,7 @@ def test_python_number_operands_convert_as_torchs_cuda_kernels_read_them():
     expected = torch.tensor(n).float().item()
     assert fusedkit.add(x, n)[0].item() == expected
     import numpy as np
+
     assert fusedkit.add(x, np.int64(n))[0].item() == expected
     # uint64-range ints: a float result takes them, as torch does; an integral one would wrap.
     assert fusedkit.add(x, 2**63)[0].item() == torch.add(torch.zeros(2), 2**63)[0].item()
@@ -198,13 +219,17 @@ def test_matmul_bf16_rounds_to_nearest_even_and_keeps_subnormals():
 
 # 7. linear_relu / LinearReLU: every input F.linear takes, autocast.
 
+
 def _linear_samples(dtype):
     """The shapes of PyTorch's OpInfo samples for nn.functional.linear, and the other bias shapes F.linear takes."""
     for bias in (True, False):
         for fin, fout in ((3, 4), (8, 8)):
             for batch in ((), (0,), (8,), (2, 3)):
-                yield (rand((*batch, fin), dtype, DEVICE), rand((fout, fin), dtype, DEVICE),
-                       rand((fout,), dtype, DEVICE) if bias else None)
+                yield (
+                    rand((*batch, fin), dtype, DEVICE),
+                    rand((fout, fin), dtype, DEVICE),
+                    rand((fout,), dtype, DEVICE) if bias else None,
+                )
     yield rand((2, 1, 2, 1, 2), dtype, DEVICE), rand((4, 2), dtype, DEVICE), None
     yield rand((2, 1, 2, 1, 2), dtype, DEVICE), rand((4, 2), dtype, DEVICE), rand((4,), dtype, DEVICE)
     yield rand((3, 4), dtype, DEVICE), rand((5, 4), dtype, DEVICE), rand((1,), dtype, DEVICE)
@@ -260,6 +285,7 @@ def test_linear_relu_follows_autocast_as_f_linear_does(device_type):
 
 # 8. nn.AddReLU: numbers and integer tensors.
 
+
 def test_addrelu_module_takes_numbers_and_integer_tensors():
     x = rand((4, 5), torch.float32, DEVICE)
     expected = torch.relu(x.cpu() + 1.5)
@@ -275,37 +301,55 @@ def test_addrelu_module_takes_numbers_and_integer_tensors():
 
 # 9. torch.func.
 
+
 def test_torch_func_vmap_and_grad_over_the_ops():
     from torch.func import grad, jacrev, vmap
+
     x, y = rand((5, 3), torch.float64, DEVICE), rand((3,), torch.float64, DEVICE)
-    for fused, plain in ((fusedkit.add_relu, lambda a, b: torch.relu(a + 2 * b)),
-                         (fusedkit.add, lambda a, b: a + 2 * b)):
-        f = (lambda a, b, fused=fused: fused(a, b, alpha=2))
+    for fused, plain in (
+        (fusedkit.add_relu, lambda a, b: torch.relu(a + 2 * b)),
+        (fusedkit.add, lambda a, b: a + 2 * b),
+    ):
+        f = lambda a, b, fused=fused: fused(a, b, alpha=2)
         torch.testing.assert_close(vmap(f)(x, x), vmap(plain)(x, x))
-        torch.testing.assert_close(vmap(f, in_dims=(1, None))(x, rand((5,), torch.float64, DEVICE)).shape,
-                                   torch.Size([3, 5]))
-        torch.testing.assert_close(vmap(f, in_dims=(0, None))(x, rand((2, 1, 3), torch.float64, DEVICE)).shape,
-                                   torch.Size([5, 2, 1, 3]))
+        torch.testing.assert_close(
+            vmap(f, in_dims=(1, None))(x, rand((5,), torch.float64, DEVICE)).shape, torch.Size([3, 5])
+        )
+        torch.testing.assert_close(
+            vmap(f, in_dims=(0, None))(x, rand((2, 1, 3), torch.float64, DEVICE)).shape, torch.Size([5, 2, 1, 3])
+        )
         torch.testing.assert_close(grad(lambda a: f(a, y).sum())(x), grad(lambda a: plain(a, y).sum())(x))
         torch.testing.assert_close(vmap(grad(lambda a: f(a, y).sum()))(x), vmap(grad(lambda a: plain(a, y).sum()))(x))
         torch.testing.assert_close(jacrev(lambda a: f(a, y))(y), jacrev(lambda a: plain(a, y))(y))
-    a3, w, b = rand((4, 6, 5), torch.float64, DEVICE), rand((3, 5), torch.float64, DEVICE), rand((3,), torch.float64, DEVICE)
+    a3, w, b = (
+        rand((4, 6, 5), torch.float64, DEVICE),
+        rand((3, 5), torch.float64, DEVICE),
+        rand((3,), torch.float64, DEVICE),
+    )
     ws = rand((4, 3, 5), torch.float64, DEVICE)
     for act in (None, "relu", "gelu"):
-        torch.testing.assert_close(vmap(lambda a: fusedkit.matmul(a, w.t(), b, act))(a3),
-                                   fusedkit.matmul(a3, w.t(), b, act))
-        fl = (lambda a, ww: torch.relu(F.linear(a, ww, b)))
+        torch.testing.assert_close(
+            vmap(lambda a: fusedkit.matmul(a, w.t(), b, act))(a3), fusedkit.matmul(a3, w.t(), b, act)
+        )
+        fl = lambda a, ww: torch.relu(F.linear(a, ww, b))
         torch.testing.assert_close(vmap(lambda a, ww: fusedkit.linear_relu(a, ww, b))(a3, ws), vmap(fl)(a3, ws))
-        torch.testing.assert_close(grad(lambda ww: fusedkit.matmul(a3[0], ww.t(), b, act).sum())(w),
-                                   grad(lambda ww: _ref_act(a3[0] @ ww.t() + b, act).sum())(w))
-        torch.testing.assert_close(vmap(grad(lambda a: fusedkit.linear_relu(a, w, b).sum()))(a3),
-                                   vmap(grad(lambda a: fl(a, w).sum()))(a3))
+        torch.testing.assert_close(
+            grad(lambda ww: fusedkit.matmul(a3[0], ww.t(), b, act).sum())(w),
+            grad(lambda ww: _ref_act(a3[0] @ ww.t() + b, act).sum())(w),
+        )
+        torch.testing.assert_close(
+            vmap(grad(lambda a: fusedkit.linear_relu(a, w, b).sum()))(a3), vmap(grad(lambda a: fl(a, w).sum()))(a3)
+        )
 
 
 def test_vmap_promotes_a_per_example_0d_operand_as_torch_does():
     from torch.func import vmap
-    for a, b in ((torch.randn(3, 4).half(), torch.randn(3)), (torch.randn(3, 4), torch.randn(3).double()),
-                 (torch.randn(3, 4).bfloat16(), torch.randn(3).half())):
+
+    for a, b in (
+        (torch.randn(3, 4).half(), torch.randn(3)),
+        (torch.randn(3, 4), torch.randn(3).double()),
+        (torch.randn(3, 4).bfloat16(), torch.randn(3).half()),
+    ):
         a, b = a.to(DEVICE), b.to(DEVICE)
         ours, theirs = vmap(fusedkit.add_relu)(a, b), vmap(lambda u, v: torch.relu(u + v))(a, b)
         assert ours.dtype == theirs.dtype
@@ -314,6 +358,7 @@ def test_vmap_promotes_a_per_example_0d_operand_as_torch_does():
 
 def test_out_under_torch_func():
     from torch.func import grad, vmap
+
     x, out = rand((3, 4), torch.float32, DEVICE), torch.zeros(3, 4, device=DEVICE)
     vmap(lambda a, o: fusedkit.add(a, 1, out=o))(x, out)
     assert torch.equal(out.cpu(), x.cpu() + 1)
@@ -322,10 +367,10 @@ def test_out_under_torch_func():
         buf = torch.empty(3, 4, device=DEVICE)
         fusedkit.add_relu(x, 1.0, out=buf)
         return (a * buf).sum()
+
     torch.testing.assert_close(grad(through_a_buffer)(x), torch.relu(x + 1))
     with pytest.raises(FusedkitError, match="out= does not support automatic differentiation"):
-        grad(lambda a: fusedkit.add(a, 1, out=torch.zeros(4, device=DEVICE)).sum())(rand((4,), torch.float32,
-                                                                                        DEVICE))
+        grad(lambda a: fusedkit.add(a, 1, out=torch.zeros(4, device=DEVICE)).sum())(rand((4,), torch.float32, DEVICE))
 
 
 def _ref_act(v, act):
@@ -334,13 +379,29 @@ def _ref_act(v, act):
 
 # 10. Threads.
 
+
 def test_concurrent_calls_from_threads_are_correct():
     cases = []
-    for k, (shape, dtype) in enumerate([((33, 17), torch.float32), ((8, 64), torch.bfloat16), ((129,), torch.int64),
-                                        ((5, 6, 7), torch.float16), ((16, 16), torch.float64), ((3, 40), torch.int32)]):
+    for _k, (shape, dtype) in enumerate(
+        [
+            ((33, 17), torch.float32),
+            ((8, 64), torch.bfloat16),
+            ((129,), torch.int64),
+            ((5, 6, 7), torch.float16),
+            ((16, 16), torch.float64),
+            ((3, 40), torch.int32),
+        ]
+    ):
         x, y = rand(shape, dtype, DEVICE), rand(shape[-1:], dtype, DEVICE)
-        cases.append((x, y, torch.relu(x.cpu().double() + y.cpu().double()) if dtype.is_floating_point
-                      else torch.relu(x.cpu() + y.cpu())))
+        cases.append(
+            (
+                x,
+                y,
+                torch.relu(x.cpu().double() + y.cpu().double())
+                if dtype.is_floating_point
+                else torch.relu(x.cpu() + y.cpu()),
+            )
+        )
     a, b = rand((12, 20), torch.float32, DEVICE), rand((20, 9), torch.float32, DEVICE)
     errors = []
 
@@ -354,9 +415,12 @@ def test_concurrent_calls_from_threads_are_correct():
                 view = x.t() if x.dim() == 2 else x
                 wide = view.cpu().double() if view.is_floating_point() else view.cpu()
                 assert_matches_reference(fusedkit.add_relu(view, 0), torch.relu(wide))
-                assert_rel_err(fusedkit.matmul(a, b, None, "relu"), torch.relu(a.cpu().double() @ b.cpu().double()),
-                               matmul_rel_err(torch.float32))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                assert_rel_err(
+                    fusedkit.matmul(a, b, None, "relu"),
+                    torch.relu(a.cpu().double() @ b.cpu().double()),
+                    matmul_rel_err(torch.float32),
+                )
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
@@ -368,6 +432,7 @@ def test_concurrent_calls_from_threads_are_correct():
 
 
 # 11. Broadcasts of any rank.
+
 
 def test_broadcasts_of_more_than_six_unmergeable_dims_work():
     x = rand((2, 1, 2, 1, 2, 1, 2), torch.float32, DEVICE)
@@ -381,6 +446,7 @@ def test_broadcasts_of_more_than_six_unmergeable_dims_work():
 
 
 # 12. Every bad input raises a FusedkitError (with the built-in base kept).
+
 
 def test_every_bad_input_raises_a_fusedkit_error():
     x = rand((3,), torch.float32, DEVICE)
@@ -397,9 +463,16 @@ def test_every_bad_input_raises_a_fusedkit_error():
         (lambda: AddReLU(inplace=True)(x, "y"), TypeError),
         (lambda: fusedkit.elementwise("t_no_backward", x.detach().requires_grad_(), x), NotImplementedError),
     ]
-    registry.register(registry.ElementwiseKernel(name="t_no_backward", math=registry.get("relu_grad").math,
-                                                 reference=lambda v, w, alpha=1: v, arg_names=("v", "w"),
-                                                 unfused=("torch.clone",)), replace=True)
+    registry.register(
+        registry.ElementwiseKernel(
+            name="t_no_backward",
+            math=registry.get("relu_grad").math,
+            reference=lambda v, w, alpha=1: v,
+            arg_names=("v", "w"),
+            unfused=("torch.clone",),
+        ),
+        replace=True,
+    )
     try:
         for call, base in cases:
             with pytest.raises(FusedkitError) as info:
@@ -413,6 +486,7 @@ def test_every_bad_input_raises_a_fusedkit_error():
 
 
 # 13. out= rules as torch's.
+
 
 def test_out_takes_any_dtype_the_result_casts_to():
     x, y = rand((7, 5), torch.float16, DEVICE), rand((5,), torch.float16, DEVICE)
@@ -452,20 +526,29 @@ def test_out_sharing_memory_follows_torch_and_never_answers_wrong():
 
 # 14. New results take torch's layout.
 
+
 def test_result_layout_matches_torch():
     nchw = rand((2, 3, 4, 5), torch.float32, DEVICE).contiguous(memory_format=torch.channels_last)
     bias = rand((3, 1, 1), torch.float32, DEVICE)
     dense = rand((2, 3, 4, 5), torch.float32, DEVICE)
-    for operands in ((nchw, dense), (dense, nchw), (nchw, bias), (bias, nchw), (nchw, 2.0),
-                     (nchw.permute(0, 2, 3, 1), dense.permute(0, 2, 3, 1))):
+    for operands in (
+        (nchw, dense),
+        (dense, nchw),
+        (nchw, bias),
+        (bias, nchw),
+        (nchw, 2.0),
+        (nchw.permute(0, 2, 3, 1), dense.permute(0, 2, 3, 1)),
+    ):
         ours = fusedkit.add(*operands)
         theirs = torch.add(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in operands))
         assert ours.stride() == theirs.stride(), [getattr(t, "shape", t) for t in operands]
         assert torch.equal(ours.cpu(), theirs)
     assert fusedkit.add_relu(nchw, dense).is_contiguous(memory_format=torch.channels_last)
     empty = rand((0, 2, 2, 1), torch.float32, DEVICE).permute(3, 1, 2, 0).permute(3, 1, 2, 0)
-    assert fusedkit.add(empty, rand((2, 1, 1), torch.float32, DEVICE)).stride() == torch.add(
-        empty.cpu(), torch.ones(2, 1, 1)).stride()
+    assert (
+        fusedkit.add(empty, rand((2, 1, 1), torch.float32, DEVICE)).stride()
+        == torch.add(empty.cpu(), torch.ones(2, 1, 1)).stride()
+    )
 
 
 @pytest.mark.slow  # a second pytest session
@@ -475,8 +558,14 @@ def test_the_pytorch_path_keeps_them_too():
         pytest.skip("runs from an interpreter session on a CPU machine")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_")}
     env["FUSEDKIT_TEST_CPU_BACKEND"] = "torch"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "failed" not in proc.stdout.splitlines()[-1]
 
@@ -513,13 +602,21 @@ def test_jit_trace_is_refused_not_recorded_without_the_kernel():
 
 def test_forward_mode_ad_is_refused_not_answered_without_a_tangent():
     import torch.autograd.forward_ad as fwAD
-    x, t, w = rand((3, 4), torch.float32, DEVICE), rand((3, 4), torch.float32, DEVICE), rand((4, 2), torch.float32,
-                                                                                               DEVICE)
+
+    x, t, w = (
+        rand((3, 4), torch.float32, DEVICE),
+        rand((3, 4), torch.float32, DEVICE),
+        rand((4, 2), torch.float32, DEVICE),
+    )
     for _ in range(2):  # the second time a kept launch (or the C++ table) would take the call
         with fwAD.dual_level():
             dual = fwAD.make_dual(x, t)
-            for call in (lambda: fusedkit.add_relu(dual, 1.0), lambda: fusedkit.add(x, dual),
-                         lambda: fusedkit.silu_mul(dual, x), lambda: fusedkit.matmul(dual, w)):
+            for call in (
+                lambda: fusedkit.add_relu(dual, 1.0),
+                lambda: fusedkit.add(x, dual),
+                lambda: fusedkit.silu_mul(dual, x),
+                lambda: fusedkit.matmul(dual, w),
+            ):
                 with pytest.raises(fusedkit.NotDifferentiableError, match="forward-mode AD"):
                     call()
             assert fusedkit.add_relu(x, 1.0).shape == (3, 4)  # no tangent: runs

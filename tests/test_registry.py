@@ -34,8 +34,15 @@ def _mul_math(x, y):
 
 
 def _spec(**overrides):
-    base = dict(name="neg_relu", math=_neg_relu_math, reference=lambda x: torch.relu(torch.neg(x)),
-                arg_names=("x",), param=None, formula="relu(-x)", unfused=("torch.neg", "torch.relu"))
+    base = dict(
+        name="neg_relu",
+        math=_neg_relu_math,
+        reference=lambda x: torch.relu(torch.neg(x)),
+        arg_names=("x",),
+        param=None,
+        formula="relu(-x)",
+        unfused=("torch.neg", "torch.relu"),
+    )
     base.update(overrides)
     return ElementwiseKernel(**base)
 
@@ -43,10 +50,16 @@ def _spec(**overrides):
 @pytest.fixture
 def user_kernels():
     unary = register(_spec())
-    ternary = register(ElementwiseKernel(
-        name="mul_add_relu", math=_mul_add_relu_math, arg_names=("a", "b", "c"),
-        reference=lambda a, b, c, alpha=1: torch.relu(torch.add(torch.mul(a, b), c, alpha=alpha)),
-        formula="relu(a * b + alpha * c)", unfused=("torch.mul", "torch.add", "torch.relu")))
+    ternary = register(
+        ElementwiseKernel(
+            name="mul_add_relu",
+            math=_mul_add_relu_math,
+            arg_names=("a", "b", "c"),
+            reference=lambda a, b, c, alpha=1: torch.relu(torch.add(torch.mul(a, b), c, alpha=alpha)),
+            formula="relu(a * b + alpha * c)",
+            unfused=("torch.mul", "torch.add", "torch.relu"),
+        )
+    )
     yield unary, ternary
     unregister("neg_relu")
     unregister("mul_add_relu")
@@ -58,19 +71,22 @@ def test_builtins_listed():
     assert get("add_relu").intermediates == 1 and get("add").intermediates == 0
 
 
-@pytest.mark.parametrize("bad,error,words", [
-    ({"name": "not an identifier"}, ValueError, "identifier"),
-    ({"math": lambda x: x}, TypeError, "@triton.jit"),
-    ({"reference": 3}, TypeError, "callable"),
-    ({"arg_names": ()}, ValueError, "arity"),
-    ({"arg_names": ("x", "x")}, ValueError, "distinct"),
-    ({"arg_names": ("x", "y")}, ValueError, "math takes 1 arguments, expected 2"),
-    ({"dtypes": (torch.complex64,)}, ValueError, "subset"),
-    ({"dtypes": ()}, ValueError, "subset"),
-    ({"param": "alpha"}, ValueError, "math takes 1 arguments, expected 2"),
-    ({"unfused": ()}, ValueError, "unfused"),
-    ({"backward_kernels": lambda p: ()}, ValueError, "backward_kernels"),
-])
+@pytest.mark.parametrize(
+    "bad,error,words",
+    [
+        ({"name": "not an identifier"}, ValueError, "identifier"),
+        ({"math": lambda x: x}, TypeError, "@triton.jit"),
+        ({"reference": 3}, TypeError, "callable"),
+        ({"arg_names": ()}, ValueError, "arity"),
+        ({"arg_names": ("x", "x")}, ValueError, "distinct"),
+        ({"arg_names": ("x", "y")}, ValueError, "math takes 1 arguments, expected 2"),
+        ({"dtypes": (torch.complex64,)}, ValueError, "subset"),
+        ({"dtypes": ()}, ValueError, "subset"),
+        ({"param": "alpha"}, ValueError, "math takes 1 arguments, expected 2"),
+        ({"unfused": ()}, ValueError, "unfused"),
+        ({"backward_kernels": lambda p: ()}, ValueError, "backward_kernels"),
+    ],
+)
 def test_spec_validation(bad, error, words):
     with pytest.raises(error, match=words):
         _spec(**bad)
@@ -104,8 +120,9 @@ def test_backward_kernels_state_the_backward(kernel, param):
         if step_kernel.outputs == 2:
             got = ew.run_pair(step_kernel, (grad, *saved), None)[result]
         else:
-            got = fusedkit.elementwise(step_kernel, grad, *saved,
-                                       **({step_kernel.param: step_param} if step_kernel.param else {}))
+            got = fusedkit.elementwise(
+                step_kernel, grad, *saved, **({step_kernel.param: step_param} if step_kernel.param else {})
+            )
         assert torch.equal(got, want)
     assert fusedkit.autograd._plan(kernel, value)  # and the C++ node takes the plan
 
@@ -178,12 +195,23 @@ def test_byte_model_broadcast_views_and_scalars():
 def test_user_kernel_saving_inputs_is_differentiable():
     def backward(grad, saved, _param):
         x, y = saved
-        return (fusedkit.elementwise("mul_test", grad, y) if isinstance(y, torch.Tensor) else grad * y,
-                fusedkit.elementwise("mul_test", grad, x) if isinstance(x, torch.Tensor) else grad * x)
+        return (
+            fusedkit.elementwise("mul_test", grad, y) if isinstance(y, torch.Tensor) else grad * y,
+            fusedkit.elementwise("mul_test", grad, x) if isinstance(x, torch.Tensor) else grad * x,
+        )
 
-    register(ElementwiseKernel(name="mul_test", math=_mul_math, reference=lambda x, y: torch.mul(x, y),
-                               param=None, formula="x * y", unfused=("torch.mul",), saves="inputs",
-                               backward=backward))
+    register(
+        ElementwiseKernel(
+            name="mul_test",
+            math=_mul_math,
+            reference=lambda x, y: torch.mul(x, y),
+            param=None,
+            formula="x * y",
+            unfused=("torch.mul",),
+            saves="inputs",
+            backward=backward,
+        )
+    )
     try:
         a = rand((4, 5), torch.float64, DEVICE).requires_grad_()
         b = rand((5,), torch.float64, DEVICE).requires_grad_()

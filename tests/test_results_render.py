@@ -21,7 +21,7 @@ def render():
 
 def _region(text: str, name: str) -> str:
     start, end = f"<!-- results:{name} -->\n", f"\n<!-- /results:{name} -->"
-    return text[text.index(start) + len(start):text.index(end)]
+    return text[text.index(start) + len(start) : text.index(end)]
 
 
 def test_every_record_renders_into_the_docs_as_committed(render):

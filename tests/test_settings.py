@@ -10,32 +10,58 @@ import sys
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import fusedkit
 from fusedkit.errors import ArgumentError
 from fusedkit.settings import ENVIRONMENT, Settings, from_environment
 
-from conftest import DEVICE
-
 
 def test_defaults_come_from_the_environment_read_once():
     plain = from_environment({})
     assert (plain.fp32_precision, plain.autotune, plain.matmul_kernel, plain.fast_launch, plain.native_launch) == (
-        "tf32x3", True, "auto", True, True)
-    env = {"FUSEDKIT_FP32_MATMUL": "ieee", "FUSEDKIT_AUTOTUNE": "0", "FUSEDKIT_MATMUL_KERNEL": "tma",
-           "FUSEDKIT_FAST_LAUNCH": "0", "FUSEDKIT_NATIVE_LAUNCH": "0"}
+        "tf32x3",
+        True,
+        "auto",
+        True,
+        True,
+    )
+    env = {
+        "FUSEDKIT_FP32_MATMUL": "ieee",
+        "FUSEDKIT_AUTOTUNE": "0",
+        "FUSEDKIT_MATMUL_KERNEL": "tma",
+        "FUSEDKIT_FAST_LAUNCH": "0",
+        "FUSEDKIT_NATIVE_LAUNCH": "0",
+    }
     set_ = from_environment(env)
     assert (set_.fp32_precision, set_.autotune, set_.matmul_kernel, set_.fast_launch, set_.native_launch) == (
-        "ieee", False, "tma", False, False)
+        "ieee",
+        False,
+        "tma",
+        False,
+        False,
+    )
     assert set(ENVIRONMENT.values()) == set(env)
     code = "import fusedkit; s = fusedkit.settings.current(); print(s.autotune, s.matmul_kernel)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL="pointer"))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, FUSEDKIT_AUTOTUNE="0", FUSEDKIT_MATMUL_KERNEL="pointer"),
+    )
     assert out.stdout.split() == ["False", "pointer"]
 
 
-@pytest.mark.parametrize("variable,value", [("FUSEDKIT_FP32_MATMUL", "fast"), ("FUSEDKIT_MATMUL_KERNEL", "cublas"),
-                                            ("FUSEDKIT_AUTOTUNE", "yes"), ("FUSEDKIT_NATIVE_LAUNCH", "")])
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("FUSEDKIT_FP32_MATMUL", "fast"),
+        ("FUSEDKIT_MATMUL_KERNEL", "cublas"),
+        ("FUSEDKIT_AUTOTUNE", "yes"),
+        ("FUSEDKIT_NATIVE_LAUNCH", ""),
+    ],
+)
 def test_a_bad_environment_value_names_its_variable(variable, value):
     with pytest.raises(ArgumentError, match=variable):
         from_environment({variable: value})
@@ -45,8 +71,13 @@ def test_set_checks_values_and_returns_what_it_replaced(fk_settings):
     before = fusedkit.settings.current()
     previous = fusedkit.settings.set(autotune=not before.autotune)
     assert previous is before and fusedkit.settings.current().autotune is not before.autotune
-    for bad in (dict(fp32_precision="tf32"), dict(matmul_kernel="fast"), dict(autotune=1), dict(native_launch="1"),
-                dict(precision="ieee")):
+    for bad in (
+        dict(fp32_precision="tf32"),
+        dict(matmul_kernel="fast"),
+        dict(autotune=1),
+        dict(native_launch="1"),
+        dict(precision="ieee"),
+    ):
         with pytest.raises(ValueError):
             fusedkit.settings.set(**bad)
     with pytest.raises(ValueError):

@@ -16,14 +16,18 @@ Replicate, Shard = placement.Replicate, placement.Shard
 def test_pointwise_rules_shard_along_each_result_dim_and_replicate_broadcasts():
     # x (4, 6) + bias (6,): the bias has the column dim only
     options = sharding._pointwise((4, 6), [(4, 6), (6,)])
-    assert options == [([Replicate()], [Replicate(), Replicate()]),
-                       ([Shard(0)], [Shard(0), Replicate()]),
-                       ([Shard(1)], [Shard(1), Shard(0)])]
+    assert options == [
+        ([Replicate()], [Replicate(), Replicate()]),
+        ([Shard(0)], [Shard(0), Replicate()]),
+        ([Shard(1)], [Shard(1), Shard(0)]),
+    ]
     # a size-1 dim broadcasts: replicated there
     assert sharding._pointwise((4, 6), [(4, 6), (1, 6)])[1] == ([Shard(0)], [Shard(0), Replicate()])
     # no operand has the dim: no sharded option for it
-    assert sharding._pointwise((4, 6), [(1, 6), (6,)]) == [([Replicate()], [Replicate(), Replicate()]),
-                                                            ([Shard(1)], [Shard(1), Shard(0)])]
+    assert sharding._pointwise((4, 6), [(1, 6), (6,)]) == [
+        ([Replicate()], [Replicate(), Replicate()]),
+        ([Shard(1)], [Shard(1), Shard(0)]),
+    ]
 
 
 def test_every_op_takes_a_tensor_first():
@@ -55,12 +59,14 @@ def test_rules_register_with_dtensors_import_before_or_after_fusedkit():
     import subprocess
     import sys
 
-    code = ("import sys, importlib.util, fusedkit\n"
-            "from fusedkit import sharding\n"
-            "assert 'torch.distributed.tensor' not in sys.modules\n"
-            "importlib.util.find_spec('torch.distributed.tensor')\n"
-            "assert not sharding._registered\n"
-            "import torch.distributed.tensor\n"
-            "assert sharding._registered and sharding._DTensor is torch.distributed.tensor.DTensor\n")
+    code = (
+        "import sys, importlib.util, fusedkit\n"
+        "from fusedkit import sharding\n"
+        "assert 'torch.distributed.tensor' not in sys.modules\n"
+        "importlib.util.find_spec('torch.distributed.tensor')\n"
+        "assert not sharding._registered\n"
+        "import torch.distributed.tensor\n"
+        "assert sharding._registered and sharding._DTensor is torch.distributed.tensor.DTensor\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -25,14 +25,18 @@ def test_the_target_records_every_op_with_its_model():
 
 def test_compare_judges_ops_above_the_floor_at_ten_percent():
     mb = traffic.MIN_BYTES
-    ops = [{"range": "c/0|big", "op": "big", "read": 2 * mb, "written": mb},
-           {"range": "c/1|off", "op": "off", "read": 2 * mb, "written": mb},
-           {"range": "c/2|small", "op": "small", "read": 100, "written": 100},
-           {"range": "c/3|view", "op": "view", "read": 0, "written": 0}]
+    ops = [
+        {"range": "c/0|big", "op": "big", "read": 2 * mb, "written": mb},
+        {"range": "c/1|off", "op": "off", "read": 2 * mb, "written": mb},
+        {"range": "c/2|small", "op": "small", "read": 100, "written": 100},
+        {"range": "c/3|view", "op": "view", "read": 0, "written": 0},
+    ]
     # writes are not judged: what a kernel writes may stay in L2 past its counters
-    measured = {"c/0|big": RangeCounters("c/0|big", ["k"], read=int(2.1 * mb), written=0),
-                "c/1|off": RangeCounters("c/1|off", ["k", "k2"], read=int(2.3 * mb), written=mb),
-                "c/2|small": RangeCounters("c/2|small", ["k"], read=5000, written=0)}
+    measured = {
+        "c/0|big": RangeCounters("c/0|big", ["k"], read=int(2.1 * mb), written=0),
+        "c/1|off": RangeCounters("c/1|off", ["k", "k2"], read=int(2.3 * mb), written=mb),
+        "c/2|small": RangeCounters("c/2|small", ["k"], read=5000, written=0),
+    }
     ops.append({"range": "c/4|lost", "op": "lost", "read": 2 * mb, "written": 0})  # its kernel not measured
     rows = {r["op"]: r for r in traffic.compare(ops, measured)}
     assert rows["lost"]["agrees"] is False and rows["lost"]["error"] is None
@@ -54,6 +58,11 @@ def test_the_report_needs_a_gpu_and_ncu():
         import pytest
 
         pytest.skip("with a GPU and ncu the report runs: scripts/results.sh traffic")
-    proc = subprocess.run([sys.executable, "-m", "fusedkit", "bench", "--traffic"], cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedkit", "bench", "--traffic"],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "needs a CUDA GPU and Nsight Compute" in proc.stdout

@@ -25,12 +25,14 @@ __all__ = ["format_advice", "gpu_saved_ms", "run_advice", "run_advise_command"]
 
 def _step(model, case, x, target):
     """A forward and backward of ``model`` (its gradients dropped after)."""
+
     def run():
         with M.autocast_for(x.device):
             out = model(x)
         case.loss(out, target).backward()
         for p in model.parameters():
             p.grad = None
+
     return run
 
 
@@ -73,8 +75,16 @@ def _advise_case(case, device, small):
     with M.autocast_for(device):
         fused = fusedkit.fuse(model, x)
     found = fused.fusion_sites
-    rows = [{"model": case.name, "pattern": s.pattern, "module": s.module, "bytes_saved": s.bytes_saved,
-             "replacement": s.replacement} for s in found]
+    rows = [
+        {
+            "model": case.name,
+            "pattern": s.pattern,
+            "module": s.module,
+            "bytes_saved": s.bytes_saved,
+            "replacement": s.replacement,
+        }
+        for s in found
+    ]
     timing = {"model": case.name, "sites": len(found), "bytes_saved": sum(s.bytes_saved for s in found)}
     # Rounds taking the two models in turn, each time the median over rounds, as the model
     # report times its variants: one timing each read ResNet-50's training step as 16.1 ms
@@ -115,24 +125,33 @@ def format_advice(sites: list, timings: list, skipped: dict) -> str:
     head = f"{'model':<14} {'pattern':<22} {'module':<24} {'saved MB':>9}  replacement"
     lines += [head, "-" * len(head)]
     for s in sites:
-        lines.append(f"{s['model']:<14} {s['pattern']:<22} {s['module'] or '(model)':<24} "
-                     f"{s['bytes_saved'] / 1e6:>9.3f}  {s['replacement']}")
-    lines += ["", "The fused model against the original (ms: do_bench medians; x = original / fused; predicted: the "
-                  "forward's bytes saved at the copy bandwidth measured now; saved: the forward's measured saving; "
-                  "GPU saved: the saving in the forward's GPU busy time, its kernels' durations summed)"]
-    head = (f"{'model':<14} {'sites':>5} {'saved MB':>9} {'fwd ms':>9} {'fused fwd':>9} {'x':>5} "
-            f"{'predicted':>9} {'saved':>9} {'GPU saved':>9} {'train ms':>9} {'fused trn':>9} {'x':>5}")
+        lines.append(
+            f"{s['model']:<14} {s['pattern']:<22} {s['module'] or '(model)':<24} "
+            f"{s['bytes_saved'] / 1e6:>9.3f}  {s['replacement']}"
+        )
+    lines += [
+        "",
+        "The fused model against the original (ms: do_bench medians; x = original / fused; predicted: the "
+        "forward's bytes saved at the copy bandwidth measured now; saved: the forward's measured saving; "
+        "GPU saved: the saving in the forward's GPU busy time, its kernels' durations summed)",
+    ]
+    head = (
+        f"{'model':<14} {'sites':>5} {'saved MB':>9} {'fwd ms':>9} {'fused fwd':>9} {'x':>5} "
+        f"{'predicted':>9} {'saved':>9} {'GPU saved':>9} {'train ms':>9} {'fused trn':>9} {'x':>5}"
+    )
     lines += [head, "-" * len(head)]
     for t in timings:
         predicted = "-" if t.get("predicted_ms") is None else f"{t['predicted_ms']:.3f}"
         gpu_saved = gpu_saved_ms(t)
         gpu_saved = "-" if gpu_saved is None else f"{gpu_saved:.3f}"
-        lines.append(f"{t['model']:<14} {t['sites']:>5} {t['bytes_saved'] / 1e6:>9.3f} "
-                     f"{t['original_forward_ms']:>9.3f} {t['fused_forward_ms']:>9.3f} "
-                     f"{t['original_forward_ms'] / t['fused_forward_ms']:>5.2f} {predicted:>9} "
-                     f"{t['original_forward_ms'] - t['fused_forward_ms']:>9.3f} {gpu_saved:>9} "
-                     f"{t['original_train_ms']:>9.3f} {t['fused_train_ms']:>9.3f} "
-                     f"{t['original_train_ms'] / t['fused_train_ms']:>5.2f}")
+        lines.append(
+            f"{t['model']:<14} {t['sites']:>5} {t['bytes_saved'] / 1e6:>9.3f} "
+            f"{t['original_forward_ms']:>9.3f} {t['fused_forward_ms']:>9.3f} "
+            f"{t['original_forward_ms'] / t['fused_forward_ms']:>5.2f} {predicted:>9} "
+            f"{t['original_forward_ms'] - t['fused_forward_ms']:>9.3f} {gpu_saved:>9} "
+            f"{t['original_train_ms']:>9.3f} {t['fused_train_ms']:>9.3f} "
+            f"{t['original_train_ms'] / t['fused_train_ms']:>5.2f}"
+        )
     for name, why in skipped.items():
         lines.append(f"{name:<14} skipped: {why}")
     return "\n".join(lines)
@@ -142,10 +161,14 @@ def run_advise_command(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)
     if device.type != "cuda":
-        print("No CUDA GPU: tiny models in Triton's interpreter; the times check the harness, they are NOT GPU "
-              "times.\n")
+        print(
+            "No CUDA GPU: tiny models in Triton's interpreter; the times check the harness, they are NOT GPU times.\n"
+        )
     sites, timings, skipped = run_advice(args.models, device, progress=not args.no_progress)
-    print_report(env, (format_advice(sites, timings, skipped),), args.json,
-            {"sites": sites, "timings": timings, "skipped": skipped})
+    print_report(
+        env,
+        (format_advice(sites, timings, skipped),),
+        args.json,
+        {"sites": sites, "timings": timings, "skipped": skipped},
+    )
     return 0
-

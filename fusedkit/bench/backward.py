@@ -25,8 +25,16 @@ import fusedkit
 from .cases import timer
 from .progress import bar as progress_bar
 
-__all__ = ["keep_saved_buffers", "run_backward", "format_backward_table", "run_linear_training", "format_linear_table",
-           "BACKWARD_OPS", "BACKWARD_SIZES", "LINEAR_TRAINING_SHAPES"]
+__all__ = [
+    "keep_saved_buffers",
+    "run_backward",
+    "format_backward_table",
+    "run_linear_training",
+    "format_linear_table",
+    "BACKWARD_OPS",
+    "BACKWARD_SIZES",
+    "LINEAR_TRAINING_SHAPES",
+]
 
 BACKWARD_SIZES = (1 << 24, 1 << 28)
 CPU_BACKWARD_SIZES = (1 << 10,)
@@ -45,8 +53,11 @@ BACKWARD_OPS = {
     "add_relu": (fusedkit.add_relu, _eager, 3),
     "silu_mul": (fusedkit.silu_mul, lambda a, b: F.silu(a) * b, 5),
     "gelu_mul": (fusedkit.gelu_mul, lambda a, b: F.gelu(a) * b, 5),
-    "gelu_tanh_mul": (lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
-                      lambda a, b: F.gelu(a, approximate="tanh") * b, 5),
+    "gelu_tanh_mul": (
+        lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
+        lambda a, b: F.gelu(a, approximate="tanh") * b,
+        5,
+    ),
     "add_gelu": (fusedkit.add_gelu, lambda x, y: F.gelu(x + y), 4),
 }
 
@@ -120,15 +131,19 @@ def _run_backward(op, impls, tensors, dtypes, device, sizes) -> list[dict]:
         for n in sizes:
             x, y = (torch.randn(n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
             g = torch.randn(n, device=device, dtype=dt)
-            row = {"op": op, "dtype": str(dt).removeprefix("torch."), "n": n,
-                   "bytes_backward": tensors * n * x.element_size()}
+            row = {
+                "op": op,
+                "dtype": str(dt).removeprefix("torch."),
+                "n": n,
+                "bytes_backward": tensors * n * x.element_size(),
+            }
             want = torch.autograd.grad(eager(x, y), (x, y), g)
             for name, fn in impls.items():
                 z = fn(x, y)
                 grads = torch.autograd.grad(z, (x, y), g, retain_graph=True)
                 for got, ref in zip(grads, want):
                     torch.testing.assert_close(got, ref, **_TOLERANCE.get(dt, {}))
-                us = _time_us(lambda: torch.autograd.grad(z, (x, y), g, retain_graph=True), device)
+                us = _time_us(lambda z=z: torch.autograd.grad(z, (x, y), g, retain_graph=True), device)
                 row[f"{name}_bwd_us"] = us
                 row[f"{name}_bwd_gbps"] = row["bytes_backward"] / us / 1e3
                 row[f"{name}_fwd_bwd_us"] = _time_us(lambda: torch.autograd.grad(fn(x, y), (x, y), g), device)
@@ -159,8 +174,13 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
             fused = fusedkit.nn.LinearReLU.from_linear(ref[0])
             x = torch.randn(m, k, device=device, dtype=dt, requires_grad=True)
             g = torch.randn(m, n, device=device, dtype=dt)
-            row = {"dtype": str(dt).removeprefix("torch."), "m": m, "k": k, "n": n,
-                   "flops": 3 * 2 * m * n * k}  # forward, grad of x, grad of weight
+            row = {
+                "dtype": str(dt).removeprefix("torch."),
+                "m": m,
+                "k": k,
+                "n": n,
+                "flops": 3 * 2 * m * n * k,
+            }  # forward, grad of x, grad of weight
             for name, module in (("fusedkit", fused), ("torch", ref)):
                 params = (x, *module.parameters())
                 row[f"{name}_us"] = _time_us(lambda: torch.autograd.grad(module(x), params, g), device)
@@ -172,26 +192,38 @@ def run_linear_training(dtypes, device, shapes=LINEAR_TRAINING_SHAPES) -> list[d
 
 def format_linear_table(rows: list[dict]) -> str:
     head = f"{'dtype':<9} {'M':>6} {'K':>6} {'N':>6} {'fusedkit us':>11} {'torch us':>9} {'TFLOP/s':>8} {'x torch':>7}"
-    lines = ["LinearReLU forward + backward vs nn.Linear + nn.ReLU (do_bench medians; x = torch time / fusedkit time)",
-             head, "-" * len(head)]
+    lines = [
+        "LinearReLU forward + backward vs nn.Linear + nn.ReLU (do_bench medians; x = torch time / fusedkit time)",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         f, t = r["fusedkit_us"], r["torch_us"]
-        lines.append(f"{r['dtype']:<9} {r['m']:>6} {r['k']:>6} {r['n']:>6} {f:>11.1f} {t:>9.1f} "
-                     f"{r['flops'] / f / 1e6:>8.1f} {t / f:>7.2f}")
+        lines.append(
+            f"{r['dtype']:<9} {r['m']:>6} {r['k']:>6} {r['n']:>6} {f:>11.1f} {t:>9.1f} "
+            f"{r['flops'] / f / 1e6:>8.1f} {t / f:>7.2f}"
+        )
     return "\n".join(lines)
 
 
 def format_backward_table(rows: list[dict]) -> str:
     impls = [k.removesuffix("_bwd_gbps") for k in rows[0] if k.endswith("_bwd_gbps")] if rows else []
     head = f"{'op':<14} {'dtype':<9} {'n':>10} " + " ".join(
-        f"{i + ' bwd us':>16} {'GB/s':>6} {'fwd+bwd us':>10} {'saved MB':>8} {'peak MB':>8}" for i in impls)
-    lines = ["Backward (do_bench medians; GB/s over what the fused backward reads and writes; saved: what autograd "
-             "keeps beyond the inputs)", head, "-" * len(head)]
+        f"{i + ' bwd us':>16} {'GB/s':>6} {'fwd+bwd us':>10} {'saved MB':>8} {'peak MB':>8}" for i in impls
+    )
+    lines = [
+        "Backward (do_bench medians; GB/s over what the fused backward reads and writes; saved: what autograd "
+        "keeps beyond the inputs)",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         cells = []
         for i in impls:
             peak = r.get(f"{i}_peak_bytes")
-            cells.append(f"{r[f'{i}_bwd_us']:>16.1f} {r[f'{i}_bwd_gbps']:>6.0f} {r[f'{i}_fwd_bwd_us']:>10.1f} "
-                         f"{r[f'{i}_saved_bytes'] / 1e6:>8.2f} {'-' if peak is None else format(peak / 1e6, '.2f'):>8}")
+            cells.append(
+                f"{r[f'{i}_bwd_us']:>16.1f} {r[f'{i}_bwd_gbps']:>6.0f} {r[f'{i}_fwd_bwd_us']:>10.1f} "
+                f"{r[f'{i}_saved_bytes'] / 1e6:>8.2f} {'-' if peak is None else format(peak / 1e6, '.2f'):>8}"
+            )
         lines.append(f"{r.get('op', 'add_relu'):<14} {r['dtype']:<9} {r['n']:>10} " + " ".join(cells))
     return "\n".join(lines)

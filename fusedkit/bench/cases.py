@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
@@ -20,12 +20,17 @@ CPU_REPEATS = 5
 DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def make_operands(kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, device,
-                  bias_cols: int = BIAS_COLS) -> tuple:
+def make_operands(
+    kernel: registry.ElementwiseKernel, layout: str, n: int, dtype, device, bias_cols: int = BIAS_COLS
+) -> tuple:
     """Random operands of ``kernel`` in ``layout`` with ``n`` result elements."""
+
     def rnd(*shape):
-        return torch.randn(shape, device=device, dtype=torch.float32).to(dtype) if dtype.is_floating_point \
+        return (
+            torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
+            if dtype.is_floating_point
             else torch.randint(-100, 100, shape, device=device, dtype=dtype)
+        )
 
     if layout == "contiguous":
         ops = [rnd(n) for _ in range(kernel.arity)]
@@ -59,4 +64,5 @@ def timer(device) -> Callable[[Callable[[], object]], float]:
             fn()
             times.append(time.perf_counter() - t0)
         return 1e6 * statistics.median(times)
+
     return cpu

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 import fusedkit
-
 from fusedkit import autograd
 from fusedkit.library import ADD_RELU
 
@@ -74,8 +73,9 @@ def graph_call_us(fn, device) -> float | None:
     return per_call_us(graph.replay, device, calls=20) / GRAPH_CALLS
 
 
-def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True,
-                progress=True) -> dict:
+def run_latency(
+    dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True, progress=True
+) -> dict:
     rows, linear = [], []
     floats = [dt for dt in dtypes if dt.is_floating_point and dt != torch.float64]
     bar = progress_bar(len(dtypes) * len(sizes) + len(floats) * len(linear_shapes), "latency", progress)
@@ -112,20 +112,27 @@ def run_latency(dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES
             continue
         for m, k in linear_shapes:
             a = torch.randn(m, k, device=device).to(dt)
-            w = torch.randn(k, k, device=device).to(dt) / k ** 0.5
+            w = torch.randn(k, k, device=device).to(dt) / k**0.5
             b = torch.randn(k, device=device).to(dt)
             ag, wg, bg = (t.clone().requires_grad_() for t in (a, w, b))
             g = torch.randn(m, k, device=device).to(dt)
-            linear.append({
-                "dtype": str(dt).removeprefix("torch."), "m": m, "k": k, "n": k,
-                "fusedkit.linear_relu": per_call_us(lambda: fusedkit.linear_relu(a, w, b), device),
-                "relu(F.linear)": per_call_us(lambda: torch.relu(F.linear(a, w, b)), device),
-                # A training step's share: forward and the gradients of input, weight and bias.
-                "fusedkit.linear_relu fwd+bwd": per_call_us(
-                    lambda: torch.autograd.grad(fusedkit.linear_relu(ag, wg, bg), (ag, wg, bg), g), device),
-                "relu(F.linear) fwd+bwd": per_call_us(
-                    lambda: torch.autograd.grad(torch.relu(F.linear(ag, wg, bg)), (ag, wg, bg), g), device),
-            })
+            linear.append(
+                {
+                    "dtype": str(dt).removeprefix("torch."),
+                    "m": m,
+                    "k": k,
+                    "n": k,
+                    "fusedkit.linear_relu": per_call_us(lambda: fusedkit.linear_relu(a, w, b), device),
+                    "relu(F.linear)": per_call_us(lambda: torch.relu(F.linear(a, w, b)), device),
+                    # A training step's share: forward and the gradients of input, weight and bias.
+                    "fusedkit.linear_relu fwd+bwd": per_call_us(
+                        lambda: torch.autograd.grad(fusedkit.linear_relu(ag, wg, bg), (ag, wg, bg), g), device
+                    ),
+                    "relu(F.linear) fwd+bwd": per_call_us(
+                        lambda: torch.autograd.grad(torch.relu(F.linear(ag, wg, bg)), (ag, wg, bg), g), device
+                    ),
+                }
+            )
             bar.update()
     bar.close()
     return {"elementwise": rows, "linear": linear}
@@ -137,23 +144,41 @@ def format_latency_table(result: dict) -> str:
     if rows:
         names = [k for k in rows[0] if k not in ("dtype", "n")]
         head = f"{'dtype':<9} {'n':>8} " + " ".join(f"{k:>{max(9, len(k))}}" for k in names)
-        lines += ["us per call (back-to-back calls, synchronised at the end; graph = per call inside a "
-                  "replayed CUDA graph)", head, "-" * len(head)]
+        lines += [
+            "us per call (back-to-back calls, synchronised at the end; graph = per call inside a replayed CUDA graph)",
+            head,
+            "-" * len(head),
+        ]
         for r in rows:
             cells = " ".join(f"{'-' if r.get(k) is None else format(r[k], '.1f'):>{max(9, len(k))}}" for k in names)
             lines.append(f"{r['dtype']:<9} {r['n']:>8} {cells}")
-        lines.append("ratios to torch.add: " + "; ".join(
-            f"{r['dtype']} n={r['n']}: add {r['fusedkit.add'] / r['torch.add']:.2f}x, "
-            f"add_relu {r['fusedkit.add_relu'] / r['torch.add']:.2f}x" for r in rows))
-        lines.append("fwd+bwd, add_relu / relu(x + y): " + "; ".join(
-            f"{r['dtype']} n={r['n']}: {r['fusedkit.add_relu fwd+bwd'] / r['relu(x + y) fwd+bwd']:.2f}x"
-            for r in rows if r.get("fusedkit.add_relu fwd+bwd")))
+        lines.append(
+            "ratios to torch.add: "
+            + "; ".join(
+                f"{r['dtype']} n={r['n']}: add {r['fusedkit.add'] / r['torch.add']:.2f}x, "
+                f"add_relu {r['fusedkit.add_relu'] / r['torch.add']:.2f}x"
+                for r in rows
+            )
+        )
+        lines.append(
+            "fwd+bwd, add_relu / relu(x + y): "
+            + "; ".join(
+                f"{r['dtype']} n={r['n']}: {r['fusedkit.add_relu fwd+bwd'] / r['relu(x + y) fwd+bwd']:.2f}x"
+                for r in rows
+                if r.get("fusedkit.add_relu fwd+bwd")
+            )
+        )
     if linear:
-        lines += ["", f"{'dtype':<9} {'M':>4} {'K=N':>6} {'fusedkit':>9} {'relu(F.linear)':>14} {'ratio':>6} "
-                      f"{'fwd+bwd':>9} {'torch fwd+bwd':>13} {'ratio':>6}"]
+        lines += [
+            "",
+            f"{'dtype':<9} {'M':>4} {'K=N':>6} {'fusedkit':>9} {'relu(F.linear)':>14} {'ratio':>6} "
+            f"{'fwd+bwd':>9} {'torch fwd+bwd':>13} {'ratio':>6}",
+        ]
         for r in linear:
             f, t = r["fusedkit.linear_relu"], r["relu(F.linear)"]
             fb, tb = r["fusedkit.linear_relu fwd+bwd"], r["relu(F.linear) fwd+bwd"]
-            lines.append(f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f} "
-                         f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}")
+            lines.append(
+                f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f} "
+                f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}"
+            )
     return "\n".join(lines)

@@ -48,8 +48,8 @@ import importlib
 import statistics
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +59,25 @@ import fusedkit
 from .cases import timer
 from .progress import bar as progress_bar
 
-__all__ = ["MODELS", "VARIANTS", "ModelCase", "run_models", "run_case", "training_step", "format_models_table",
-           "fuse", "unavailable", "prepared", "variant_model", "autocast_for", "time_ms", "timing_rounds",
-           "gpu_busy_ms", "kernel_time_us", "host_ms"]
+__all__ = [
+    "MODELS",
+    "VARIANTS",
+    "ModelCase",
+    "run_models",
+    "run_case",
+    "training_step",
+    "format_models_table",
+    "fuse",
+    "unavailable",
+    "prepared",
+    "variant_model",
+    "autocast_for",
+    "time_ms",
+    "timing_rounds",
+    "gpu_busy_ms",
+    "kernel_time_us",
+    "host_ms",
+]
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
@@ -83,6 +99,7 @@ HOST_STEPS = 10
 @dataclass(frozen=True)
 class Sizes:
     """A case's batch shapes for training, batch-1 and serving inference."""
+
     train: tuple
     bs1: tuple
     serve: tuple
@@ -91,11 +108,12 @@ class Sizes:
 @dataclass(frozen=True)
 class ModelCase:
     """One real model: how to build it stock, how fusedkit goes into it, its batches and loss."""
+
     name: str
     what: str
-    package: str                                   # the module the model comes from
-    build: Callable[[bool], torch.nn.Module]       # (small) -> the stock model, float32, on the CPU
-    fuse: Callable[[torch.nn.Module], int]         # puts fusedkit in, in place; returns the sites changed
+    package: str  # the module the model comes from
+    build: Callable[[bool], torch.nn.Module]  # (small) -> the stock model, float32, on the CPU
+    fuse: Callable[[torch.nn.Module], int]  # puts fusedkit in, in place; returns the sites changed
     batch: Callable[[tuple, torch.Generator, bool], tuple]  # (shape, generator, small) -> (input, target)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     sizes: Sizes
@@ -108,6 +126,7 @@ class ModelCase:
 
 
 # --- ResNet-50 (torchvision) ------------------------------------------------------------
+
 
 def _bottleneck_forward(self, x):
     """torchvision's ``Bottleneck.forward`` with its join, ``out += identity; relu(out)``,
@@ -149,8 +168,14 @@ def _cross_entropy(out, target):
 # --- GPT-2 (transformers) ---------------------------------------------------------------
 
 #: transformers' activation names -> fusedkit.matmul's.
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-                    "relu": "relu", "silu": "silu", "swish": "silu"}
+GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
 #: GPT-2 medium: hidden 1024, MLP 4 x 1024, 16 heads.
 GPT2_MEDIUM = dict(n_embd=1024, n_inner=4096, n_head=16)
 GPT2_SMALL = dict(n_embd=32, n_inner=128, n_head=4)
@@ -167,8 +192,13 @@ def _gpt2_config(activation: str, small: bool):
     from transformers import GPT2Config
 
     # No dropout: the loss comparison runs the same steps on every variant.
-    return GPT2Config(**(GPT2_SMALL if small else GPT2_MEDIUM), activation_function=activation,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(
+        **(GPT2_SMALL if small else GPT2_MEDIUM),
+        activation_function=activation,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 
 
 def _build_gpt2_mlp(activation: str):
@@ -177,6 +207,7 @@ def _build_gpt2_mlp(activation: str):
 
         config = _gpt2_config(activation, small)
         return GPT2MLP(config.n_inner, config)
+
     return build
 
 
@@ -288,20 +319,73 @@ _SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
 _TOKENS = Sizes(train=(8, 1024), bs1=(1, 1), serve=(64, 1))
 _SMALL_TOKENS = Sizes(train=(2, 8), bs1=(1, 1), serve=(3, 1))
 
-MODELS = {case.name: case for case in (
-    ModelCase("resnet50", "torchvision ResNet-50, Bottleneck joins through add_relu", "torchvision",
-              _build_resnet, _fuse_resnet, _image_batch, _cross_entropy, _IMAGES, _SMALL_IMAGES, lr=0.01,
-              channels_last=True),
-    ModelCase("gpt2_mlp", "transformers GPT2MLP (medium), gelu_new in the matmul epilogue", "transformers",
-              _build_gpt2_mlp("gelu_new"), _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
-    ModelCase("gpt2_mlp_relu", "transformers GPT2MLP (medium), relu in the matmul epilogue", "transformers",
-              _build_gpt2_mlp("relu"), _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
-    ModelCase("gpt2_block", "transformers GPT2Block (medium), its MLP as in gpt2_mlp", "transformers",
-              _build_gpt2_block, _fuse_gpt2, _token_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05),
-    ModelCase("llama_mlp", "transformers LlamaMLP (7B sizes), its SiLU gate through silu_mul", "transformers",
-              _build_llama_mlp, _fuse_llama, _llama_batch, _mse, _TOKENS, _SMALL_TOKENS, lr=0.05,
-              peers=(("liger", "liger_kernel", _fuse_llama_liger),)),
-)}
+MODELS = {
+    case.name: case
+    for case in (
+        ModelCase(
+            "resnet50",
+            "torchvision ResNet-50, Bottleneck joins through add_relu",
+            "torchvision",
+            _build_resnet,
+            _fuse_resnet,
+            _image_batch,
+            _cross_entropy,
+            _IMAGES,
+            _SMALL_IMAGES,
+            lr=0.01,
+            channels_last=True,
+        ),
+        ModelCase(
+            "gpt2_mlp",
+            "transformers GPT2MLP (medium), gelu_new in the matmul epilogue",
+            "transformers",
+            _build_gpt2_mlp("gelu_new"),
+            _fuse_gpt2,
+            _token_batch,
+            _mse,
+            _TOKENS,
+            _SMALL_TOKENS,
+            lr=0.05,
+        ),
+        ModelCase(
+            "gpt2_mlp_relu",
+            "transformers GPT2MLP (medium), relu in the matmul epilogue",
+            "transformers",
+            _build_gpt2_mlp("relu"),
+            _fuse_gpt2,
+            _token_batch,
+            _mse,
+            _TOKENS,
+            _SMALL_TOKENS,
+            lr=0.05,
+        ),
+        ModelCase(
+            "gpt2_block",
+            "transformers GPT2Block (medium), its MLP as in gpt2_mlp",
+            "transformers",
+            _build_gpt2_block,
+            _fuse_gpt2,
+            _token_batch,
+            _mse,
+            _TOKENS,
+            _SMALL_TOKENS,
+            lr=0.05,
+        ),
+        ModelCase(
+            "llama_mlp",
+            "transformers LlamaMLP (7B sizes), its SiLU gate through silu_mul",
+            "transformers",
+            _build_llama_mlp,
+            _fuse_llama,
+            _llama_batch,
+            _mse,
+            _TOKENS,
+            _SMALL_TOKENS,
+            lr=0.05,
+            peers=(("liger", "liger_kernel", _fuse_llama_liger),),
+        ),
+    )
+}
 
 
 def unavailable(case: ModelCase) -> str | None:
@@ -331,7 +415,7 @@ def _peer_error(case: ModelCase, fuse_peer, device) -> str | None:
         fuse_peer(model)
         x, t = _to_device(case, case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True), device)
         case.loss(model(x), t).backward()
-    except Exception as exc:  # noqa: BLE001 - whatever the peer raises, the report goes on without it
+    except Exception as exc:
         return f"it fails here: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
     return None
 
@@ -405,8 +489,11 @@ def gpu_busy_ms(step, device, calls: int = 1) -> float | None:
 def kernel_time_us(events) -> float:
     """The summed durations (us) of the GPU's kernels and copies among profiler ``events``:
     CUDA events less the annotated ranges over them."""
-    return sum(e.time_range.elapsed_us() for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return sum(
+        e.time_range.elapsed_us()
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
 
 
 def host_ms(step, device, repeats: int = HOST_STEPS) -> float | None:
@@ -465,8 +552,9 @@ def prepared(case: ModelCase, small: bool, device):
     stock = case.build(small)
     gen = torch.Generator().manual_seed(1)
     train = _to_device(case, case.batch(sizes.train, gen, small), device)
-    infer = {kind: _to_device(case, case.batch(getattr(sizes, kind), gen, small), device)[0]
-             for kind in ("bs1", "serve")}
+    infer = {
+        kind: _to_device(case, case.batch(getattr(sizes, kind), gen, small), device)[0] for kind in ("bs1", "serve")
+    }
     return stock, train, infer
 
 
@@ -483,6 +571,7 @@ def training_step(case: ModelCase, variant: str, device, small: bool = False):
 
     def check():
         assert last and torch.isfinite(last[0]).item(), f"{case.name} {variant}: loss {last}"
+
     return step, check
 
 
@@ -491,8 +580,9 @@ def timing_rounds(device, rounds: int | None = None) -> int:
     return rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
 
 
-def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None,
-             rounds: int | None = None) -> list[Result]:
+def run_case(
+    case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None, rounds: int | None = None
+) -> list[Result]:
     """Every measurement of ``case`` for each of ``variants`` (``eager`` first: the others are
     compared with it). The times are taken in ``rounds`` rounds (default ``TIMING_ROUNDS`` on
     a GPU, 1 elsewhere), each timing every
@@ -520,9 +610,9 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
         live.append((r, module, run, step))
     samples = {id(r): {"train": [], "bs1": [], "serve": []} for r, *_ in live}
     for _ in range(timing_rounds(device, rounds)):
-        for r, module, run, step in live:
+        for r, _module, _run, step in live:
             samples[id(r)]["train"].append(time_ms(step, device))
-        for r, module, run, step in live:
+        for r, module, run, _step in live:
             module.eval()
             with torch.inference_mode(), autocast_for(device):
                 for kind in ("bs1", "serve"):
@@ -539,8 +629,7 @@ def run_case(case: ModelCase, device, variants=VARIANTS, small: bool = False, pr
     return results
 
 
-def run_models(names, device, use_compile=True, small: bool | None = None, progress=True,
-               rounds: int | None = None):
+def run_models(names, device, use_compile=True, small: bool | None = None, progress=True, rounds: int | None = None):
     """Run the named cases (``rounds``: timing rounds, see :func:`run_case`); returns
     (results, skipped: {name: reason})."""
     small = device.type != "cuda" if small is None else small
@@ -576,14 +665,19 @@ def _ratio(base, value):
 
 def format_models_table(results: list[Result], skipped: dict) -> str:
     """One row per model and variant; x = stock eager's time / this variant's (above 1: faster)."""
-    head = (f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'host ms':>8} "
-            f"{'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}")
-    lines = ["Real models: training step, inference, peak memory, loss over "
-             f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
-             f"the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the host's time to issue "
-             "a step, the GPU idle; loss diff = largest relative difference from stock eager's loss; eager2 = "
-             "stock again, the nondeterminism control)",
-             head, "-" * len(head)]
+    head = (
+        f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'host ms':>8} "
+        f"{'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}"
+    )
+    lines = [
+        "Real models: training step, inference, peak memory, loss over "
+        f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
+        f"the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the host's time to issue "
+        "a step, the GPU idle; loss diff = largest relative difference from stock eager's loss; eager2 = "
+        "stock again, the nondeterminism control)",
+        head,
+        "-" * len(head),
+    ]
 
     def num(v, spec):
         return "-" if v is None else format(v, spec)
@@ -594,11 +688,13 @@ def format_models_table(results: list[Result], skipped: dict) -> str:
     for model, rows in by_model.items():
         base = rows.get("eager")
         for r in rows.values():
-            lines.append(f"{model:<14} {r.variant:<9} {num(r.train_ms, '.3f'):>9} "
-                         f"{_ratio(base.train_ms, r.train_ms):>7} {num(r.gpu_ms, '.3f'):>8} "
-                         f"{num(r.host_ms, '.3f'):>8} {num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
-                         f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
-                         f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}")
+            lines.append(
+                f"{model:<14} {r.variant:<9} {num(r.train_ms, '.3f'):>9} "
+                f"{_ratio(base.train_ms, r.train_ms):>7} {num(r.gpu_ms, '.3f'):>8} "
+                f"{num(r.host_ms, '.3f'):>8} {num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
+                f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
+                f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}"
+            )
     for name, reason in skipped.items():
         lines.append(f"{name:<24} skipped: {reason}")
     return "\n".join(lines)

@@ -90,8 +90,21 @@ def measure(target_args: list[str], cache_control: str = CACHE_COLD, timeout: in
     """Run ``python -m fusedkit._ncu_target *target_args`` under ncu and parse its counters."""
     if cache_control not in (CACHE_COLD, CACHE_WARM):
         raise ValueError(f"cache_control must be {CACHE_COLD!r} or {CACHE_WARM!r}, not {cache_control!r}")
-    cmd = ["ncu", "--clock-control", "none", "--cache-control", cache_control, "--nvtx", "--csv",
-           "--metrics", ",".join(METRICS), sys.executable, "-m", "fusedkit._ncu_target", *target_args]
+    cmd = [
+        "ncu",
+        "--clock-control",
+        "none",
+        "--cache-control",
+        cache_control,
+        "--nvtx",
+        "--csv",
+        "--metrics",
+        ",".join(METRICS),
+        sys.executable,
+        "-m",
+        "fusedkit._ncu_target",
+        *target_args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"ncu failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -104,20 +117,25 @@ def verdict(model_fused, model_unfused, fused: RangeCounters, unfused: RangeCoun
     if fits_l2:
         # Cold reads still check the model; writes and the unfused ratio do not: what a
         # kernel leaves in L2 is written back by the flush before the next, outside its counters.
-        return (f"fits in L2: cold read err {100 * read_err:.2f}%; the saving is L2 traffic and launches, "
-                "not DRAM bytes")
+        return f"fits in L2: cold read err {100 * read_err:.2f}%; the saving is L2 traffic and launches, not DRAM bytes"
     model_ratio = model_unfused.total / model_fused.total if model_fused.total else 1.0
     measured_ratio = (unfused.read + unfused.written) / max(1, fused.read + fused.written)
     ok = read_err <= READ_TOLERANCE and abs(measured_ratio - model_ratio) <= RATIO_TOLERANCE * model_ratio
-    return (f"{'agrees' if ok else 'DIFFERS'}: read err {100 * read_err:.2f}%, unfused/fused "
-            f"{measured_ratio:.3f} vs model {model_ratio:.3f}")
+    return (
+        f"{'agrees' if ok else 'DIFFERS'}: read err {100 * read_err:.2f}%, unfused/fused "
+        f"{measured_ratio:.3f} vs model {model_ratio:.3f}"
+    )
 
 
 def warm_verdict(model_fused, model_unfused, fused: RangeCounters, unfused: RangeCounters) -> str:
     """A case that fits in L2, measured with warm caches (``CACHE_WARM``): what share of
     each model's bytes reached DRAM."""
+
     def share(c: RangeCounters, model) -> float:
         return 100 * (c.read + c.written) / model.total if model.total else 0.0
-    return (f"fits in L2: warm, DRAM saw {share(fused, model_fused):.1f}% of the fused model's bytes and "
-            f"{share(unfused, model_unfused):.1f}% of the unfused model's: the saving is L2 traffic and "
-            "launches, not DRAM bytes")
+
+    return (
+        f"fits in L2: warm, DRAM saw {share(fused, model_fused):.1f}% of the fused model's bytes and "
+        f"{share(unfused, model_unfused):.1f}% of the unfused model's: the saving is L2 traffic and "
+        "launches, not DRAM bytes"
+    )

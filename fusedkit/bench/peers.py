@@ -35,8 +35,7 @@ def _tutorial_kernel(x_ptr, y_ptr, out_ptr, n, alpha, FN: tl.constexpr, BLOCK: t
 
 def supports_tutorial(spec: ElementwiseKernel, dtype: torch.dtype) -> bool:
     """Binary kernels with a scalar parameter, on floating dtypes up to fp32."""
-    return spec.arity == 2 and spec.param is not None and dtype in (torch.float16, torch.bfloat16,
-                                                                    torch.float32)
+    return spec.arity == 2 and spec.param is not None and dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def tutorial(spec: ElementwiseKernel, x: torch.Tensor, y: torch.Tensor, alpha=1.0) -> torch.Tensor:
@@ -47,6 +46,7 @@ def tutorial(spec: ElementwiseKernel, x: torch.Tensor, y: torch.Tensor, alpha=1.
     out = torch.empty_like(x)
     n = out.numel()
     # (fusedkit's compiler options: the same math compiles to the same instructions in both)
-    _tutorial_kernel[(triton.cdiv(n, TUTORIAL_BLOCK),)](x, y, out, n, float(alpha), FN=spec.math,
-                                                       BLOCK=TUTORIAL_BLOCK, **COMPILER_OPTIONS)
+    _tutorial_kernel[(triton.cdiv(n, TUTORIAL_BLOCK),)](
+        x, y, out, n, float(alpha), FN=spec.math, BLOCK=TUTORIAL_BLOCK, **COMPILER_OPTIONS
+    )
     return out

@@ -42,11 +42,12 @@ def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[di
         series = defaultdict(list)
         for r in rows:
             if r["dtype"] == dtype:
-                series[(r["kernel"], r["layout"])].append((r["n"], r["fused_gbps"],
-                                                           r["bytes_fused"] / r["unfused_us"] / 1e3))
+                series[(r["kernel"], r["layout"])].append(
+                    (r["n"], r["fused_gbps"], r["bytes_fused"] / r["unfused_us"] / 1e3)
+                )
         for (kernel, layout), pts in sorted(series.items()):
             pts.sort()
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{kernel} {layout}")
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{kernel} {layout}")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color())
         roof = next((r["roof_gbps"] for r in rows if r["dtype"] == dtype and r.get("roof_gbps")), None)
         if roof:
@@ -71,8 +72,12 @@ def plot_elementwise(rows: list[dict], env: dict, out_dir: str, traffic: list[di
         from .cases import case_name
 
         got = [measured.get(case_name(r["kernel"], r["layout"], r["dtype"], r["n"])) for r in cases]
-        ax.bar([x + width for x in xs], [(g["ncu_fused_read"] + g["ncu_fused_written"]) / 1e6 if g else 0
-                                         for g in got], width, label="fused (Nsight Compute)")
+        ax.bar(
+            [x + width for x in xs],
+            [(g["ncu_fused_read"] + g["ncu_fused_written"]) / 1e6 if g else 0 for g in got],
+            width,
+            label="fused (Nsight Compute)",
+        )
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("MB moved per call")
     ax.set_title(f"DRAM bytes at n = {largest}", fontsize=9)
@@ -85,13 +90,18 @@ def plot_matmul(rows: list[dict], env: dict, out_dir: str) -> str:
     """TFLOP/s of relu(a @ b + bias): fusedkit against its peers, per shape and dtype."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
-    peers = [("fusedkit", "fusedkit"), ("cublaslt_epilogue", "cuBLASLt epilogue"),
-             ("addmm_relu", "addmm + relu"), ("matmul_bare", "bare matmul")]
+    peers = [
+        ("fusedkit", "fusedkit"),
+        ("cublaslt_epilogue", "cuBLASLt epilogue"),
+        ("addmm_relu", "addmm + relu"),
+        ("matmul_bare", "bare matmul"),
+    ]
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(rows)), 4.5))
     width = 0.2
     for i, (key, label) in enumerate(peers):
-        ax.bar([x + (i - 1.5) * width for x in range(len(rows))], [r[f"{key}_tflops"] for r in rows], width,
-               label=label)
+        ax.bar(
+            [x + (i - 1.5) * width for x in range(len(rows))], [r[f"{key}_tflops"] for r in rows], width, label=label
+        )
     ax.set_xticks(range(len(rows)), [f"{r['m']}x{r['n']}x{r['k']}\n{r['dtype']}" for r in rows], fontsize=6)
     ax.set_ylabel("TFLOP/s (2MNK / time)")
     ax.legend(fontsize=7)

@@ -65,8 +65,11 @@ class Row:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(fused_gbps=self.fused_gbps, speedup_vs_unfused=self.unfused_us / self.fused_us,
-                 roof_share=(self.fused_gbps / self.roof_gbps) if self.roof_gbps else None)
+        d.update(
+            fused_gbps=self.fused_gbps,
+            speedup_vs_unfused=self.unfused_us / self.fused_us,
+            roof_share=(self.fused_gbps / self.roof_gbps) if self.roof_gbps else None,
+        )
         return d
 
 
@@ -83,8 +86,9 @@ def compiled_peer(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=True,
-        bias_cols: int = BIAS_COLS) -> list[Row]:
+def run(
+    kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=True, bias_cols: int = BIAS_COLS
+) -> list[Row]:
     time_us = timer(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
     # The copy roof means something on a GPU only; the interpreter's copy is a numpy memcpy.
@@ -100,13 +104,22 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
                 for layout in layouts:
                     ops = make_operands(spec, layout, n, dt, device, bias_cols)
                     args = ops + ((spec.param_default,) if spec.param else ())
-                    fused = lambda: elementwise(spec, *ops)  # noqa: E731
-                    unfused = lambda: spec.reference(*args)  # noqa: E731
-                    torch_add = lambda: torch.add(ops[0], ops[-1])  # noqa: E731
-                    row = Row(spec.name, layout, str(dt).removeprefix("torch."), n,
-                              "x".join(str(s) for s in ops[0].shape),
-                              spec.bytes_fused(*ops).total, spec.bytes_unfused(*ops).total,
-                              time_us(fused), time_us(unfused), time_us(torch_add), roof_gbps=roofs[dt])
+                    fused = lambda: elementwise(spec, *ops)
+                    unfused = lambda: spec.reference(*args)
+                    torch_add = lambda: torch.add(ops[0], ops[-1])
+                    row = Row(
+                        spec.name,
+                        layout,
+                        str(dt).removeprefix("torch."),
+                        n,
+                        "x".join(str(s) for s in ops[0].shape),
+                        spec.bytes_fused(*ops).total,
+                        spec.bytes_unfused(*ops).total,
+                        time_us(fused),
+                        time_us(unfused),
+                        time_us(torch_add),
+                        roof_gbps=roofs[dt],
+                    )
                     if use_compile:
                         compiled = compiled_peer(spec.reference)
                         row.compiled_us = time_us(lambda: compiled(*args))
@@ -122,8 +135,16 @@ def run(kernels, dtypes, sizes, layouts, device, use_compile: bool, progress=Tru
 
 
 #: (M, N, K) of the matmul report: square, tall, an MLP up-projection, and decode-sized M.
-MATMUL_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096), (4096, 11008, 4096),
-                 (512, 4096, 4096), (64, 4096, 4096), (16, 4096, 4096), (1, 4096, 4096))
+MATMUL_SHAPES = (
+    (8192, 8192, 8192),
+    (4096, 4096, 4096),
+    (16384, 4096, 4096),
+    (4096, 11008, 4096),
+    (512, 4096, 4096),
+    (64, 4096, 4096),
+    (16, 4096, 4096),
+    (1, 4096, 4096),
+)
 
 
 #: The interpreter's stand-in: small, odd sizes.
@@ -171,9 +192,11 @@ def run_matmul(dtypes, device, shapes=MATMUL_SHAPES, progress=True) -> list[dict
 
 
 def format_matmul_table(rows: list[dict]) -> str:
-    head = (f"{'M':>6} {'N':>6} {'K':>6} {'dtype':<9} {'fusedkit':>9} {'pointer':>8} {'TMA':>8} {'cuBLASLt':>9} "
-            f"{'addmm+relu':>10} {'bare mm':>8}  {'x LtEpi':>7} {'x addmm':>7} {'x bare':>7}   "
-            f"(TFLOP/s; x = peer time / fusedkit time)")
+    head = (
+        f"{'M':>6} {'N':>6} {'K':>6} {'dtype':<9} {'fusedkit':>9} {'pointer':>8} {'TMA':>8} {'cuBLASLt':>9} "
+        f"{'addmm+relu':>10} {'bare mm':>8}  {'x LtEpi':>7} {'x addmm':>7} {'x bare':>7}   "
+        f"(TFLOP/s; x = peer time / fusedkit time)"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         f = r["fusedkit_us"]
@@ -181,7 +204,8 @@ def format_matmul_table(rows: list[dict]) -> str:
             f"{r['m']:>6} {r['n']:>6} {r['k']:>6} {r['dtype']:<9} {r['fusedkit_tflops']:>9.1f} "
             f"{r['fusedkit_pointer_tflops']:>8.1f} {r['fusedkit_tma_tflops']:>8.1f} "
             f"{r['cublaslt_epilogue_tflops']:>9.1f} {r['addmm_relu_tflops']:>10.1f} {r['matmul_bare_tflops']:>8.1f}  "
-            f"{r['cublaslt_epilogue_us'] / f:>7.2f} {r['addmm_relu_us'] / f:>7.2f} {r['matmul_bare_us'] / f:>7.2f}")
+            f"{r['cublaslt_epilogue_us'] / f:>7.2f} {r['addmm_relu_us'] / f:>7.2f} {r['matmul_bare_us'] / f:>7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -195,17 +219,23 @@ def format_table(rows: list[Row], gpu: bool = True) -> str:
     the saving; the times, labelled, are the interpreter's and PyTorch's CPU kernels'."""
     w = max([len("kernel"), *(len(r.kernel) for r in rows)])  # the kernel column fits the longest name
     if not gpu:
-        head = (f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>8} {'MB fused':>9} {'MB unfused':>10} "
-                f"{'saved':>6} {'interp us':>10} {'torch CPU us':>12}")
+        head = (
+            f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>8} {'MB fused':>9} {'MB unfused':>10} "
+            f"{'saved':>6} {'interp us':>10} {'torch CPU us':>12}"
+        )
         lines = [head, "-" * len(head)]
         for r in rows:
-            lines.append(f"{r.kernel:<{w}} {r.layout:<10} {r.dtype:<8} {r.n:>8} {r.bytes_fused / 1e6:>9.3f} "
-                         f"{r.bytes_unfused / 1e6:>10.3f} {1 - r.bytes_fused / r.bytes_unfused:>6.0%} "
-                         f"{r.fused_us:>10.0f} {r.unfused_us:>12.0f}")
+            lines.append(
+                f"{r.kernel:<{w}} {r.layout:<10} {r.dtype:<8} {r.n:>8} {r.bytes_fused / 1e6:>9.3f} "
+                f"{r.bytes_unfused / 1e6:>10.3f} {1 - r.bytes_fused / r.bytes_unfused:>6.0%} "
+                f"{r.fused_us:>10.0f} {r.unfused_us:>12.0f}"
+            )
         return "\n".join(lines)
-    head = (f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
-            f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'tutor us':>9} {'add us':>9} {'GB/s':>7} "
-            f"{'roof':>5} {'x unfus':>7} {'x compl':>7} {'x tutor':>7}")
+    head = (
+        f"{'kernel':<{w}} {'layout':<10} {'dtype':<8} {'n':>10} {'MB fused':>9} {'MB unfus':>9} "
+        f"{'fused us':>9} {'unfus us':>9} {'compl us':>9} {'tutor us':>9} {'add us':>9} {'GB/s':>7} "
+        f"{'roof':>5} {'x unfus':>7} {'x compl':>7} {'x tutor':>7}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         share = f"{100 * r.fused_gbps / r.roof_gbps:4.0f}%" if r.roof_gbps else "  -"
@@ -216,7 +246,8 @@ def format_table(rows: list[Row], gpu: bool = True) -> str:
             f"{r.bytes_unfused / 1e6:>9.2f} {_fmt(r.fused_us, '9.1f')} {_fmt(r.unfused_us, '9.1f')} "
             f"{_fmt(r.compiled_us, '9.1f')} {_fmt(r.tutorial_us, '9.1f')} {_fmt(r.torch_add_us, '9.1f')} "
             f"{r.fused_gbps:>7.0f} {share:>5} {r.unfused_us / r.fused_us:>7.2f} {_fmt(vs_compiled, '7.2f')} "
-            f"{_fmt(vs_tutorial, '7.2f')}")
+            f"{_fmt(vs_tutorial, '7.2f')}"
+        )
     return "\n".join(lines)
 
 
@@ -225,14 +256,21 @@ def _commit() -> str | None:
     else the checkout's commit (``+dirty`` with uncommitted changes), when fusedkit runs from one."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkit/bench/ -> the checkout
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )  # fusedkit/bench/ -> the checkout
     if os.environ.get("FUSEDKIT_COMMIT") or not os.path.isdir(os.path.join(root, ".git")):
         return os.environ.get("FUSEDKIT_COMMIT")
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+dirty" if dirty else "")) or None
@@ -240,10 +278,17 @@ def _commit() -> str | None:
 
 def environment(device) -> dict:
 
-    env = {"fusedkit": fusedkit.__version__, "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": sys.version.split()[0], "device": str(device),
-           "backend": backend_for(device), "native_launch": settings.current().native_launch,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    env = {
+        "fusedkit": fusedkit.__version__,
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "device": str(device),
+        "backend": backend_for(device),
+        "native_launch": settings.current().native_launch,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     from fusedkit.runtime.matmul import fp32_precision
 
     env["fp32_matmul"] = fp32_precision()  # "tf32" (both sides) where PyTorch allows it, else fusedkit's mode
@@ -252,8 +297,13 @@ def environment(device) -> dict:
         env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
         try:
             import subprocess
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=30).stdout.strip()
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
     return env
@@ -269,8 +319,10 @@ def run_ncu(rows, kernels, dtypes, sizes, layouts, device, env) -> list[dict] | 
     dtype_arg = ",".join(next(k for k, v in DTYPE_NAMES.items() if v == d) for d in dtypes)
 
     def measure(ns, cache_control):
-        return ncu.measure([",".join(k.name for k in kernels), dtype_arg, ",".join(str(n) for n in ns),
-                            ",".join(layouts)], cache_control=cache_control)
+        return ncu.measure(
+            [",".join(k.name for k in kernels), dtype_arg, ",".join(str(n) for n in ns), ",".join(layouts)],
+            cache_control=cache_control,
+        )
 
     l2 = env.get("l2_bytes") or 0
     models = {}
@@ -292,32 +344,49 @@ def run_ncu(rows, kernels, dtypes, sizes, layouts, device, env) -> list[dict] | 
         fits = model_f.total <= l2
         warm_f, warm_u = warm.get(f"{name}|fused"), warm.get(f"{name}|unfused")
         cold_verdict = ncu.verdict(model_f, model_u, fused, unfused, fits)
-        row = dict(case=name, model_fused_read=model_f.read, model_fused_written=model_f.written,
-                   model_unfused_total=model_u.total, ncu_fused_read=fused.read,
-                   ncu_fused_written=fused.written, ncu_unfused_read=unfused.read,
-                   ncu_unfused_written=unfused.written, fused_kernels=len(fused.kernels),
-                   unfused_kernels=len(unfused.kernels), fits_l2=fits, verdict_cold=cold_verdict,
-                   verdict=cold_verdict)
+        row = dict(
+            case=name,
+            model_fused_read=model_f.read,
+            model_fused_written=model_f.written,
+            model_unfused_total=model_u.total,
+            ncu_fused_read=fused.read,
+            ncu_fused_written=fused.written,
+            ncu_unfused_read=unfused.read,
+            ncu_unfused_written=unfused.written,
+            fused_kernels=len(fused.kernels),
+            unfused_kernels=len(unfused.kernels),
+            fits_l2=fits,
+            verdict_cold=cold_verdict,
+            verdict=cold_verdict,
+        )
         if fits and warm_f is not None and warm_u is not None:
-            row.update(ncu_warm_fused_total=warm_f.read + warm_f.written,
-                       ncu_warm_unfused_total=warm_u.read + warm_u.written,
-                       verdict=ncu.warm_verdict(model_f, model_u, warm_f, warm_u))
+            row.update(
+                ncu_warm_fused_total=warm_f.read + warm_f.written,
+                ncu_warm_unfused_total=warm_u.read + warm_u.written,
+                verdict=ncu.warm_verdict(model_f, model_u, warm_f, warm_u),
+            )
         out.append(row)
     print(f"\nDRAM bytes, Nsight Compute (--clock-control none --cache-control {ncu.CACHE_COLD}) beside the model, MB:")
     print(f"{'case':<36} {'model rd':>9} {'ncu rd':>9} {'ncu wr':>9} {'unf model':>9} {'unf ncu':>9}  verdict")
     for t in out:
-        print(f"{t['case']:<36} {t['model_fused_read'] / 1e6:>9.2f} {t['ncu_fused_read'] / 1e6:>9.2f} "
-              f"{t['ncu_fused_written'] / 1e6:>9.2f} {t['model_unfused_total'] / 1e6:>9.2f} "
-              f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:>9.2f}  {t['verdict_cold']}")
+        print(
+            f"{t['case']:<36} {t['model_fused_read'] / 1e6:>9.2f} {t['ncu_fused_read'] / 1e6:>9.2f} "
+            f"{t['ncu_fused_written'] / 1e6:>9.2f} {t['model_unfused_total'] / 1e6:>9.2f} "
+            f"{(t['ncu_unfused_read'] + t['ncu_unfused_written']) / 1e6:>9.2f}  {t['verdict_cold']}"
+        )
     warm_rows = [t for t in out if "ncu_warm_fused_total" in t]
     if warm_rows:
-        print(f"\nThe cases that fit in L2 again, --cache-control {ncu.CACHE_WARM} (inputs warm from the "
-              "warm-up launches), MB moved to or from DRAM:")
+        print(
+            f"\nThe cases that fit in L2 again, --cache-control {ncu.CACHE_WARM} (inputs warm from the "
+            "warm-up launches), MB moved to or from DRAM:"
+        )
         print(f"{'case':<36} {'model':>9} {'ncu warm':>9} {'unf model':>9} {'unf warm':>9}  verdict")
         for t in warm_rows:
-            print(f"{t['case']:<36} {(t['model_fused_read'] + t['model_fused_written']) / 1e6:>9.3f} "
-                  f"{t['ncu_warm_fused_total'] / 1e6:>9.3f} {t['model_unfused_total'] / 1e6:>9.3f} "
-                  f"{t['ncu_warm_unfused_total'] / 1e6:>9.3f}  {t['verdict']}")
+            print(
+                f"{t['case']:<36} {(t['model_fused_read'] + t['model_fused_written']) / 1e6:>9.3f} "
+                f"{t['ncu_warm_fused_total'] / 1e6:>9.3f} {t['model_unfused_total'] / 1e6:>9.3f} "
+                f"{t['ncu_warm_unfused_total'] / 1e6:>9.3f}  {t['verdict']}"
+            )
     return out
 
 
@@ -361,18 +430,25 @@ def run_command(args) -> int:
     env = environment(device)
     if not gpu:
         where = "Triton's interpreter" if INTERPRETED else "PyTorch"
-        print(f"No CUDA GPU: the kernels run in {where} on the CPU. These times check the harness; "
-              "they are NOT GPU times.\n")
+        print(
+            f"No CUDA GPU: the kernels run in {where} on the CPU. These times check the harness; "
+            "they are NOT GPU times.\n"
+        )
 
     if args.backward:
         from . import backward as bb
 
         default = bb.BACKWARD_SIZES if gpu else bb.CPU_BACKWARD_SIZES
         brows = bb.run_backward(dtypes, device, args.sizes or default, use_compile=use_compile)
-        lrows = bb.run_linear_training(dtypes, device,
-                                       bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES)
-        print_report(env, (bb.format_backward_table(brows), bb.format_linear_table(lrows)), args.json,
-                {"backward": brows, "linear_relu_training": lrows})
+        lrows = bb.run_linear_training(
+            dtypes, device, bb.LINEAR_TRAINING_SHAPES if gpu else bb.CPU_LINEAR_TRAINING_SHAPES
+        )
+        print_report(
+            env,
+            (bb.format_backward_table(brows), bb.format_linear_table(lrows)),
+            args.json,
+            {"backward": brows, "linear_relu_training": lrows},
+        )
         return 0
     if args.traffic:
         from .ncu import ncu_available
@@ -388,14 +464,24 @@ def run_command(args) -> int:
         from .models import format_models_table, run_models
 
         results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
-        print_report(env, (format_models_table(results, skipped),), args.json,
-                {"models": [vars(r) for r in results], "skipped": skipped})
+        print_report(
+            env,
+            (format_models_table(results, skipped),),
+            args.json,
+            {"models": [vars(r) for r in results], "skipped": skipped},
+        )
         return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
 
-        result = run_latency(dtypes, device, args.sizes or (LATENCY_SIZES if gpu else CPU_SIZES),
-                             LINEAR_SHAPES if gpu else ((1, 64),), use_compile=use_compile, progress=progress)
+        result = run_latency(
+            dtypes,
+            device,
+            args.sizes or (LATENCY_SIZES if gpu else CPU_SIZES),
+            LINEAR_SHAPES if gpu else ((1, 64),),
+            use_compile=use_compile,
+            progress=progress,
+        )
         print_report(env, (format_latency_table(result),), args.json, result)
         return 0
     if args.matmul:
@@ -407,17 +493,20 @@ def run_command(args) -> int:
 
             print("wrote", plot_matmul(mrows, env, args.plots))
         return 0
-    rows = run(kernels, dtypes, sizes, args.layouts, device, use_compile, progress=progress,
-               bias_cols=args.bias_cols)
+    rows = run(kernels, dtypes, sizes, args.layouts, device, use_compile, progress=progress, bias_cols=args.bias_cols)
     _write_rows(args, env, rows, None)  # the numbers are safe before anything else runs
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     if gpu:
-        print("MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
-              "bandwidth measured now. tutor: a tutorial-style Triton kernel, non-contiguous inputs copied "
-              "first. x unfus / x compl / x tutor: time of the peer / time of fusedkit.")
+        print(
+            "MB: modelled DRAM bytes (read + written). GB/s: fused bytes / fused time. roof: share of the copy "
+            "bandwidth measured now. tutor: a tutorial-style Triton kernel, non-contiguous inputs copied "
+            "first. x unfus / x compl / x tutor: time of the peer / time of fusedkit."
+        )
     else:
-        print("MB: modelled DRAM bytes (read + written); saved: what fusing saves. interp us: fusedkit in "
-              "Triton's interpreter; torch CPU us: the unfused ops on the CPU. Neither is a GPU time.")
+        print(
+            "MB: modelled DRAM bytes (read + written); saved: what fusing saves. interp us: fusedkit in "
+            "Triton's interpreter; torch CPU us: the unfused ops on the CPU. Neither is a GPU time."
+        )
     print(format_table(rows, gpu))
     if args.ncu:
         traffic = run_ncu(rows, kernels, dtypes, sizes, args.layouts, device, env)

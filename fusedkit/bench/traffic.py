@@ -11,7 +11,8 @@ and backward) of a real block:
 
 The block's step runs once outside any range (compiling and tuning), then once under a dispatch
 mode that runs every aten op in an NVTX range ``"<case>/<index>|<op>"`` and records the op's
-modelled bytes (fusedkit's ops are one op each: a dispatch mode sees their registered ops); ``ncu --cache-control all`` (every kernel starts with cold caches,
+modelled bytes (fusedkit's ops are one op each: a dispatch mode sees their registered ops);
+``ncu --cache-control all`` (every kernel starts with cold caches,
 clocks left alone) reads ``dram__bytes_read.sum`` and ``dram__bytes_write.sum`` per range.
 An op reading more than :data:`MIN_BYTES` agrees when its measured DRAM reads are within
 :data:`TOLERANCE` of the modelled reads. Reads, because with cold caches every byte a kernel
@@ -125,9 +126,15 @@ def compare(model_ops: list[dict], measured: dict) -> list[dict]:
     rows = []
     for op in model_ops:
         counters = measured.get(op["range"])
-        row = dict(op, model=op["read"] + op["written"], kernels=0 if counters is None else len(counters.kernels),
-                   dram_read=None, dram_written=None, error=None,
-                   agrees=False if counters is None and op["read"] >= MIN_BYTES else None)
+        row = dict(
+            op,
+            model=op["read"] + op["written"],
+            kernels=0 if counters is None else len(counters.kernels),
+            dram_read=None,
+            dram_written=None,
+            error=None,
+            agrees=False if counters is None and op["read"] >= MIN_BYTES else None,
+        )
         if counters is not None:
             row.update(dram_read=counters.read, dram_written=counters.written, kernel_names=counters.kernels[:3])
             if op["read"]:
@@ -140,43 +147,66 @@ def compare(model_ops: list[dict], measured: dict) -> list[dict]:
 
 def run_traffic(cases=CASES, timeout: int = 1500) -> dict[str, list[dict]]:
     """Run :func:`target` under ncu; per case the rows of :func:`compare`."""
-    cmd = ["ncu", "--clock-control", "none", "--cache-control", "all", "--nvtx", "--csv", "--metrics",
-           ",".join(METRICS), sys.executable, "-m", "fusedkit.bench.traffic", ",".join(cases)]
+    cmd = [
+        "ncu",
+        "--clock-control",
+        "none",
+        "--cache-control",
+        "all",
+        "--nvtx",
+        "--csv",
+        "--metrics",
+        ",".join(METRICS),
+        sys.executable,
+        "-m",
+        "fusedkit.bench.traffic",
+        ",".join(cases),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"ncu failed ({proc.returncode}): {proc.stderr[-2000:]}")
     marked = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     if not marked:
         raise RuntimeError(f"the target printed no result: {proc.stdout[-2000:]}")
-    model = json.loads(marked[-1][len(_MARK):])
+    model = json.loads(marked[-1][len(_MARK) :])
     measured = parse_ncu_csv(proc.stdout)
     return {case: compare(ops, measured) for case, ops in model.items()}
 
 
 def format_traffic(results: dict[str, list[dict]]) -> str:
     """The judged ops of each case (model above MIN_BYTES), then each case's summary line."""
-    lines = [f"Modelled bytes (fusedkit.MemoryCounterMode) against Nsight Compute's DRAM bytes, per op, cold caches; "
-             f"ops reading over {MIN_BYTES / 1e6:.1f} MB judged on their reads at {TOLERANCE:.0%} (writes: what left "
-             "L2 during the kernel)"]
-    head = (f"{'case':<11} {'op':<34} {'model rd MB':>11} {'DRAM rd MB':>10} {'error':>7} {'model wr MB':>11} "
-            f"{'DRAM wr MB':>10}  kernels")
+    lines = [
+        f"Modelled bytes (fusedkit.MemoryCounterMode) against Nsight Compute's DRAM bytes, per op, cold caches; "
+        f"ops reading over {MIN_BYTES / 1e6:.1f} MB judged on their reads at {TOLERANCE:.0%} (writes: what left "
+        "L2 during the kernel)"
+    ]
+    head = (
+        f"{'case':<11} {'op':<34} {'model rd MB':>11} {'DRAM rd MB':>10} {'error':>7} {'model wr MB':>11} "
+        f"{'DRAM wr MB':>10}  kernels"
+    )
     lines += [head, "-" * len(head)]
     summary = []
     for case, rows in results.items():
         judged = [r for r in rows if r["agrees"] is not None]
         for r in judged:
             if r["dram_read"] is None:
-                lines.append(f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {'-':>10} {'-':>7} "
-                             f"{r['written'] / 1e6:>11.2f} {'-':>10}  0  NO KERNEL MEASURED")
+                lines.append(
+                    f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {'-':>10} {'-':>7} "
+                    f"{r['written'] / 1e6:>11.2f} {'-':>10}  0  NO KERNEL MEASURED"
+                )
                 continue
-            lines.append(f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {r['dram_read'] / 1e6:>10.2f} "
-                         f"{100 * r['error']:>6.1f}% {r['written'] / 1e6:>11.2f} {r['dram_written'] / 1e6:>10.2f}  "
-                         f"{r['kernels']}{'' if r['agrees'] else '  DIFFERS'}")
+            lines.append(
+                f"{case:<11} {r['op'][:34]:<34} {r['read'] / 1e6:>11.2f} {r['dram_read'] / 1e6:>10.2f} "
+                f"{100 * r['error']:>6.1f}% {r['written'] / 1e6:>11.2f} {r['dram_written'] / 1e6:>10.2f}  "
+                f"{r['kernels']}{'' if r['agrees'] else '  DIFFERS'}"
+            )
         model_read = sum(r["read"] for r in rows)
         dram_read = sum(r["dram_read"] or 0 for r in rows)
-        summary.append(f"{case}: {sum(r['agrees'] for r in judged)} of {len(judged)} ops reading over "
-                       f"{MIN_BYTES / 1e6:.1f} MB within {TOLERANCE:.0%}; the step's reads: model {model_read / 1e6:.1f} "
-                       f"MB, DRAM {dram_read / 1e6:.1f} MB ({len(rows)} ops)")
+        summary.append(
+            f"{case}: {sum(r['agrees'] for r in judged)} of {len(judged)} ops reading over "
+            f"{MIN_BYTES / 1e6:.1f} MB within {TOLERANCE:.0%}; the step's reads: model {model_read / 1e6:.1f} "
+            f"MB, DRAM {dram_read / 1e6:.1f} MB ({len(rows)} ops)"
+        )
     return "\n".join(lines + [""] + summary)
 
 

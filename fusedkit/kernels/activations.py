@@ -255,6 +255,7 @@ def silu_grad_math(grad, pre):
 
 # --- Gates and bias + GELU (the registry's silu_mul, gelu_mul, add_gelu, their gradients) ---
 
+
 @triton.jit
 def silu_mul_math(a, b):
     """Registry math of ``silu_mul``: ``silu(a) * b``, the SwiGLU gate."""

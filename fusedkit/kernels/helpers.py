@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 
-
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` (a ``@triton.jit`` object) was built for Triton's interpreter:
     Triton decides this once, when the decorator runs (``TRITON_INTERPRET=1`` then), so the
@@ -85,8 +84,23 @@ def batch_index(batch, size1, size2, size3):
 
 
 @triton.jit
-def strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
-                    UNIT_R: tl.constexpr, UNIT_C: tl.constexpr, INT64: tl.constexpr):
+def strided_offsets(
+    i0,
+    i1,
+    i2,
+    i3,
+    rows,
+    cols,
+    s0,
+    s1,
+    s2,
+    s3,
+    s_r,
+    s_c,
+    UNIT_R: tl.constexpr,
+    UNIT_C: tl.constexpr,
+    INT64: tl.constexpr,
+):
     """Element offsets of one operand's tile, read through its strides.
 
     Broadcast dims carry stride 0. ``UNIT_R`` / ``UNIT_C`` say that the row or
@@ -94,8 +108,7 @@ def strided_offsets(i0, i1, i2, i3, rows, cols, s0, s1, s2, s3, s_r, s_c,
     wide, coalesced loads along that axis (a transposed operand has ``UNIT_R``).
     """
     if INT64:
-        base = (i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1
-                + i2.to(tl.int64) * s2 + i3.to(tl.int64) * s3)
+        base = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2 + i3.to(tl.int64) * s3
     else:
         base = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
     if UNIT_R:
@@ -233,8 +246,9 @@ TF32_ROUND_ASM = tl.constexpr("cvt.rna.satfinite.tf32.f32 $0, $1;")
 @triton.jit
 def _float32_asm(ASM: tl.constexpr, x):
     """The one-operand float32 instruction ``ASM`` on each element of ``x``."""
-    return tl.inline_asm_elementwise(ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
-                                     pack=1).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        ASM, "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
+    ).to(tl.float32, bitcast=True)
 
 
 @triton.jit

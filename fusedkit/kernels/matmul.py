@@ -28,8 +28,22 @@ def epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVA
 
 
 @triton.jit
-def _store(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
-           HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr):
+def _store(
+    acc,
+    rows,
+    cols,
+    mask,
+    c_ptr,
+    bias_ptr,
+    pre_ptr,
+    N,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+):
     """The epilogue, then the pre-activation (when kept) and the result stored through pointers."""
     pre, out = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
     c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -41,13 +55,37 @@ def _store(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride
 
 @triton.jit
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr,
-    M, N, K, M_BUCKET,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    pre_ptr,
+    ws_ptr,
+    arrivals_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr,
+    EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
 ):
     pid_m, pid_n = helpers.grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -97,8 +135,22 @@ def matmul_kernel(
 
     mask = row_ok & col_ok
     if SPLIT_K == 1:
-        _store(acc, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
-               HAS_BIAS, ACTIVATION, STORE_PRE)
+        _store(
+            acc,
+            rows,
+            cols,
+            mask,
+            c_ptr,
+            bias_ptr,
+            pre_ptr,
+            N,
+            stride_cm,
+            stride_cn,
+            stride_bias,
+            HAS_BIAS,
+            ACTIVATION,
+            STORE_PRE,
+        )
     else:
         # Each split writes its partial tile to the (SPLIT_K, M, N) workspace and counts
         # itself in; the last to arrive sums the partials in split order (so the result
@@ -113,7 +165,19 @@ def matmul_kernel(
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(arrivals_ptr + tl.program_id(0), 0)
-            _store(total, rows, cols, mask, c_ptr, bias_ptr, pre_ptr, N, stride_cm, stride_cn, stride_bias,
-                   HAS_BIAS, ACTIVATION, STORE_PRE)
-
-
+            _store(
+                total,
+                rows,
+                cols,
+                mask,
+                c_ptr,
+                bias_ptr,
+                pre_ptr,
+                N,
+                stride_cm,
+                stride_cn,
+                stride_bias,
+                HAS_BIAS,
+                ACTIVATION,
+                STORE_PRE,
+            )

@@ -46,12 +46,28 @@ def _store_tile(desc, acc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.cons
 
 @triton.jit
 def matmul_tma_kernel(
-    a_desc, b_desc, c_desc, pre_desc, bias_ptr,
-    M, N, K, M_BUCKET, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, A_MMAJOR: tl.constexpr,
+    a_desc,
+    b_desc,
+    c_desc,
+    pre_desc,
+    bias_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    A_MMAJOR: tl.constexpr,
     B_KMAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -60,8 +76,7 @@ def matmul_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     # The transposed product (module docstring); ``runtime.matmul_tma.transposed_product``
     # asks the same on the host.
-    TRANSPOSE: tl.constexpr = (a_desc.dtype == tl.float32 and INPUT_PRECISION != "ieee"
-                               and not A_MMAJOR and not B_KMAJOR)
+    TRANSPOSE: tl.constexpr = a_desc.dtype == tl.float32 and INPUT_PRECISION != "ieee" and not A_MMAJOR and not B_KMAJOR
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = helpers.grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -96,4 +111,3 @@ def matmul_tma_kernel(
         if STORE_PRE:
             _store_tile(pre_desc, pre, off_m, off_n, BLOCK_N, SUBTILE)
         _store_tile(c_desc, out, off_m, off_n, BLOCK_N, SUBTILE)
-

@@ -25,8 +25,12 @@ from .matmul import launch_config as matmul_config
 HOPPER = GPUTarget("cuda", 90, 32)
 
 _TRITON_TYPE = {
-    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int32: "i32", torch.int64: "i64",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
 }
 #: Divisibility that Triton's launcher specialises pointers and integers on.
 ALIGNMENT = 16
@@ -50,10 +54,15 @@ def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_st
     # arguments.
     fixed = {p.name for p in kernel.params if p.do_not_specialize}
     backend = make_backend(target)
-    attrs = {(i,): backend.parse_attr("D") for i, (name, value) in enumerate(zip(names, args))
-             if name not in fixed and ((isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
-                                       or (isinstance(value, int) and not isinstance(value, bool)
-                                           and value % ALIGNMENT == 0))}
+    attrs = {
+        (i,): backend.parse_attr("D")
+        for i, (name, value) in enumerate(zip(names, args))
+        if name not in fixed
+        and (
+            (isinstance(value, torch.Tensor) and value.data_ptr() % ALIGNMENT == 0)
+            or (isinstance(value, int) and not isinstance(value, bool) and value % ALIGNMENT == 0)
+        )
+    }
     # Integers equal to 1 are compile-time constants at launch too (unless not specialised).
     constexprs = dict(meta)
     for name, value in zip(names, args):
@@ -68,18 +77,37 @@ def _compile(kernel, args, meta: dict, num_warps: int, target: GPUTarget, num_st
     return triton.compile(source, target=target, options=options)
 
 
-def compile_matmul(a: torch.Tensor, b: torch.Tensor, bias, activation, out: torch.Tensor,
-                   tile: dict, num_warps: int = 4, num_stages: int = 3, target: GPUTarget = HOPPER):
+def compile_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias,
+    activation,
+    out: torch.Tensor,
+    tile: dict,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    target: GPUTarget = HOPPER,
+):
     """Compile the matmul launch for ``out = act(a @ b + bias)`` with one tile config (meta tensors work)."""
     args, meta = matmul_config(a, b, bias, activation, out)
     meta = {**meta, "SPLIT_K": 1, **tile, "EVEN_K": a.shape[1] % tile["BLOCK_K"] == 0}  # SPLIT_K: the kernel's default
     return _compile(matmul_kernel, args, meta, num_warps, target, num_stages)
 
 
-def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stages: int, *, a_mmajor: bool = False,
-                       b_kmajor: bool = True,
-                       has_bias: bool = True, activation: str | None = "relu", store_pre: bool = False,
-                       precision: str | None = None, target: GPUTarget = HOPPER):
+def compile_matmul_tma(
+    dtype: torch.dtype,
+    tile: dict,
+    num_warps: int,
+    num_stages: int,
+    *,
+    a_mmajor: bool = False,
+    b_kmajor: bool = True,
+    has_bias: bool = True,
+    activation: str | None = "relu",
+    store_pre: bool = False,
+    precision: str | None = None,
+    target: GPUTarget = HOPPER,
+):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
     carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
     precision (default "tf32" for float32, else "ieee")."""
@@ -89,21 +117,43 @@ def compile_matmul_tma(dtype: torch.dtype, tile: dict, num_warps: int, num_stage
     a_block = [bk, bm] if a_mmajor else [bm, bk]
     b_block = [bn, bk] if b_kmajor else [bk, bn]
     signature = {
-        "a_desc": f"tensordesc<{ty}{a_block}>", "b_desc": f"tensordesc<{ty}{b_block}>",
-        "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>", "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
-        "bias_ptr": "*" + ty, "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_bias": "i32",
+        "a_desc": f"tensordesc<{ty}{a_block}>",
+        "b_desc": f"tensordesc<{ty}{b_block}>",
+        "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
+        "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
+        "bias_ptr": "*" + ty,
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "M_BUCKET": "i32",
+        "stride_bias": "i32",
     }
-    constexprs = dict(HAS_BIAS=has_bias, ACTIVATION=activations.ACTIVATIONS[activation], STORE_PRE=store_pre,
-                      A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),
-                      UPCAST_OPERANDS=False, NUM_SMS=132, **tile)
+    constexprs = dict(
+        HAS_BIAS=has_bias,
+        ACTIVATION=activations.ACTIVATIONS[activation],
+        STORE_PRE=store_pre,
+        A_MMAJOR=a_mmajor,
+        B_KMAJOR=b_kmajor,
+        INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),
+        UPCAST_OPERANDS=False,
+        NUM_SMS=132,
+        **tile,
+    )
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(matmul_tma_kernel, signature, constexprs=constexprs, attrs={})
-    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages,
-                                                                  **COMPILER_OPTIONS})
+    return triton.compile(
+        source, target=target, options={"num_warps": num_warps, "num_stages": num_stages, **COMPILER_OPTIONS}
+    )
 
 
-def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.Tensor, param=1,
-                        target: GPUTarget = HOPPER, out2: torch.Tensor | None = None):
+def compile_elementwise(
+    kernel: ElementwiseKernel,
+    operands: tuple,
+    out: torch.Tensor,
+    param=1,
+    target: GPUTarget = HOPPER,
+    out2: torch.Tensor | None = None,
+):
     """Compile the launch ``elementwise(kernel, *operands, out=out)`` would make (``out2``: a
     two-output kernel's second result, as ``run_pair`` passes it).
 
@@ -116,4 +166,3 @@ def compile_elementwise(kernel: ElementwiseKernel, operands: tuple, out: torch.T
     for name in COMPILER_OPTIONS:  # given to _compile as options, not constants
         meta.pop(name)
     return _compile(elementwise_kernel, args, meta, num_warps, target)
-

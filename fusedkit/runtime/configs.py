@@ -74,14 +74,27 @@ MATMUL_MAX_M_BUCKET = 8192
 #: Autotune tiles for M buckets above SMALL_M_BUCKET, as (BLOCK_M, BLOCK_N, BLOCK_K,
 #: stages, warps): big square-ish tiles with 3-4 stages feed wgmma; the last fits fp64
 #: operands in shared memory when the others do not (the autotuner skips configs that fail).
-MATMUL_LARGE_M_TILES = ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-                        (64, 256, 64, 4, 4), (64, 128, 128, 3, 4), (64, 64, 128, 4, 4), (64, 64, 32, 2, 4))
+MATMUL_LARGE_M_TILES = (
+    (128, 256, 64, 3, 8),
+    (256, 128, 64, 3, 8),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 4, 4),
+    (64, 128, 128, 3, 4),
+    (64, 64, 128, 4, 4),
+    (64, 64, 32, 2, 4),
+)
 #: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
 #: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
 #: keep each program's loads in flight. The last fits fp64. No 64-row tiles: with them
 #: M = 64, N = K = 4096 bf16 ran 81.6 TFLOP/s against 93.9 without (H200).
-MATMUL_DECODE_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (32, 64, 128, 4, 4), (16, 128, 128, 4, 4),
-                       (16, 32, 32, 2, 4))
+MATMUL_DECODE_TILES = (
+    (16, 32, 256, 4, 4),
+    (16, 64, 256, 4, 4),
+    (32, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 32, 32, 2, 4),
+)
 #: Exact fp32 (TF32 off) and fp64 at decode-sized M: ``tl.dot`` without tensor cores is
 #: an FMA loop over at least 16 rows; these tiles multiply and sum over K instead
 #: (``DOT=False``), with as few rows as M needs. Same tuple layout.
@@ -89,8 +102,15 @@ MATMUL_DECODE_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (32, 64, 128, 4
 #: into a TF32 ``tl.dot``. The narrow 1-row tiles give N = 4096 128 or 256 programs for
 #: 132 SMs (a 64-wide one gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 takes
 #: 20.2 us against cuBLAS's 26.6 (H200).
-MATMUL_REDUCE_TILES = ((1, 64, 128, 3, 4), (1, 128, 64, 3, 4), (1, 32, 256, 3, 4), (1, 16, 512, 3, 4),
-                       (2, 64, 64, 3, 4), (4, 64, 64, 3, 4), (8, 32, 64, 3, 4))
+MATMUL_REDUCE_TILES = (
+    (1, 64, 128, 3, 4),
+    (1, 128, 64, 3, 4),
+    (1, 32, 256, 3, 4),
+    (1, 16, 512, 3, 4),
+    (2, 64, 64, 3, 4),
+    (4, 64, 64, 3, 4),
+    (8, 32, 64, 3, 4),
+)
 #: M buckets at or below this tune over the decode-sized tiles; larger M over the
 #: others, so neither pays for compiling the rest.
 SMALL_M_BUCKET = 64
@@ -101,13 +121,23 @@ SMALL_M_BUCKET = 64
 #: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs. Decode-sized M; the
 #: last, 64 x 128 x 128 with 8 warps, takes 20.4 us there against 21.3 for the best tile
 #: without it (H200):
-MATMUL_SPLIT_K_TILES = ((16, 64, 128, 4, 4, 4), (32, 64, 128, 4, 4, 4), (64, 64, 64, 4, 4, 4),
-                        (64, 128, 64, 4, 4, 4), (64, 64, 128, 3, 4, 2), (64, 128, 128, 3, 8, 4))
+MATMUL_SPLIT_K_TILES = (
+    (16, 64, 128, 4, 4, 4),
+    (32, 64, 128, 4, 4, 4),
+    (64, 64, 64, 4, 4, 4),
+    (64, 128, 64, 4, 4, 4),
+    (64, 64, 128, 3, 4, 2),
+    (64, 128, 128, 3, 8, 4),
+)
 #: Exact fp32 / fp64 (``ieee``) at M buckets of 32 and 64: tall FMA tiles split over K, so the
 #: CUDA cores get 4 to 8 times the warps: at M = 64, N = K = 4096 160 us with 4 splits against
 #: 310 unsplit (H200). (The same tiles unsplit were no faster than the decode tiles: not kept.)
-MATMUL_EXACT_SPLIT_K_TILES = ((64, 32, 32, 3, 4, 4), (64, 32, 32, 3, 4, 8), (64, 64, 32, 3, 8, 4),
-                              (32, 32, 64, 3, 4, 4))
+MATMUL_EXACT_SPLIT_K_TILES = (
+    (64, 32, 32, 3, 4, 4),
+    (64, 32, 32, 3, 4, 8),
+    (64, 64, 32, 3, 8, 4),
+    (32, 32, 64, 3, 4, 4),
+)
 #: The smallest M bucket that tunes over ``MATMUL_EXACT_SPLIT_K_TILES``.
 EXACT_TALL_M_BUCKET = 32
 #: M buckets above SMALL_M_BUCKET up to this one also try split-K large tiles (M = 512,
@@ -121,24 +151,35 @@ MATMUL_MID_M_SPLIT_K_TILES = ((128, 128, 64, 4, 8, 2), (128, 256, 64, 3, 8, 2), 
 #: shared memory in the tf32x3 mode (checked at compile time: ``tests/test_codegen.py``);
 #: with them the matmul report's fp32 M = 512 (row-major ``b``) runs 39.7 TFLOP/s against
 #: 26.8 without (H200).
-MATMUL_FP32_TILES = ((128, 128, 32, 3, 8, 1), (128, 128, 32, 4, 8, 1), (128, 128, 32, 3, 8, 2),
-                     (64, 128, 32, 4, 4, 1), (128, 64, 32, 4, 4, 1), (64, 256, 32, 3, 8, 1))
+MATMUL_FP32_TILES = (
+    (128, 128, 32, 3, 8, 1),
+    (128, 128, 32, 4, 8, 1),
+    (128, 128, 32, 3, 8, 2),
+    (64, 128, 32, 4, 4, 1),
+    (128, 64, 32, 4, 4, 1),
+    (64, 256, 32, 3, 8, 1),
+)
 #: Largest split-K workspace (SPLIT_K x M x N accumulators) a config may need; configs
 #: above it are not tried. Like cuBLAS's workspace, it is kept per device and stream.
 SPLIT_K_WORKSPACE_BYTES = 32 * 2**20
 _SPLIT_TILES = MATMUL_SPLIT_K_TILES + MATMUL_EXACT_SPLIT_K_TILES + MATMUL_MID_M_SPLIT_K_TILES
 #: The smallest (BLOCK_M, BLOCK_N) of any tile that may run split-K (the interpreter's too,
 #: which tests split): sizes the arrival counters, one per output tile.
-SPLIT_K_MIN_TILE = tuple(min([t[i] for t in _SPLIT_TILES + MATMUL_FP32_TILES if t[5] > 1] + [MATMUL_INTERPRETER_TILE[k]])
-                         for i, k in ((0, "BLOCK_M"), (1, "BLOCK_N")))
+SPLIT_K_MIN_TILE = tuple(
+    min([t[i] for t in _SPLIT_TILES + MATMUL_FP32_TILES if t[5] > 1] + [MATMUL_INTERPRETER_TILE[k]])
+    for i, k in ((0, "BLOCK_M"), (1, "BLOCK_N"))
+)
 
 
 def _config(tile, dot: bool = True):
     from triton import Config
 
     bm, bn, bk, stages, warps, *split = tile
-    return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=dot,
-                       SPLIT_K=split[0] if split else 1), num_stages=stages, num_warps=warps)
+    return Config(
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, DOT=dot, SPLIT_K=split[0] if split else 1),
+        num_stages=stages,
+        num_warps=warps,
+    )
 
 
 def tile_of(config) -> tuple:
@@ -175,7 +216,7 @@ def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[s
         fp32 = tuple(t for t in MATMUL_FP32_TILES if mid or t[5] == 1) if dtype == torch.float32 else ()
         return _with_split(MATMUL_LARGE_M_TILES + split + fp32), set()
     reduce = MATMUL_REDUCE_TILES if reduce_tiles_apply(precision, dtype) else ()
-    tall = (precision == "ieee" and dtype in (torch.float32, torch.float64) and bucket >= EXACT_TALL_M_BUCKET)
+    tall = precision == "ieee" and dtype in (torch.float32, torch.float64) and bucket >= EXACT_TALL_M_BUCKET
     dot_tiles = MATMUL_DECODE_TILES + MATMUL_SPLIT_K_TILES + (MATMUL_EXACT_SPLIT_K_TILES if tall else ())
     return _with_split(dot_tiles), _with_split(reduce)
 
@@ -195,15 +236,20 @@ def matmul_split_k_max(bucket: int, precision: str, dtype: torch.dtype, m: int, 
 def prune_matmul_configs(configs, named_args, INPUT_PRECISION="ieee", **kwargs):
     """Autotune pre-filter: for small M the decode-sized tiles, plus, when the operands are
     fp32 / fp64 without TF32, the multiply-and-sum tiles (``reduce_tiles_apply``) and, for IEEE
-    ones from ``EXACT_TALL_M_BUCKET`` rows, the tall split FMA tiles; the large-M tiles otherwise; split-K tiles with each set where the launch passes a workspace and it fits."""
+    ones from ``EXACT_TALL_M_BUCKET`` rows, the tall split FMA tiles; the large-M tiles otherwise;
+    split-K tiles with each set where the launch passes a workspace and it fits."""
     a = named_args["a_ptr"]
     dot_tiles, reduce_tiles = _candidate_tiles(named_args["M_BUCKET"], INPUT_PRECISION, a.dtype)
     acc_bytes = 8 if a.dtype == torch.float64 else 4
     m, n = named_args.get("M", 1), named_args.get("N", 1)
     # A launch without a workspace passes the output in its place.
     has_ws = named_args.get("ws_ptr") is not None and named_args.get("ws_ptr") is not named_args.get("c_ptr")
-    kept = [c for c in configs if tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)
-            and (c.kwargs["SPLIT_K"] == 1 or has_ws and split_k_fits(c.kwargs["SPLIT_K"], m, n, acc_bytes))]
+    kept = [
+        c
+        for c in configs
+        if tile_of(c) in (dot_tiles if c.kwargs["DOT"] else reduce_tiles)
+        and (c.kwargs["SPLIT_K"] == 1 or has_ws and split_k_fits(c.kwargs["SPLIT_K"], m, n, acc_bytes))
+    ]
     return kept or configs
 
 
@@ -303,8 +349,12 @@ def tf32_copies_b(m: int) -> bool:
 #: would take 240 KiB in the transposed TF32 product, over the 227 available). With them
 #: ``a @ b`` with TF32 on a K-major ``b`` runs 364.6 TFLOP/s at M = 1024 against 288.3
 #: without (H200).
-TMA_FP32_TILES = ((64, 64, 32, 5, 4, False), (128, 128, 32, 5, 8, True), (128, 256, 32, 3, 8, True),
-                  (64, 256, 32, 4, 4, True))
+TMA_FP32_TILES = (
+    (64, 64, 32, 5, 4, False),
+    (128, 128, 32, 5, 8, True),
+    (128, 256, 32, 3, 8, True),
+    (64, 256, 32, 4, 4, True),
+)
 
 
 def matmul_tma_configs(pre_hook=None):
@@ -314,8 +364,12 @@ def matmul_tma_configs(pre_hook=None):
     from triton import Config
 
     def cfg(bm, bn, bk, stages, warps, subtile):
-        return Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, SUBTILE=subtile),
-                      num_stages=stages, num_warps=warps, pre_hook=pre_hook)
+        return Config(
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, SUBTILE=subtile),
+            num_stages=stages,
+            num_warps=warps,
+            pre_hook=pre_hook,
+        )
 
     return [
         cfg(128, 256, 64, 3, 8, True),
@@ -361,8 +415,11 @@ def prune_tma_configs(configs, named_args, **kwargs):
     which would otherwise each be compiled only to fail, and fp32's own tiles
     (``TMA_FP32_TILES``) for narrower operands."""
     size = named_args["a_desc"].base.element_size()
-    return [c for c in configs if tma_stage_bytes(c, size) <= HOPPER_SMEM_BYTES
-            and (size >= 4 or tma_tile_of(c) not in TMA_FP32_TILES)] or configs
+    return [
+        c
+        for c in configs
+        if tma_stage_bytes(c, size) <= HOPPER_SMEM_BYTES and (size >= 4 or tma_tile_of(c) not in TMA_FP32_TILES)
+    ] or configs
 
 
 #: K step of the fixed TMA config, in bytes: one 128-byte swizzle span per row.
@@ -371,8 +428,9 @@ TMA_K_BYTES = 128
 
 def matmul_tma_fixed_tile(element_size: int) -> dict:
     """Fixed config of the TMA kernel (FUSEDKIT_AUTOTUNE=0) for operands of ``element_size`` bytes."""
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=TMA_K_BYTES // element_size, GROUP_M=MATMUL_GROUP_M,
-                SUBTILE=element_size > 2)
+    return dict(
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=TMA_K_BYTES // element_size, GROUP_M=MATMUL_GROUP_M, SUBTILE=element_size > 2
+    )
 
 
 MATMUL_TMA_FIXED_OPTIONS = dict(num_warps=8, num_stages=3)

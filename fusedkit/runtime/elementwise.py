@@ -27,21 +27,51 @@ import torch
 import triton.language as tl
 
 from ..errors import (
-    ArgumentError, DeviceError, DTypeError, FusedkitError, NotDifferentiableError, OverlapError, ScalarOverflowError,
-    ShapeError, SignatureError,
+    ArgumentError,
+    DeviceError,
+    DTypeError,
+    FusedkitError,
+    NotDifferentiableError,
+    OverlapError,
+    ScalarOverflowError,
+    ShapeError,
+    SignatureError,
 )
 from ..kernels.elementwise import POINTER_ARGS, elementwise_kernel
 from ..registry import ElementwiseKernel, result_dtype
 from . import launch, native
 from .configs import COMPILER_OPTIONS
 from .layout import (
-    TooManyDims, broadcast_shape, broadcast_strides, is_dense_permutation, may_self_overlap, output_strides,
-    plan_elementwise, span_bytes,
+    TooManyDims,
+    broadcast_shape,
+    broadcast_strides,
+    is_dense_permutation,
+    may_self_overlap,
+    output_strides,
+    plan_elementwise,
+    span_bytes,
 )
 
-__all__ = ["BACKENDS", "Call", "KEPT", "KeptLaunch", "NEEDS_GRAD", "allocate_out", "backend_for", "call_key",
-           "check_arity", "kept_launch", "launch_config", "launch_elementwise", "remember", "run", "run_kept",
-           "run_pair", "run_validated", "validate"]
+__all__ = [
+    "BACKENDS",
+    "Call",
+    "KEPT",
+    "KeptLaunch",
+    "NEEDS_GRAD",
+    "allocate_out",
+    "backend_for",
+    "call_key",
+    "check_arity",
+    "kept_launch",
+    "launch_config",
+    "launch_elementwise",
+    "remember",
+    "run",
+    "run_kept",
+    "run_pair",
+    "run_validated",
+    "validate",
+]
 
 #: Where a call can run: compiled Triton on a GPU, Triton's interpreter on the
 #: host (``TRITON_INTERPRET=1``), or the registry's PyTorch reference.
@@ -107,8 +137,12 @@ def scalar_bits(value, dtype: torch.dtype, what: str) -> int:
     computation is rounded to float32 here, once, as torch converts an int64 (through
     float64 it would round twice)."""
     if dtype.is_floating_point:
-        if (type(value) is not float and isinstance(value, numbers.Integral) and abs(int(value)) >= _F64_EXACT
-                and dtype != torch.float64):
+        if (
+            type(value) is not float
+            and isinstance(value, numbers.Integral)
+            and abs(int(value)) >= _F64_EXACT
+            and dtype != torch.float64
+        ):
             value = _int_to_float32(int(value))  # (numpy ints too)
         return struct.unpack("<q", struct.pack("<d", float(value)))[0]
     value = int(value)
@@ -158,23 +192,29 @@ _SYMBOLIC = (torch.SymInt, torch.SymFloat)
 def _check_scalar_int(kernel: ElementwiseKernel, what: str, value) -> None:
     """An int operand or parameter must fit a torch Scalar: an int64, or a uint64 above it."""
     if isinstance(value, numbers.Integral) and not _INT64_MIN <= value < _SCALAR_INT_END:
-        raise ScalarOverflowError(f"{kernel.name}(): {what}={value} is too big for a torch Scalar "
-                                  "(an int64 or a uint64)")
+        raise ScalarOverflowError(
+            f"{kernel.name}(): {what}={value} is too big for a torch Scalar (an int64 or a uint64)"
+        )
 
 
 def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
     if isinstance(value, torch.Tensor):
         if value.is_complex():
-            raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value.dtype}); fusedkit takes real dtypes")
+            raise DTypeError(
+                f"{kernel.name}(): argument '{name}' is complex ({value.dtype}); fusedkit takes real dtypes"
+            )
         if value.dtype not in kernel.dtypes:
-            raise DTypeError(f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; "
-                             f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
+            raise DTypeError(
+                f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; "
+                f"supported: {', '.join(str(d) for d in kernel.dtypes)}"
+            )
         return
     if isinstance(value, _SYMBOLIC):
         return  # a traced number (torch.compile with dynamic shapes): its value is checked when it runs
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
-        raise DTypeError(f"{kernel.name}(): argument '{name}' must be a Tensor or a real number, "
-                         f"got {type(value).__name__}")
+        raise DTypeError(
+            f"{kernel.name}(): argument '{name}' must be a Tensor or a real number, got {type(value).__name__}"
+        )
     if not isinstance(value, numbers.Real):
         raise DTypeError(f"{kernel.name}(): argument '{name}' is complex ({value!r}); fusedkit takes real numbers")
     _check_scalar_int(kernel, f"argument '{name}'", value)
@@ -182,16 +222,22 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
 
 def check_arity(kernel: ElementwiseKernel, operands: tuple) -> None:
     if len(operands) != kernel.arity:
-        raise SignatureError(f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), "
-                        f"got {len(operands)}")
+        raise SignatureError(
+            f"{kernel.name}() takes {kernel.arity} operands ({', '.join(kernel.arg_names)}), got {len(operands)}"
+        )
 
 
 def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: int = 1) -> Call:
     """``outputs``: the results the caller takes (2: :func:`run_pair`)."""
     if kernel.outputs != outputs:
-        raise ArgumentError(f"{kernel.name} gives {kernel.outputs} result(s): "
-                            + ("run it with fusedkit.runtime.elementwise.run_pair" if kernel.outputs == 2
-                               else "run_pair takes a two-output kernel"))
+        raise ArgumentError(
+            f"{kernel.name} gives {kernel.outputs} result(s): "
+            + (
+                "run it with fusedkit.runtime.elementwise.run_pair"
+                if kernel.outputs == 2
+                else "run_pair takes a two-output kernel"
+            )
+        )
     check_arity(kernel, operands)
     for name, value in zip(kernel.arg_names, operands):
         _check_operand(kernel, name, value)
@@ -204,8 +250,10 @@ def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: in
     device = (ranked or tensors)[0][1].device
     for n, t in ranked:
         if t.device != device:
-            raise DeviceError(f"{kernel.name}(): argument '{n}' is on {t.device}, but "
-                              f"'{ranked[0][0]}' is on {device}; move them to one device")
+            raise DeviceError(
+                f"{kernel.name}(): argument '{n}' is on {t.device}, but "
+                f"'{ranked[0][0]}' is on {device}; move them to one device"
+            )
 
     shape = broadcast_shape([t.shape for _, t in tensors])
     if shape is None:
@@ -216,11 +264,15 @@ def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: in
     dtype = result_dtype(operands)
     if not dtype.is_floating_point and any(isinstance(v, numbers.Integral) and v > _INT64_MAX for v in operands):
         # torch would wrap a uint64 operand of an integer result around; a float result takes it.
-        raise ScalarOverflowError(f"{kernel.name}(): an int operand beyond int64 cannot join an integral "
-                                  f"({dtype}) result without wrapping around")
+        raise ScalarOverflowError(
+            f"{kernel.name}(): an int operand beyond int64 cannot join an integral "
+            f"({dtype}) result without wrapping around"
+        )
     if dtype not in kernel.dtypes:
-        raise DTypeError(f"{kernel.name}(): result dtype {dtype} is not supported; "
-                         f"supported: {', '.join(str(d) for d in kernel.dtypes)}")
+        raise DTypeError(
+            f"{kernel.name}(): result dtype {dtype} is not supported; "
+            f"supported: {', '.join(str(d) for d in kernel.dtypes)}"
+        )
 
     if kernel.param is not None:
         _check_param(kernel, param, dtype)
@@ -230,12 +282,14 @@ def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: in
     if out is not None:
         direct = _check_out(kernel, out, shape, dtype, device, tensors)
         if grad_inputs or (torch.is_grad_enabled() and out.requires_grad):
-            raise FusedkitError(f"{kernel.name}(): out= does not support automatic differentiation, "
-                                "but an argument requires grad")
+            raise FusedkitError(
+                f"{kernel.name}(): out= does not support automatic differentiation, but an argument requires grad"
+            )
     elif grad_inputs and kernel.backward is None:
         raise NotDifferentiableError(
             f"{kernel.name}(): this kernel declares no backward; call it under torch.no_grad(), or use "
-            f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version")
+            f"fusedkit.registry.get({kernel.name!r}).reference for a differentiable PyTorch version"
+        )
     return Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
 
 
@@ -249,14 +303,15 @@ def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
     _check_scalar_int(kernel, kernel.param, param)
     if not dtype.is_floating_point:
         if not isinstance(param, numbers.Integral):
-            raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, "
-                             f"got {param!r}")
+            raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, got {param!r}")
         if not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
             raise ArgumentError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
     elif math.isfinite(value := float(param)) and abs(value) > _COMPUTE_MAX[dtype]:
-        raise ArgumentError(f"{kernel.name}(): {kernel.param}={param!r} cannot be converted to the "
-                            f"{dtype} computation's {'float64' if dtype == torch.float64 else 'float32'} "
-                            "without overflow")
+        raise ArgumentError(
+            f"{kernel.name}(): {kernel.param}={param!r} cannot be converted to the "
+            f"{dtype} computation's {'float64' if dtype == torch.float64 else 'float32'} "
+            "without overflow"
+        )
 
 
 def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
@@ -269,19 +324,20 @@ def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
     if out.device != device:
         raise DeviceError(f"{kernel.name}(): out is on {out.device}, but the inputs are on {device}")
     if not torch.can_cast(dtype, out.dtype):
-        raise DTypeError(f"{kernel.name}(): result type {dtype} can't be cast to the desired output type "
-                         f"{out.dtype}")
+        raise DTypeError(f"{kernel.name}(): result type {dtype} can't be cast to the desired output type {out.dtype}")
     if out.shape != shape:
-        raise ShapeError(f"{kernel.name}(): out has shape {tuple(out.shape)}, but the result has "
-                         f"shape {tuple(shape)}")
+        raise ShapeError(f"{kernel.name}(): out has shape {tuple(out.shape)}, but the result has shape {tuple(shape)}")
     if out.is_inference() and not torch.is_inference_mode_enabled():
-        raise FusedkitError(f"{kernel.name}(): out is an inference tensor; writing it outside InferenceMode "
-                            "is not allowed (as for torch's in-place ops)")
+        raise FusedkitError(
+            f"{kernel.name}(): out is an inference tensor; writing it outside InferenceMode "
+            "is not allowed (as for torch's in-place ops)"
+        )
     if out.numel() == 0:
         return True
     if may_self_overlap(out.shape, out.stride()):
-        raise OverlapError(f"{kernel.name}(): out has elements that share memory (an expanded view?); "
-                           "writing it would be ambiguous")
+        raise OverlapError(
+            f"{kernel.name}(): out has elements that share memory (an expanded view?); writing it would be ambiguous"
+        )
     direct = not out.is_neg() and out.dtype in _TL_DTYPE  # (e.g. int16 or complex: copy_ converts)
     lo, hi = span_bytes(out)
     out_strides = out.stride()
@@ -293,14 +349,18 @@ def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
         if t_hi <= lo or hi <= t_lo:
             continue
         # Full aliasing (out=x, in place) is safe: each element is read, then written, by one thread.
-        if t.data_ptr() == out.data_ptr() and t.element_size() == out.element_size() and all(
+        if (
+            t.data_ptr() == out.data_ptr()
+            and t.element_size() == out.element_size()
+            and all(
                 n_ == 1 or s_in == s_out
-                for n_, s_in, s_out in zip(shape, broadcast_strides(t.shape, t.stride(), shape), out_strides)):
+                for n_, s_in, s_out in zip(shape, broadcast_strides(t.shape, t.stride(), shape), out_strides)
+            )
+        ):
             continue
         if out_dense and is_dense_permutation(t.shape, t.stride()):
             # torch refuses exactly this case (its "partial overlap"); with a strided view it checks nothing.
-            raise OverlapError(f"{kernel.name}(): out partially overlaps argument '{n}'; "
-                               "clone one of them first")
+            raise OverlapError(f"{kernel.name}(): out partially overlaps argument '{n}'; clone one of them first")
         if not _provably_disjoint(t, out):
             direct = False
     return direct
@@ -316,20 +376,29 @@ def _provably_disjoint(t: torch.Tensor, out: torch.Tensor) -> bool:
     delta = t.data_ptr() - out.data_ptr()
     if delta % size:
         return False
-    step = math.gcd(*(s for n, s in zip(t.shape, t.stride()) if n > 1),
-                    *(s for n, s in zip(out.shape, out.stride()) if n > 1))
+    step = math.gcd(
+        *(s for n, s in zip(t.shape, t.stride()) if n > 1), *(s for n, s in zip(out.shape, out.stride()) if n > 1)
+    )
     return step > 1 and (delta // size) % step != 0
 
 
 def allocate_out(call: Call) -> torch.Tensor:
     """The result tensor, laid out as torch's TensorIterator lays out a new output."""
-    strides = output_strides(call.shape, [(tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor)
-                                          else None for t in call.operands])
+    strides = output_strides(
+        call.shape,
+        [(tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else None for t in call.operands],
+    )
     return torch.empty_strided(call.shape, strides, dtype=call.dtype, device=call.device)
 
 
-def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
-                  dtype: torch.dtype | None = None, out2: torch.Tensor | None = None):
+def launch_config(
+    kernel: ElementwiseKernel,
+    operands: tuple,
+    param,
+    out: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    out2: torch.Tensor | None = None,
+):
     """``(grid, args, meta)`` of the launch that computes ``kernel`` into a non-empty ``out``;
     ``dtype`` is the result dtype when ``out`` has another one (it is rounded to ``dtype``,
     then converted to ``out.dtype``, as PyTorch does). ``out2``: a two-output kernel's
@@ -342,7 +411,8 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
     dtype = out.dtype if dtype is None else dtype
     is_float = dtype.is_floating_point
     strides = (tuple(out.stride()),) + tuple(
-        broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands)
+        broadcast_strides(t.shape, t.stride(), shape) if isinstance(t, torch.Tensor) else None for t in operands
+    )
     plan = plan_elementwise(tuple(shape), strides, dtype.itemsize)
 
     ptrs, bits, flat_strides = [], [], []
@@ -362,26 +432,67 @@ def launch_config(kernel: ElementwiseKernel, operands: tuple, param, out: torch.
     param_bits = scalar_bits(param, dtype, kernel.param) if kernel.param is not None else 0
 
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets", kernel.name,
-                   tuple(shape), dtype, out.dtype, plan.grid, plan.tile.block_r, plan.tile.block_c,
-                   plan.tile.num_warps, "64-bit" if plan.int64 else "32-bit")
+        _log.debug(
+            "%s: shape %s %s -> %s: %d programs of %d x %d (%d warps), %s offsets",
+            kernel.name,
+            tuple(shape),
+            dtype,
+            out.dtype,
+            plan.grid,
+            plan.tile.block_r,
+            plan.tile.block_c,
+            plan.tile.num_warps,
+            "64-bit" if plan.int64 else "32-bit",
+        )
     if (out2 is not None) != (kernel.outputs == 2) or (
-            out2 is not None and (out2.shape != out.shape or out2.stride() != out.stride() or out2.dtype != out.dtype)):
+        out2 is not None and (out2.shape != out.shape or out2.stride() != out.stride() or out2.dtype != out.dtype)
+    ):
         raise ArgumentError(f"{kernel.name}: a two-output kernel takes out2 laid out as out; others none")
-    args = (out, *ptrs, out if out2 is None else out2, *bits, param_bits, *plan.batch_sizes[1:], plan.size_r,
-            plan.size_c, plan.tiles_c, plan.tiles_c_magic, plan.tiles_c_shift, plan.tiles_per_batch, *plan.strides[0],
-            *flat_strides)
-    meta = dict(FN=kernel.math, NUM_INPUTS=kernel.arity, HAS_PARAM=kernel.param is not None,
-                NUM_OUTPUTS=kernel.outputs,
-                SCALAR_MASK=scalar_mask, UNIT_R_MASK=plan.unit_r_mask, UNIT_C_MASK=plan.unit_c_mask,
-                RESULT_DTYPE=_TL_DTYPE[dtype], COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype], COMPUTE_IS_FLOAT=is_float,
-                BLOCK_R=plan.tile.block_r, BLOCK_C=plan.tile.block_c, INT64=plan.int64, BATCHED=plan.batched,
-                num_warps=plan.tile.num_warps, **COMPILER_OPTIONS)
+    args = (
+        out,
+        *ptrs,
+        out if out2 is None else out2,
+        *bits,
+        param_bits,
+        *plan.batch_sizes[1:],
+        plan.size_r,
+        plan.size_c,
+        plan.tiles_c,
+        plan.tiles_c_magic,
+        plan.tiles_c_shift,
+        plan.tiles_per_batch,
+        *plan.strides[0],
+        *flat_strides,
+    )
+    meta = dict(
+        FN=kernel.math,
+        NUM_INPUTS=kernel.arity,
+        HAS_PARAM=kernel.param is not None,
+        NUM_OUTPUTS=kernel.outputs,
+        SCALAR_MASK=scalar_mask,
+        UNIT_R_MASK=plan.unit_r_mask,
+        UNIT_C_MASK=plan.unit_c_mask,
+        RESULT_DTYPE=_TL_DTYPE[dtype],
+        COMPUTE_DTYPE=_COMPUTE_DTYPE[dtype],
+        COMPUTE_IS_FLOAT=is_float,
+        BLOCK_R=plan.tile.block_r,
+        BLOCK_C=plan.tile.block_c,
+        INT64=plan.int64,
+        BATCHED=plan.batched,
+        num_warps=plan.tile.num_warps,
+        **COMPILER_OPTIONS,
+    )
     return (plan.grid,), args, meta
 
 
-def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor,
-                       dtype: torch.dtype | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
+def launch_elementwise(
+    kernel: ElementwiseKernel,
+    operands: tuple,
+    param,
+    out: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    out2: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Launch ``kernel`` on validated operands (tensors on ``out``'s device, or numbers) into ``out``
     (and ``out2``, a two-output kernel's second result), under ``out``'s device and on its
     current stream; ``dtype`` is the result dtype when ``out`` has another one."""
@@ -394,10 +505,10 @@ def launch_elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: t
         # output's outermost dim, on views (broadcast operands expanded, never copied).
         dim = max((d for d in range(out.dim()) if out.shape[d] > 1), key=lambda d: out.stride(d))
         for i in range(out.shape[dim]):
-            part = tuple(t.expand(out.shape).select(dim, i) if isinstance(t, torch.Tensor) else t
-                         for t in operands)
-            launch_elementwise(kernel, part, param, out.select(dim, i), dtype,
-                               None if out2 is None else out2.select(dim, i))
+            part = tuple(t.expand(out.shape).select(dim, i) if isinstance(t, torch.Tensor) else t for t in operands)
+            launch_elementwise(
+                kernel, part, param, out.select(dim, i), dtype, None if out2 is None else out2.select(dim, i)
+            )
         return out
     device = out.device
     with launch.serialised():
@@ -415,8 +526,7 @@ def _reference_result(call: Call):
     if call.dtype in (torch.float16, torch.bfloat16):
         # Half types in float32, rounded once at the end: the arithmetic of torch's CUDA
         # kernels and of fusedkit's own (torch's CPU kernels would round alpha to the half type).
-        operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t
-                         for t in operands)
+        operands = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == call.dtype else t for t in operands)
     return call.kernel.reference(*operands, *((call.param,) if call.kernel.param is not None else ()))
 
 
@@ -436,8 +546,7 @@ def _launch_operands(call: Call) -> tuple:
     if call.device.type != "cpu":
         # Host 0-d tensors become host numbers (after promotion, which treats them as
         # tensors): a kernel cannot read host memory.
-        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t
-                         for t in operands)
+        operands = tuple(t.item() if isinstance(t, torch.Tensor) and t.device != call.device else t for t in operands)
     return operands
 
 
@@ -451,8 +560,7 @@ def run_validated(call: Call) -> torch.Tensor:
     if out is not None and not call.direct:
         # A lazily negated ``out``, or one that may share elements with an input:
         # compute into a new tensor and let ``copy_`` write it as torch would.
-        result = run_validated(Call(call.kernel, call.operands, call.param, call.shape, call.dtype, call.device,
-                                     None))
+        result = run_validated(Call(call.kernel, call.operands, call.param, call.shape, call.dtype, call.device, None))
         with torch.autograd.grad_mode.no_grad():
             out.copy_(result)
         return out
@@ -514,12 +622,39 @@ def call_key(kernel: ElementwiseKernel, operands: tuple, param):
 class KeptLaunch:
     """The prepared launch of one validated call signature."""
 
-    __slots__ = ("kernel", "shape", "out_strides", "dtype", "device", "index", "slots", "tensor_slots",
-                 "host_numbers", "operand_signature", "like", "static_args", "constexprs", "launch_tail", "meta",
-                 "grid", "compiled", "last_param", "pair")
+    __slots__ = (
+        "kernel",
+        "shape",
+        "out_strides",
+        "dtype",
+        "device",
+        "index",
+        "slots",
+        "tensor_slots",
+        "host_numbers",
+        "operand_signature",
+        "like",
+        "static_args",
+        "constexprs",
+        "launch_tail",
+        "meta",
+        "grid",
+        "compiled",
+        "last_param",
+        "pair",
+    )
 
-    def __init__(self, kernel: ElementwiseKernel, result: torch.Tensor, operands: tuple, slots: tuple,
-                 static_args: tuple, constexprs: tuple, meta: dict, grid: tuple[int, int, int] | None):
+    def __init__(
+        self,
+        kernel: ElementwiseKernel,
+        result: torch.Tensor,
+        operands: tuple,
+        slots: tuple,
+        static_args: tuple,
+        constexprs: tuple,
+        meta: dict,
+        grid: tuple[int, int, int] | None,
+    ):
         self.kernel = kernel
         self.pair = kernel.outputs == 2  # a two-output kernel's: both results laid out alike
         self.shape, self.out_strides = result.shape, tuple(result.stride())
@@ -531,17 +666,18 @@ class KeptLaunch:
         self.tensor_slots = tuple(s if s is not None and s >= 0 else None for s in slots)
         self.host_numbers = any(s is not None and s < 0 for s in slots)
         #: Each operand's dtype, shape and strides when all are tensors (what a native launch matches).
-        self.operand_signature = None if self.host_numbers else tuple(
-            (t.dtype, tuple(t.shape), tuple(t.stride())) for t in operands)
+        self.operand_signature = (
+            None if self.host_numbers else tuple((t.dtype, tuple(t.shape), tuple(t.stride())) for t in operands)
+        )
         #: An operand of the result's dtype: ``new_empty_strided`` on it parses fewer
         #: arguments than ``torch.empty_strided`` (0.63 vs 0.84 us on a CPU host).
         self.like = next((s for s in self.tensor_slots if s is not None and operands[s].dtype == result.dtype), None)
         self.static_args = static_args  # planned sizes and strides
-        self.constexprs = constexprs    # in signature order
+        self.constexprs = constexprs  # in signature order
         #: What a kept launch appends to the per-call arguments: one tuple, built once.
         self.launch_tail = static_args + constexprs
         self.meta = meta
-        self.grid = grid                # None: an empty result
+        self.grid = grid  # None: an empty result
         self.compiled = launch.CompiledCache()
         #: (param, its bit patterns and their int classes) of the last call: the default
         #: ``alpha`` is one object, so an identity check skips re-encoding it.
@@ -642,8 +778,9 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
     grid, static_args, constexprs, meta = None, (), (), {}
     if result.numel() > 0:
         try:
-            grid_1d, args, meta = launch_config(kernel, operands, param, result,
-                                                out2=result if kernel.outputs == 2 else None)
+            grid_1d, args, meta = launch_config(
+                kernel, operands, param, result, out2=result if kernel.outputs == 2 else None
+            )
         except TooManyDims:  # launched in parts by launch_elementwise
             return None
         grid = (grid_1d[0], 1, 1)
@@ -655,8 +792,13 @@ def _make_kept(kernel: ElementwiseKernel, operands: tuple, param, result: torch.
 def remember(key, call: Call, result: torch.Tensor) -> None:
     """Keep the launch of a validated eager call whose signature ``key`` can repeat (a key of
     None or :data:`NEEDS_GRAD` keeps nothing)."""
-    if (key is None or key is NEEDS_GRAD or call.out is not None or backend_for(call.device) == "torch"
-            or not launch.enabled()):
+    if (
+        key is None
+        or key is NEEDS_GRAD
+        or call.out is not None
+        or backend_for(call.device) == "torch"
+        or not launch.enabled()
+    ):
         return
     kept = _make_kept(call.kernel, call.operands, call.param, result)
     if kept is not None:

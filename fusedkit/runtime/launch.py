@@ -54,14 +54,31 @@ try:  # what Triton's own driver calls for the current stream and device
     from torch._C import _cuda_getCurrentRawStream as current_stream
     from torch._C import _cuda_getDevice as current_device
 except ImportError:  # a PyTorch without CUDA support
+
     def current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
     def current_device() -> int:
         return torch.cuda.current_device()
 
-__all__ = ["ALIGNMENT", "CallCache", "CompiledCache", "Entry", "GridRecorder", "clear_caches", "constexpr_names", "current_device",
-           "enabled", "hook_source", "hooks_idle", "int_class", "register_cache", "stream_of", "tensor_map_args"]
+
+__all__ = [
+    "ALIGNMENT",
+    "CallCache",
+    "CompiledCache",
+    "Entry",
+    "GridRecorder",
+    "clear_caches",
+    "constexpr_names",
+    "current_device",
+    "enabled",
+    "hook_source",
+    "hooks_idle",
+    "int_class",
+    "register_cache",
+    "stream_of",
+    "tensor_map_args",
+]
 
 
 #: Whether this process runs Triton's interpreter: decided once, when Triton decorated
@@ -72,6 +89,7 @@ INTERPRETED = helpers.INTERPRETED.value
 def stream_of(index: int) -> int:
     """The current stream's handle on CUDA device ``index``."""
     return current_stream(index)
+
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
@@ -114,8 +132,10 @@ def constexpr_names(kernel) -> tuple[str, ...]:
     while not inspect.isfunction(fn):  # JITFunction / InterpretedFunction / Heuristics / Autotuner
         fn = fn.fn
     params = list(inspect.signature(fn).parameters.items())
-    flags = [p.annotation is tl.constexpr
-             or (isinstance(p.annotation, str) and p.annotation.split(".")[-1] == "constexpr") for _, p in params]
+    flags = [
+        p.annotation is tl.constexpr or (isinstance(p.annotation, str) and p.annotation.split(".")[-1] == "constexpr")
+        for _, p in params
+    ]
     first = flags.index(True) if True in flags else len(flags)
     # Direct launches pass (runtime args) + (constexprs): that is signature order only
     # when the constexprs come last.
@@ -201,8 +221,9 @@ def _descriptor_launch(launch, metadata):
         return None
     if any(m is None or m.get("fp4_padded") for m in metas):
         return None
-    layouts = tuple((m["swizzle"], m["elem_size"], TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
-                    for m in metas)
+    layouts = tuple(
+        (m["swizzle"], m["elem_size"], TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"])) for m in metas
+    )
     return cells["launcher"].cell_contents, layouts
 
 
@@ -329,8 +350,9 @@ class CompiledCache:
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
         launcher, head, layouts = raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None)
-        self._entries[key] = Entry(compiled, launcher, compiled.function, compiled.packed_metadata,
-                                   grid, tail, extra, head, layouts)
+        self._entries[key] = Entry(
+            compiled, launcher, compiled.function, compiled.packed_metadata, grid, tail, extra, head, layouts
+        )
 
     @staticmethod
     def run(entry: Entry, args: tuple, device_index: int) -> None:

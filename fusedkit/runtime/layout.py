@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .configs import TileConfig, elementwise_tile
 from ..errors import ShapeError
+from .configs import TileConfig, elementwise_tile
 
 #: Leading dims that the kernel unravels per program, besides the 2-D tile plane.
 MAX_BATCH_DIMS = 4
@@ -63,11 +63,15 @@ class Plan:
         tiles_per_batch = _cdiv(self.size_r, self.tile.block_r) * tiles_c
         magic, shift = division_magic(max(tiles_c, 1))  # (an empty plan launches nothing)
         derived = dict(
-            tiles_c=tiles_c, tiles_c_magic=magic, tiles_c_shift=shift, tiles_per_batch=tiles_per_batch,
+            tiles_c=tiles_c,
+            tiles_c_magic=magic,
+            tiles_c_shift=shift,
+            tiles_per_batch=tiles_per_batch,
             batched=math.prod(self.batch_sizes) > 1,
             grid=math.prod(self.batch_sizes) * tiles_per_batch,
             unit_r_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-2] == 1),
-            unit_c_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-1] == 1))
+            unit_c_mask=sum(1 << k for k, s in enumerate(self.strides) if s is not None and s[-1] == 1),
+        )
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: set once, at construction
 
@@ -249,8 +253,9 @@ PLAN_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides | None, ...],
-                     itemsize: int = 4) -> Plan:
+def plan_elementwise(
+    out_shape: tuple[int, ...], operand_strides: tuple[Strides | None, ...], itemsize: int = 4
+) -> Plan:
     """Plan a launch over ``out_shape``; ``operand_strides`` (output first) are already broadcast;
     ``itemsize``: the result's bytes an element (it sets the 1-D block).
 
@@ -297,8 +302,10 @@ def plan_elementwise(out_shape: tuple[int, ...], operand_strides: tuple[Strides 
 
     n_batch = len(sizes) - 2
     if n_batch > MAX_BATCH_DIMS:
-        raise TooManyDims(f"one launch walks at most {MAX_BATCH_DIMS + 2} non-mergeable dims; this one needs "
-                          f"{len(sizes)} (shape {tuple(out_shape)} with these strides)")
+        raise TooManyDims(
+            f"one launch walks at most {MAX_BATCH_DIMS + 2} non-mergeable dims; this one needs "
+            f"{len(sizes)} (shape {tuple(out_shape)} with these strides)"
+        )
     pad = MAX_BATCH_DIMS - n_batch
     batch_sizes = (1,) * pad + tuple(sizes[:n_batch])
     size_r, size_c = sizes[-2], sizes[-1]

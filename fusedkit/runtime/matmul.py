@@ -31,16 +31,48 @@ from ..kernels.matmul_tma import matmul_tma_kernel
 from ..registry import ElementwiseKernel
 from . import launch, matmul_tma
 from .configs import (
-    COMPILER_OPTIONS, MATMUL_FIXED_STAGES, MATMUL_FIXED_TILE, MATMUL_FIXED_WARPS, MATMUL_INTERPRETER_TILE,
-    MATMUL_TMA_FIXED_OPTIONS, SPLIT_K_MIN_TILE, matmul_configs, matmul_kernel_choice, matmul_m_bucket,
-    matmul_split_k_max, matmul_tma_fixed_tile, prune_matmul_configs, tf32_copies_b,
+    COMPILER_OPTIONS,
+    MATMUL_FIXED_STAGES,
+    MATMUL_FIXED_TILE,
+    MATMUL_FIXED_WARPS,
+    MATMUL_INTERPRETER_TILE,
+    MATMUL_TMA_FIXED_OPTIONS,
+    SPLIT_K_MIN_TILE,
+    matmul_configs,
+    matmul_kernel_choice,
+    matmul_m_bucket,
+    matmul_split_k_max,
+    matmul_tma_fixed_tile,
+    prune_matmul_configs,
+    tf32_copies_b,
 )
 from .elementwise import backend_for, kept_launch, launch_elementwise
 
-__all__ = ["ACTIVATION_NAMES", "KEPT", "KeptMatmul", "MATMUL_DTYPES", "NEEDS_PRE", "Plan", "call_key", "forward",
-           "fp32_precision", "kmajor_copy", "kmajor_copy_launch", "launch_config", "launch_matmul",
-           "matmul_reference", "plan_matmul", "remember", "resolve_neg", "run", "split_k_buffers", "tf32_enabled",
-           "torch_activation", "validate", "with_lead"]
+__all__ = [
+    "ACTIVATION_NAMES",
+    "KEPT",
+    "KeptMatmul",
+    "MATMUL_DTYPES",
+    "NEEDS_PRE",
+    "Plan",
+    "call_key",
+    "forward",
+    "fp32_precision",
+    "kmajor_copy",
+    "kmajor_copy_launch",
+    "launch_config",
+    "launch_matmul",
+    "matmul_reference",
+    "plan_matmul",
+    "remember",
+    "resolve_neg",
+    "run",
+    "split_k_buffers",
+    "tf32_enabled",
+    "torch_activation",
+    "validate",
+    "with_lead",
+]
 
 _log = logging.getLogger("fusedkit")
 MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,8 +83,11 @@ NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
 
 
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(matmul_kernel)
-matmul_tuned = triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
-                                prune_configs_by={"early_config_prune": prune_matmul_configs})(_matmul_even_k)
+matmul_tuned = triton.autotune(
+    configs=matmul_configs(),
+    key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": prune_matmul_configs},
+)(_matmul_even_k)
 INTERPRETED = launch.INTERPRETED
 _CONSTEXPR_NAMES = launch.constexpr_names(matmul_kernel)
 _TMA_CONSTEXPR_NAMES = launch.constexpr_names(matmul_tma_kernel)
@@ -62,8 +97,12 @@ TMA_LAUNCHES = launch.CompiledCache()
 launch.register_cache(LAUNCHES.clear)
 launch.register_cache(TMA_LAUNCHES.clear)
 
-_ACC_DTYPE = {torch.float16: tl.float32, torch.bfloat16: tl.float32, torch.float32: tl.float32,
-              torch.float64: tl.float64}
+_ACC_DTYPE = {
+    torch.float16: tl.float32,
+    torch.bfloat16: tl.float32,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
 #: Split-K workspaces and arrival counters by (device index, stream): kept, like cuBLAS's
 #: workspace, so a repeated call allocates only its output; per stream, because two
 #: launches sharing counters must not overlap (one stream runs its kernels in order).
@@ -95,9 +134,15 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
-def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                  out: torch.Tensor, pre: torch.Tensor | None = None,
-                  split_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+def launch_config(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out: torch.Tensor,
+    pre: torch.Tensor | None = None,
+    split_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[tuple, dict]:
     """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``.
 
     ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
@@ -110,15 +155,37 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
     precision = fp32_precision() if a.dtype == torch.float32 else "ieee"
     ws, arrivals = split_k if split_k is not None else (out, out)  # out: "no workspace" to the pruner
-    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals,
-            M, N, K, matmul_m_bucket(M),
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            bias.stride(0) if bias is not None else 0)
-    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=code, STORE_PRE=pre is not None,
-                ACC_DTYPE=_ACC_DTYPE[a.dtype], INPUT_PRECISION=precision, INT64=int64,
-                # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies
-                # those integers; products of exactly widened values are the same math.
-                UPCAST_OPERANDS=INTERPRETED and a.dtype == torch.bfloat16)
+    args = (
+        a,
+        b,
+        out,
+        bias if bias is not None else out,
+        pre if pre is not None else out,
+        ws,
+        arrivals,
+        M,
+        N,
+        K,
+        matmul_m_bucket(M),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        bias.stride(0) if bias is not None else 0,
+    )
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=code,
+        STORE_PRE=pre is not None,
+        ACC_DTYPE=_ACC_DTYPE[a.dtype],
+        INPUT_PRECISION=precision,
+        INT64=int64,
+        # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies
+        # those integers; products of exactly widened values are the same math.
+        UPCAST_OPERANDS=INTERPRETED and a.dtype == torch.bfloat16,
+    )
     return args, meta
 
 
@@ -128,7 +195,7 @@ class Plan:
     shapes, strides, dtype, switches and settings, so an eager call signature keeps one."""
 
     ints: tuple  # the kernel's integer arguments
-    meta: dict   # compile-time switches, no tile
+    meta: dict  # compile-time switches, no tile
     tma_ok: bool  # the TMA kernel is chosen and the layout allows it (base alignment aside)
     tuned: bool
     split_k: int  # the widest split-K the pointer kernel may launch with (1: none, no workspace)
@@ -171,8 +238,15 @@ def split_k_buffers(device: torch.device, split: int, m: int, n: int, dtype: tor
 
 #: The copy :func:`kmajor_copy` runs: fusedkit's elementwise kernel with the identity as its
 #: math (an unregistered entry), so it reads ``b`` in its layout and writes any other.
-_COPY = ElementwiseKernel(name="kmajor_copy", math=activations.identity, reference=torch.clone, arg_names=("x",),
-                          param=None, formula="x", unfused=("torch.Tensor.contiguous",))
+_COPY = ElementwiseKernel(
+    name="kmajor_copy",
+    math=activations.identity,
+    reference=torch.clone,
+    arg_names=("x",),
+    param=None,
+    formula="x",
+    unfused=("torch.Tensor.contiguous",),
+)
 
 
 def _kmajor_empty(b: torch.Tensor, device) -> torch.Tensor:
@@ -211,8 +285,12 @@ def kmajor_copy_launch(b: torch.Tensor):
 def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
     tuned = settings.current().autotune
     m = a.shape[0]
-    copy_b = (a.dtype == torch.float32 and fp32_precision() == "tf32"
-              and matmul_tma.transposed_product(a, b, "tf32") and tf32_copies_b(m))
+    copy_b = (
+        a.dtype == torch.float32
+        and fp32_precision() == "tf32"
+        and matmul_tma.transposed_product(a, b, "tf32")
+        and tf32_copies_b(m)
+    )
     copy_launch = None
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
         copy_launch = kmajor_copy_launch(b)
@@ -221,20 +299,38 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
-    tma_ok = (matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
-              and matmul_tma.layout_ok(a, b, out, pre, INTERPRETED))
+    tma_ok = matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma" and matmul_tma.layout_ok(
+        a, b, out, pre, INTERPRETED
+    )
     prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("matmul %s x %s %s, activation %s: %s kernel, %s, split-K up to %d%s", tuple(a.shape),
-                   tuple(b.shape), a.dtype, activation, "TMA" if tma_ok else "pointer",
-                   f"interpreter tile {MATMUL_INTERPRETER_TILE}" if INTERPRETED else
-                   "autotuned tile" if tuned else f"fixed tile {MATMUL_FIXED_TILE}", split,
-                   ", b copied K-major" if copy_b else "")
+        _log.debug(
+            "matmul %s x %s %s, activation %s: %s kernel, %s, split-K up to %d%s",
+            tuple(a.shape),
+            tuple(b.shape),
+            a.dtype,
+            activation,
+            "TMA" if tma_ok else "pointer",
+            f"interpreter tile {MATMUL_INTERPRETER_TILE}"
+            if INTERPRETED
+            else "autotuned tile"
+            if tuned
+            else f"fixed tile {MATMUL_FIXED_TILE}",
+            split,
+            ", b copied K-major" if copy_b else "",
+        )
     return Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
 
 
-def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                  out: torch.Tensor, pre: torch.Tensor | None = None, plan: Plan | None = None) -> torch.Tensor:
+def launch_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out: torch.Tensor,
+    pre: torch.Tensor | None = None,
+    plan: Plan | None = None,
+) -> torch.Tensor:
     """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
 
     ``pre``, when given, receives the pre-activation (for a backward pass). ``plan``:
@@ -253,8 +349,15 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     ws = arrivals = out  # no split-K: the kernel never reads these
     if plan.split_k > 1:
         ws, arrivals = split_k_buffers(a.device, plan.split_k, M, N, plan.ws_dtype)
-    addresses = (a.data_ptr(), b.data_ptr(), o, o if bias is None else bias.data_ptr(),
-                 o if pre is None else pre.data_ptr(), ws.data_ptr(), arrivals.data_ptr())
+    addresses = (
+        a.data_ptr(),
+        b.data_ptr(),
+        o,
+        o if bias is None else bias.data_ptr(),
+        o if pre is None else pre.data_ptr(),
+        ws.data_ptr(),
+        arrivals.data_ptr(),
+    )
     aligned = tuple([p % launch.ALIGNMENT == 0 for p in addresses])
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
     use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
@@ -308,9 +411,15 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         _log.debug("matmul M=%d N=%d K=%d %s: the autotuner chose %s", M, N, K, a.dtype, tile)
     else:
         tile = MATMUL_FIXED_TILE
-        compiled = matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0,
-                                              num_stages=MATMUL_FIXED_STAGES, num_warps=MATMUL_FIXED_WARPS,
-                                              **COMPILER_OPTIONS)
+        compiled = matmul_kernel[grid(tile)](
+            *args,
+            **meta,
+            **tile,
+            EVEN_K=K % tile["BLOCK_K"] == 0,
+            num_stages=MATMUL_FIXED_STAGES,
+            num_warps=MATMUL_FIXED_WARPS,
+            **COMPILER_OPTIONS,
+        )
     constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
     LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
     return out
@@ -319,13 +428,29 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
 def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
     """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
     compiled, tile, grid = matmul_tma.launch_tma(
-        a, b, bias, meta["ACTIVATION"], out, pre, meta["INPUT_PRECISION"], meta["UPCAST_OPERANDS"],
+        a,
+        b,
+        bias,
+        meta["ACTIVATION"],
+        out,
+        pre,
+        meta["INPUT_PRECISION"],
+        meta["UPCAST_OPERANDS"],
         matmul_m_bucket(a.shape[0]),
-        INTERPRETED, tuned, matmul_tma_fixed_tile(a.element_size()), MATMUL_TMA_FIXED_OPTIONS)
+        INTERPRETED,
+        tuned,
+        matmul_tma_fixed_tile(a.element_size()),
+        MATMUL_TMA_FIXED_OPTIONS,
+    )
     if key is None:
         return
-    values = {**meta, **tile, "A_MMAJOR": matmul_tma.a_mmajor(a), "B_KMAJOR": matmul_tma.b_kmajor(b),
-              "NUM_SMS": matmul_tma.num_sms(a.device.index)}
+    values = {
+        **meta,
+        **tile,
+        "A_MMAJOR": matmul_tma.a_mmajor(a),
+        "B_KMAJOR": matmul_tma.b_kmajor(b),
+        "NUM_SMS": matmul_tma.num_sms(a.device.index),
+    }
     TMA_LAUNCHES.put(key, compiled, (grid, 1, 1), tuple(values[n] for n in _TMA_CONSTEXPR_NAMES), extra=tile)
 
 
@@ -357,15 +482,21 @@ def validate(a, b, bias, activation, name: str) -> None:
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise DTypeError(f"{name}(): bias must be a Tensor or None, got {type(bias).__name__}")
     if activation not in (None, *ACTIVATION_NAMES):
-        raise ArgumentError(f"{name}(): unknown activation {activation!r}; choose from None, "
-                         f"{', '.join(repr(x) for x in ACTIVATION_NAMES)}")
+        raise ArgumentError(
+            f"{name}(): unknown activation {activation!r}; choose from None, "
+            f"{', '.join(repr(x) for x in ACTIVATION_NAMES)}"
+        )
     for arg, value in (("a", a), ("b", b), ("bias", bias)):
         if value is not None and value.dtype not in MATMUL_DTYPES:
-            raise DTypeError(f"{name}(): argument '{arg}' has dtype {value.dtype}; supported: "
-                             f"{', '.join(str(d) for d in MATMUL_DTYPES)}")
+            raise DTypeError(
+                f"{name}(): argument '{arg}' has dtype {value.dtype}; supported: "
+                f"{', '.join(str(d) for d in MATMUL_DTYPES)}"
+            )
     if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
-        raise DTypeError(f"{name}(): a, b and bias must share a dtype; got a {a.dtype}, b {b.dtype}"
-                         + (f", bias {bias.dtype}" if bias is not None else ""))
+        raise DTypeError(
+            f"{name}(): a, b and bias must share a dtype; got a {a.dtype}, b {b.dtype}"
+            + (f", bias {bias.dtype}" if bias is not None else "")
+        )
     for arg, value in (("b", b), ("bias", bias)):
         if value is not None and value.device != a.device:
             raise DeviceError(f"{name}(): argument '{arg}' is on {value.device}, but 'a' is on {a.device}")
@@ -480,8 +611,20 @@ def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:
     # A recorded call that keeps its pre-activation launches with it (laid out as out is,
     # which stands for it in the plan: a plan reads layouts, not addresses).
     store_pre = grad and activation in NEEDS_PRE
-    KEPT.keep(key, KeptMatmul(m, k, n, lead, a2.dtype, a2.device, activation,
-                              plan_matmul(a2, b, bias, activation, out, out if store_pre else None), grad))
+    KEPT.keep(
+        key,
+        KeptMatmul(
+            m,
+            k,
+            n,
+            lead,
+            a2.dtype,
+            a2.device,
+            activation,
+            plan_matmul(a2, b, bias, activation, out, out if store_pre else None),
+            grad,
+        ),
+    )
 
 
 def run(a2, b, bias, activation) -> torch.Tensor:

@@ -19,16 +19,23 @@ from ..kernels.matmul_tma import matmul_tma_kernel
 from . import launch
 from .configs import COMPILER_OPTIONS, MATMUL_TMA_INTERPRETER_TILE, matmul_tma_configs, prune_tma_configs
 
-__all__ = ["a_mmajor", "b_kmajor", "encoded_args", "layout_ok", "launch_tma", "tail_args", "transposed_product",
-           "TMA_DTYPES"]
+__all__ = [
+    "a_mmajor",
+    "b_kmajor",
+    "encoded_args",
+    "layout_ok",
+    "launch_tma",
+    "tail_args",
+    "transposed_product",
+    "TMA_DTYPES",
+]
 
 #: Operand dtypes the TMA kernel takes (fp32 runs TF32 or IEEE as set; fp64 has no wgmma).
 TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TMA_ALIGN_BYTES = 16
 
 
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_tma(index: int) -> bool:
     """Hopper and datacenter Blackwell: TMA and the ~227 KiB of shared memory the configs assume."""
     return torch.cuda.get_device_capability(index)[0] in (9, 10)
@@ -42,8 +49,13 @@ def _rows_ok(t: torch.Tensor) -> bool:
     """A (rows, cols) layout TMA can address: unit inner stride, a 16-byte row stride that
     steps past the row (no broadcast or overlapping rows), 32-bit sizes."""
     rows, cols = t.shape
-    return (t.stride(1) == 1 and t.stride(0) >= max(cols, 1) and rows <= TMA_MAX_DIM and cols <= TMA_MAX_DIM
-            and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0)
+    return (
+        t.stride(1) == 1
+        and t.stride(0) >= max(cols, 1)
+        and rows <= TMA_MAX_DIM
+        and cols <= TMA_MAX_DIM
+        and (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0
+    )
 
 
 def a_mmajor(a: torch.Tensor) -> bool:
@@ -64,12 +76,17 @@ def transposed_product(a: torch.Tensor, b: torch.Tensor, precision: str) -> bool
 
 def tail_args(a, b, bias, out, m_bucket: int) -> tuple:
     """The kernel's runtime arguments after the four descriptors."""
-    return (bias if bias is not None else out, a.shape[0], b.shape[1], a.shape[1], m_bucket,
-            bias.stride(0) if bias is not None else 0)
+    return (
+        bias if bias is not None else out,
+        a.shape[0],
+        b.shape[1],
+        a.shape[1],
+        m_bucket,
+        bias.stride(0) if bias is not None else 0,
+    )
 
 
-def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None,
-              interpreted: bool) -> bool:
+def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None, interpreted: bool) -> bool:
     """Whether dtype, device and strides let the TMA kernel run ``out = act(a @ b + bias)``;
     the bases' 16-byte alignment is the caller's per-call check."""
     if a.dtype not in TMA_DTYPES:
@@ -81,7 +98,7 @@ def layout_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Te
     return all(_rows_ok(t) for t in (a_view, b_view, out) + ((pre,) if pre is not None else ()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -118,8 +135,12 @@ def encoded_args(a, b, out, pre, layouts: tuple) -> list:
     ``launch.tensor_map_args``): the same views as :func:`descriptors`, with the block
     shapes and swizzles the compiled kernel recorded (``layouts``), encoded once per
     address, shape and strides."""
-    views = (row_major(a, a_mmajor(a)), row_major(b, b_kmajor(b)), row_major(out, False),
-             row_major(pre if pre is not None else out, False))
+    views = (
+        row_major(a, a_mmajor(a)),
+        row_major(b, b_kmajor(b)),
+        row_major(out, False),
+        row_major(pre if pre is not None else out, False),
+    )
     args = []
     for (address, shape, strides), layout in zip(views, layouts):
         args += launch.tensor_map_args(address, shape, strides, layout)
@@ -139,24 +160,44 @@ def _set_block_shapes(nargs):
 # INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (on the
 # H200 a TF32 tuning result reused with TF32 off raises OutOfResources).
 # The dtype is in the key through bias_ptr, the only tensor argument.
-matmul_tma_tuned = triton.autotune(configs=matmul_tma_configs(_set_block_shapes),
-                                    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
-                                    prune_configs_by={"early_config_prune": prune_tma_configs})(
-    matmul_tma_kernel)
+matmul_tma_tuned = triton.autotune(
+    configs=matmul_tma_configs(_set_block_shapes),
+    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": prune_tma_configs},
+)(matmul_tma_kernel)
 
 
 def grid_for(M: int, N: int, tile: dict, sms: int) -> int:
     return min(sms, triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"]))
 
 
-def launch_tma(a, b, bias, activation_code: int, out, pre, precision: str, upcast: bool, m_bucket: int,
-               interpreted: bool, tuned: bool, fixed_tile: dict, fixed_options: dict):
+def launch_tma(
+    a,
+    b,
+    bias,
+    activation_code: int,
+    out,
+    pre,
+    precision: str,
+    upcast: bool,
+    m_bucket: int,
+    interpreted: bool,
+    tuned: bool,
+    fixed_tile: dict,
+    fixed_options: dict,
+):
     """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid)."""
     M, N = a.shape[0], b.shape[1]
     sms = 4 if interpreted else num_sms(a.device.index)
     tail = tail_args(a, b, bias, out, m_bucket)
-    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, STORE_PRE=pre is not None,
-                INPUT_PRECISION=precision, UPCAST_OPERANDS=upcast, NUM_SMS=sms)
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation_code,
+        STORE_PRE=pre is not None,
+        INPUT_PRECISION=precision,
+        UPCAST_OPERANDS=upcast,
+        NUM_SMS=sms,
+    )
     majors = dict(A_MMAJOR=a_mmajor(a), B_KMAJOR=b_kmajor(b))
     if tuned and not interpreted:
         descs = descriptors(a, b, out, pre, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SUBTILE=False))

@@ -102,8 +102,15 @@ def _cache_root() -> Path:
 def _build_key() -> str:
     """What a build depends on: the source, Python, torch, the C++ ABI, the machine, the flags."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), sys.version, torch.__version__, str(torch.compiled_with_cxx11_abi()),
-                 platform.machine(), sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_CFLAGS)):
+    for part in (
+        _SOURCE.read_bytes(),
+        sys.version,
+        torch.__version__,
+        str(torch.compiled_with_cxx11_abi()),
+        platform.machine(),
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        " ".join(_CFLAGS),
+    ):
         key.update(part if isinstance(part, bytes) else part.encode())
     return key.hexdigest()[:16]
 
@@ -163,8 +170,13 @@ def _compile(path: Path):
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir()
             try:
-                module = load(path.stem, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
-                              build_directory=str(scratch), verbose=False)
+                module = load(
+                    path.stem,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=list(_CFLAGS),
+                    build_directory=str(scratch),
+                    verbose=False,
+                )
                 built = Path(module.__file__)
                 for leftover in scratch.iterdir():  # objects and ninja files: only the library is loaded
                     if leftover != built:
@@ -186,8 +198,10 @@ def build(dry_run: bool = False, log: bool = False):
         module = _import(library)
     else:
         if log:
-            _log.warning("fusedkit: building its C++ launch table (once per machine and torch version; "
-                         "`python -m fusedkit build` does it ahead)")
+            _log.warning(
+                "fusedkit: building its C++ launch table (once per machine and torch version; "
+                "`python -m fusedkit build` does it ahead)"
+            )
         module = _compile(path)
     table = module.Table(dry_run)
     table.watch_launch_hooks(*launch.hook_source())
@@ -272,8 +286,13 @@ def register(kept, entry, table=None) -> bool:
         return False
     operands = [(dtype, list(shape), list(strides)) for dtype, shape, strides in kept.operand_signature]
     kinds, values = layout
-    backward = None if _backward_factory is None else _backward_factory(
-        kept.kernel, kept.last_param[0], kept.operand_signature, kept.device, tuple(kept.shape), kept.dtype)
+    backward = (
+        None
+        if _backward_factory is None
+        else _backward_factory(
+            kept.kernel, kept.last_param[0], kept.operand_signature, kept.device, tuple(kept.shape), kept.dtype
+        )
+    )
     fn, saves, plan = backward if backward is not None else (None, 0, ())
     steps = []
     for step in plan:  # the C++ backward's launches: (kernel, parameter encoding, result) per operand
@@ -282,7 +301,23 @@ def register(kept, entry, table=None) -> bool:
             steps = []  # a parameter the table cannot match: the Python backward runs
             break
         steps.append((None, 0, 0, 0) if step is None else (step[0], *encoded, step[2]))
-    table.add(id(kept.kernel), kept.device, operands, *param, list(kept.shape), list(kept.out_strides),
-              kept.dtype, entry.function, entry.grid[0], 32 * num_warps, shared, kinds, values, fn, saves,
-              f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward", steps)
+    table.add(
+        id(kept.kernel),
+        kept.device,
+        operands,
+        *param,
+        list(kept.shape),
+        list(kept.out_strides),
+        kept.dtype,
+        entry.function,
+        entry.grid[0],
+        32 * num_warps,
+        shared,
+        kinds,
+        values,
+        fn,
+        saves,
+        f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward",
+        steps,
+    )
     return True
