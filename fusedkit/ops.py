@@ -48,7 +48,9 @@ def add(x: Operand, y: Operand, *, alpha: float | int = 1, out: torch.Tensor | N
         ShapeError: shapes that do not broadcast, or an ``out`` of the wrong shape.
         DTypeError: an unsupported or complex dtype, a non-tensor operand, a float
             ``alpha`` for an integral result, or an ``out`` dtype the result does not cast to.
-        ArgumentError: an ``alpha`` torch refuses (out of the compute dtype's range).
+        ArgumentError: an ``alpha`` torch refuses: beyond the range of the dtype torch converts it
+            to, which is the result dtype on the CPU (fp16's 65504) and the compute dtype on
+            CUDA (float32 for half types).
         DeviceError: operands (or ``out``) on different devices.
         OverlapError: an ``out`` that partially overlaps a dense input, or itself.
         FusedkitError: an inference tensor as ``out`` outside inference mode.

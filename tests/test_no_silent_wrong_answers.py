@@ -182,9 +182,29 @@ def test_add_with_alpha_rounds_once_as_a_fused_multiply_add(dtype):
         assert torch.equal(got, torch.add(x, y, alpha=alpha).cpu())
     elif dtype == torch.float32:
         assert torch.equal(got, torch.add(x.cpu(), y.cpu(), alpha=alpha))  # torch's CPU kernel fuses too
-    # A half alpha beyond the half range computes in float32 (torch's CPU kernel would refuse it).
-    big = fusedkit.add(x, y, alpha=70000.0).cpu()
-    assert torch.equal(big, (x.cpu().double() + y.cpu().double() * 70000.0).float().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("alpha", [70000, 70000.0, 2**31, 2**40, 2**63 - 1, 3.5e38, 1e39, float("inf")])
+def test_an_alpha_is_checked_as_torch_checks_it_on_the_device(dtype, alpha):
+    # torch converts alpha with an overflow check: to float32 for half types on CUDA, to the
+    # result dtype itself on the CPU (fp16 + 70000 * y raises there). fusedkit refuses what torch
+    # refuses, before launching, and computes what it computes.
+    x, y = rand((64,), dtype, DEVICE), rand((64,), dtype, DEVICE) * 1e-6
+    try:
+        expected = torch.add(x, y, alpha=alpha)
+    except RuntimeError as exc:
+        assert "without overflow" in str(exc)
+        with pytest.raises(fusedkit.ArgumentError, match="without overflow"):
+            fusedkit.add(x, y, alpha=alpha)
+        return
+    # float64 holds x + alpha32 * y exactly enough: one rounding to float32, then to the dtype
+    a32 = torch.tensor(alpha, dtype=torch.float32).double()
+    got = fusedkit.add(x, y, alpha=alpha)
+    want = (x.cpu().double() + y.cpu().double() * a32).float().to(dtype)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    if ON_GPU:
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_python_number_operands_convert_as_torchs_cuda_kernels_read_them():

@@ -101,13 +101,12 @@ _COMPUTE_DTYPE = {
 _INT64_MIN, _INT64_MAX = launch.INT64_MIN, launch.INT64_MAX
 #: Python ints torch takes as a Scalar: int64, or uint64 above it.
 _SCALAR_INT_END = 2**64
-#: The largest finite value of each float result's compute dtype: torch's CUDA kernels
-#: convert ``alpha`` to it with an overflow check (inf and NaN pass).
-_COMPUTE_MAX = {
-    torch.float16: torch.finfo(torch.float32).max,
-    torch.bfloat16: torch.finfo(torch.float32).max,
-    torch.float32: torch.finfo(torch.float32).max,
-    torch.float64: torch.finfo(torch.float64).max,
+#: The dtype torch converts a float result's ``alpha`` to, with an overflow check (inf and NaN
+#: pass), by device type: its CUDA kernels take it in the compute dtype (float32 for half
+#: types), its CPU kernels in the result dtype itself (so fp16's alpha must fit float16).
+_PARAM_DTYPE = {
+    "cuda": {torch.float16: torch.float32, torch.bfloat16: torch.float32},
+    "cpu": {},
 }
 
 
@@ -275,7 +274,7 @@ def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: in
         )
 
     if kernel.param is not None:
-        _check_param(kernel, param, dtype)
+        _check_param(kernel, param, dtype, device)
 
     grad_inputs = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
     direct = True
@@ -293,9 +292,10 @@ def validate(kernel: ElementwiseKernel, operands: tuple, param, out, outputs: in
     return Call(kernel, operands, param, shape, dtype, device, out, grad_inputs, direct)
 
 
-def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
-    """The parameter as torch checks ``alpha``: an int torch can take, an integer for an
-    integral result (within its range), a float within the compute dtype's range."""
+def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype, device: torch.device) -> None:
+    """The parameter as torch checks ``alpha`` on ``device``: an int torch can take, an integer
+    for an integral result (within its range), for a float result a value within the range of
+    the dtype torch converts it to there (:data:`_PARAM_DTYPE`)."""
     if isinstance(param, _SYMBOLIC):
         return  # traced: checked when the op runs with the real value
     if isinstance(param, bool) or not isinstance(param, numbers.Real):
@@ -306,12 +306,13 @@ def _check_param(kernel: ElementwiseKernel, param, dtype: torch.dtype) -> None:
             raise DTypeError(f"{kernel.name}(): for integral results, {kernel.param} must be an integer, got {param!r}")
         if not torch.iinfo(dtype).min <= param <= torch.iinfo(dtype).max:
             raise ArgumentError(f"{kernel.name}(): {kernel.param}={param} does not fit in {dtype}")
-    elif math.isfinite(value := float(param)) and abs(value) > _COMPUTE_MAX[dtype]:
-        raise ArgumentError(
-            f"{kernel.name}(): {kernel.param}={param!r} cannot be converted to the "
-            f"{dtype} computation's {'float64' if dtype == torch.float64 else 'float32'} "
-            "without overflow"
-        )
+    else:
+        target = _PARAM_DTYPE.get(device.type, _PARAM_DTYPE["cuda"]).get(dtype, dtype)
+        if math.isfinite(value := float(param)) and abs(value) > torch.finfo(target).max:
+            raise ArgumentError(
+                f"{kernel.name}(): {kernel.param}={param!r} cannot be converted to {target} without overflow "
+                f"(torch converts a {dtype} result's {kernel.param} to {target} on {device.type})"
+            )
 
 
 def _check_out(kernel, out, shape, dtype, device, tensors) -> bool:
@@ -691,7 +692,7 @@ class KeptLaunch:
             return last[1]
         kernel = self.kernel
         if kernel.param is not None and last[0] is not param:  # (a repeated parameter was checked)
-            _check_param(kernel, param, self.dtype)
+            _check_param(kernel, param, self.dtype, self.device)
         bits = []
         for slot in self.slots:
             if slot is None or slot >= 0:
