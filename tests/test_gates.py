@@ -450,3 +450,37 @@ def test_erf_gelu_in_float32_is_accurate_where_torchs_cancels():
     rel = (got - forward).abs() / forward.abs()
     assert rel[forward.abs() > 1e-3].max().item() < 1e-4
     assert rel[forward.abs() > 1e-10].max().item() < 3e-3
+
+
+TANH_F64_ENTRIES = {
+    "gelu_mul": lambda v: fusedkit.gelu_mul(v, torch.ones_like(v), approximate="tanh"),
+    "add_gelu": lambda v: fusedkit.add_gelu(v, torch.full_like(v, -0.0), approximate="tanh"),
+    "matmul": lambda v: fusedkit.matmul(v[:, None], torch.ones(1, 1, dtype=F64, device=v.device), None, "gelu_tanh")[
+        :, 0
+    ],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(TANH_F64_ENTRIES))
+def test_float64_tanh_gelu_computes_what_torch_computes(entry):
+    # float64 takes torch's own formula, 0.5 v (1 + tanh z), and so its cancellation: where tanh
+    # rounds to -1 GELU is -0.0 (v = -10), and times inf that is NaN, not -inf; the derivative
+    # likewise. What is left is the tanh's own rounding (an ulp or two of 1).
+    special = [-10.0, -5.0, -0.0, 0.0, 1e-300, -1e-300, 1e154, 1e155, -1e155, math.inf, -math.inf, math.nan]
+    v = torch.cat([torch.linspace(-40, 40, 4001, dtype=F64), torch.tensor(special, dtype=F64)]).to(DEVICE)
+    v = v.requires_grad_()
+    got = TANH_F64_ENTRIES[entry](v)
+    want = F.gelu(v.detach(), approximate="tanh")
+    torch.testing.assert_close(got.detach(), want, rtol=1e-13, atol=1e-15, equal_nan=True)
+    if entry != "matmul":  # (the accumulator starts at +0: a product's -0.0 sums to +0.0)
+        signed = ~want.isnan()
+        assert torch.equal(torch.signbit(got.detach())[signed], torch.signbit(want)[signed])
+    (slope,) = torch.autograd.grad(got.sum(), v)
+    wide = v.detach().requires_grad_()
+    (want_slope,) = torch.autograd.grad(F.gelu(wide, approximate="tanh").sum(), wide)
+    torch.testing.assert_close(slope, want_slope, rtol=1e-13, atol=1e-14, equal_nan=True)
+    b = torch.tensor([math.inf], dtype=F64, device=DEVICE)
+    nan = fusedkit.gelu_mul(torch.tensor([-10.0], dtype=F64, device=DEVICE), b, approximate="tanh")
+    assert torch.isnan(nan).all() and torch.isnan(
+        F.gelu(torch.tensor([-10.0], dtype=F64), approximate="tanh") * math.inf
+    )

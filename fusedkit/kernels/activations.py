@@ -124,11 +124,38 @@ def gelu(v):
 
 
 @triton.jit
+def tanh_f64(z):
+    """``tanh(z)`` in float64 as torch's float64 GELU sees it: ``±(1 - 2 / (1 + exp(2 |z|)))``, the
+    subtraction from 1 last, so the result is rounded about once, as a library tanh's is, and
+    exactly ±1 where it is within an ulp of it (``TANH_SATURATED``, as torch's tanh gives it), so
+    that ``1 + tanh`` and ``1 - tanh^2`` cancel where they do in torch (``gelu_tanh(-10)`` is -0.0).
+    Near 0 its error (an ulp of 1, not of tanh) is invisible in the ``1 + t`` and ``1 - t^2`` the
+    GELU formulas take. (Triton's interpreter has no libdevice tanh.)"""
+    rest = 2 / (tl.exp(tl.abs(z) * 2) + 1)  # 1 - |tanh z| (0 past |z| = 354, where exp overflows)
+    magnitude = tl.where(rest < TANH_SATURATED * 2, 1.0, 1 - rest)
+    return tl.where(z < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def gelu_tanh_inner_f64(v):
+    """torch's float64 ``kBeta (x + kKappa x^3)``, in its order of operations (tensors first: in
+    Triton 3.9's interpreter a constexpr times a tensor is a constexpr)."""
+    return (v + (v * v * v) * GELU_TANH_CUBIC) * SQRT_2_OVER_PI
+
+
+@triton.jit
 def gelu_tanh(v):
-    """PyTorch's ``gelu(approximate="tanh")``, written as ``v * sigmoid(2 z)``
-    since ``0.5 (1 + tanh z) == sigmoid(2 z)``."""
-    z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
-    return v * sigmoid(2 * z)
+    """PyTorch's ``gelu(approximate="tanh")``. Below float64 as ``v * sigmoid(2 z)``, since
+    ``0.5 (1 + tanh z) == sigmoid(2 z)``, which keeps relative accuracy where ``1 + tanh z``
+    cancels; float64 with torch's own formula ``0.5 v (1 + tanh z)``, so it computes what
+    torch computes there, its cancellation included (``gelu_tanh(-10)`` is -0.0, and times
+    inf gives NaN, as in torch)."""
+    if v.dtype == tl.float64:
+        result = 0.5 * v * (1 + tanh_f64(gelu_tanh_inner_f64(v)))
+    else:
+        z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
+        result = v * sigmoid(2 * z)
+    return result
 
 
 @triton.jit
@@ -149,25 +176,36 @@ def sigmoid_pair(v):
 
 
 @triton.jit
+def gelu_tanh_derivative_f64(v):
+    """torch's float64 tanh-GELU derivative, in its own terms: ``0.5 (1 + t) + 0.5 v (1 - t^2)
+    kBeta (1 + 3 kKappa v^2)``, ``t = tanh z``. An infinite v, or one whose square overflows
+    (|v| > 1.3e154), gives NaN (0 * inf), as in torch."""
+    t = tanh_f64(gelu_tanh_inner_f64(v))
+    left = 0.5 * v
+    return (t + 1) * 0.5 + left * (1 - t * t) * SQRT_2_OVER_PI * ((v * v) * (3 * GELU_TANH_CUBIC) + 1)
+
+
+@triton.jit
 def gelu_tanh_derivative(v):
     """d gelu_tanh / dv with ``s = sigmoid(2 z)`` (``= 0.5 (1 + tanh z)``): ``s (1 + 2 v z' (1 - s))``,
     which has no ``1 - tanh^2`` to cancel where tanh is near 1 (as ``1 - 2 / (1 + exp(2 z))`` it
-    lost 1.3e-5 at |grad| ~ 10 in float32)."""
-    z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
-    s, rest = sigmoid_pair(2 * z)
-    dz = SQRT_2_OVER_PI * (1 + 3 * GELU_TANH_CUBIC * v * v)
-    # The second term is 0 where ``1 - s`` underflows (|v| dz rest < 1e-35 there), not inf * 0:
-    # ``v dz`` overflows from |v| ~ 1.2e13. It is kept where s rounds to 1 (worth 9e-7 of the result
-    # at v = 5.1 in float32: 16 ulp). Saturated to 0 below for finite v; an infinite v gives NaN, as
-    # in torch.
-    finite = v * 0 == 0
-    term = tl.where(rest == 0, 0.0, 2 * v * dz * rest)
-    slope = tl.where(s < TANH_SATURATED, 0.0, s * (1 + term))
+    lost 1.3e-5 at |grad| ~ 10 in float32). float64 takes torch's own formula
+    (:func:`gelu_tanh_derivative_f64`)."""
     if v.dtype == tl.float64:
-        # torch's float64 backward gives NaN where v * v overflows (|v| > 1.3e154: 0 * inf);
-        # fp32 compute is checked against float64, which is finite over fp32's whole range.
-        finite = finite & (v * v * 0 == 0)
-    return tl.where(finite, slope, v * 0 * (v * v))  # (NaN: inf * 0 or 0 * inf)
+        result = gelu_tanh_derivative_f64(v)
+    else:
+        z = SQRT_2_OVER_PI * (v + GELU_TANH_CUBIC * v * v * v)
+        s, rest = sigmoid_pair(2 * z)
+        dz = SQRT_2_OVER_PI * (1 + 3 * GELU_TANH_CUBIC * v * v)
+        # The second term is 0 where ``1 - s`` underflows (|v| dz rest < 1e-35 there), not inf * 0:
+        # ``v dz`` overflows from |v| ~ 1.2e13. It is kept where s rounds to 1 (worth 9e-7 of the result
+        # at v = 5.1 in float32: 16 ulp). Saturated to 0 below for finite v; an infinite v gives NaN, as
+        # in torch.
+        finite = v * 0 == 0
+        term = tl.where(rest == 0, 0.0, 2 * v * dz * rest)
+        slope = tl.where(s < TANH_SATURATED, 0.0, s * (1 + term))
+        result = tl.where(finite, slope, v * 0)  # (NaN: inf * 0)
+    return result
 
 
 @triton.jit
