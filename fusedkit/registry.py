@@ -42,6 +42,7 @@ __all__ = [
     "Traffic",
     "FLOAT_DTYPES",
     "INT_DTYPES",
+    "OPERAND_DTYPES",
     "SUPPORTED_DTYPES",
     "register",
     "unregister",
@@ -53,8 +54,12 @@ __all__ = [
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
-#: Every dtype the generic launcher can load, compute in and store.
+#: Every dtype the generic launcher can load, compute in and store: what an entry's ``dtypes``
+#: (its result dtypes) are drawn from.
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES
+#: What an operand may be besides: the launcher loads it and converts it to the result dtype as
+#: torch promotes it (``silu_mul(a_f32, mask_bool)`` is float32), whatever the entry's ``dtypes``.
+OPERAND_DTYPES = SUPPORTED_DTYPES + (torch.bool, torch.uint8, torch.int8, torch.int16)
 #: Smallest unit of DRAM traffic on NVIDIA GPUs: a strided read still moves whole sectors.
 SECTOR_BYTES = 32
 #: Arity range the generic kernel has operand slots for.
@@ -110,7 +115,9 @@ class ElementwiseKernel:
         reference: the unfused PyTorch composition with the same signature as the
             public op's positional operands plus the param, e.g. ``(x, y, alpha)``.
         arg_names: names of the operands, used in error messages.
-        dtypes: result dtypes the op accepts; inputs must be among them too.
+        dtypes: result dtypes the op accepts (``torch.result_type`` of the operands). An operand
+            may have any dtype in :data:`OPERAND_DTYPES` that promotes to one of them, as in
+            torch: it is converted to the result dtype as torch converts it.
         param: name of the single scalar keyword parameter, or ``None``.
         param_default: its default value.
         formula: human-readable formula for the docs.

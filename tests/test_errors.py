@@ -49,8 +49,9 @@ BAD = [
     ("complex scalar", lambda: (x32(), 1 + 2j), {}, DTypeError, "'y'"),
     ("string operand", lambda: ("a", x32()), {}, DTypeError, "'x'"),
     ("None operand", lambda: (x32(), None), {}, DTypeError, "'y'"),
-    ("bool tensor", lambda: (x32(), torch.ones(4, 5, dtype=torch.bool, device=DEVICE)), {}, DTypeError, "'y'"),
-    ("int8 tensor", lambda: (torch.ones(3, dtype=torch.int8, device=DEVICE), x32(3)), {}, DTypeError, "'x'"),
+    ("uint16 tensor", lambda: (x32(), torch.ones(4, 5, dtype=torch.uint16, device=DEVICE)), {}, DTypeError, "'y'"),
+    ("bool result", lambda: (torch.ones(3, dtype=torch.bool, device=DEVICE),) * 2, {}, DTypeError, "result dtype"),
+    ("int8 result", lambda: (torch.ones(3, dtype=torch.int8, device=DEVICE), 2), {}, DTypeError, "result dtype"),
     ("no tensor", lambda: (1.0, 2.0), {}, DTypeError, "must be a Tensor"),
     (
         "float alpha, int result",

@@ -75,8 +75,8 @@ def test_approximate_is_checked_before_anything_runs():
             call()
         assert isinstance(info.value, ValueError)
     assert torch.equal(out, torch.full((4,), 7.0, device=DEVICE))
-    with pytest.raises(fusedkit.DTypeError):
-        fusedkit.silu_mul(a, torch.ones(4, dtype=torch.int32, device=DEVICE))  # floating dtypes only
+    with pytest.raises(fusedkit.DTypeError, match="result dtype"):
+        fusedkit.silu_mul(torch.ones(4, dtype=torch.int32, device=DEVICE), 2)  # floating results only
 
 
 def test_out_and_in_place():
@@ -484,3 +484,26 @@ def test_float64_tanh_gelu_computes_what_torch_computes(entry):
     assert torch.isnan(nan).all() and torch.isnan(
         F.gelu(torch.tensor([-10.0], dtype=F64), approximate="tanh") * math.inf
     )
+
+
+PROMOTING = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+
+
+@pytest.mark.parametrize("other", PROMOTING, ids=str)
+@pytest.mark.parametrize("fused,plain", GATES, ids=GATE_IDS)
+def test_gates_take_torchs_type_promotion(fused, plain, other):
+    # silu_mul(features, mask_bool), gelu_mul(a, positions_int64), add_gelu(a, int_bias): the
+    # result is the float operand's dtype, as in torch, and the float operand gets its gradient.
+    a = rand((6, 5), torch.float32, DEVICE).requires_grad_()
+    b = (torch.arange(30, device=DEVICE).reshape(6, 5) % 3).to(other)
+    for x, y in ((a, b), (b, a)):
+        try:
+            want = plain(x.detach().cpu(), y.detach().cpu())
+        except (NotImplementedError, RuntimeError):  # torch's silu / gelu of an integer tensor
+            continue
+        out = fused(x, y)
+        assert out.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(out.detach().cpu(), want, rtol=1.3e-6, atol=1e-6)
+        (grad,) = torch.autograd.grad(out.sum(), a)
+        (want_grad,) = torch.autograd.grad(plain(*(t if t is not a else a for t in (x, y))).sum(), a)
+        torch.testing.assert_close(grad, want_grad, rtol=1.3e-6, atol=1e-6)

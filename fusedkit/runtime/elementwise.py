@@ -38,7 +38,7 @@ from ..errors import (
     SignatureError,
 )
 from ..kernels.elementwise import POINTER_ARGS, elementwise_kernel
-from ..registry import ElementwiseKernel, result_dtype
+from ..registry import OPERAND_DTYPES, ElementwiseKernel, result_dtype
 from . import launch, native
 from .configs import COMPILER_OPTIONS
 from .layout import (
@@ -202,10 +202,10 @@ def _check_operand(kernel: ElementwiseKernel, name: str, value) -> None:
             raise DTypeError(
                 f"{kernel.name}(): argument '{name}' is complex ({value.dtype}); fusedkit takes real dtypes"
             )
-        if value.dtype not in kernel.dtypes:
+        if value.dtype not in OPERAND_DTYPES:
             raise DTypeError(
-                f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; "
-                f"supported: {', '.join(str(d) for d in kernel.dtypes)}"
+                f"{kernel.name}(): argument '{name}' has dtype {value.dtype}; an operand may be "
+                f"{', '.join(str(d) for d in OPERAND_DTYPES)}"
             )
         return
     if isinstance(value, _SYMBOLIC):
