@@ -295,3 +295,94 @@ def test_results_name_the_checkout_commit(monkeypatch):
     assert head and _commit().startswith(head)
     monkeypatch.setenv("FUSEDKIT_COMMIT", "abc123")
     assert _commit() == "abc123"
+
+
+@pytest.fixture
+def no_report(monkeypatch):
+    """``main`` in-process with the reports replaced: a bad argument must stop it before they start."""
+    from fusedkit.bench import advice
+
+    def started(args):
+        raise AssertionError("the report started")
+
+    monkeypatch.setattr("fusedkit.bench.run_command", started)
+    monkeypatch.setattr(advice, "run_advise_command", started)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        # issue 45 item 4: "2**70" ran 70 elements; "63" was 2**63 elements and crashed in the report
+        (["bench", "--sizes", "2**70"], "argument --sizes: '2**70' is 2**70 elements; the exponent must be 0 to 40"),
+        (
+            ["bench", "--sizes", "10,63"],
+            "argument --sizes: '63' is 2**63 elements (a number below 64 is a power of two)",
+        ),
+        (["bench", "--sizes", "1099511627777"], "argument --sizes: '1099511627777' is more than 2**40 elements"),
+        (["bench", "--sizes", "\u00b2"], "argument --sizes: '\u00b2' is not a size"),  # isdigit() took it, int() not
+        # sizes the layouts cannot make: the report ran 64 (992, 4096) elements labelled 70 (1000, 5000)
+        (["bench", "--sizes", "70"], "--sizes 70 does not fill the transposed layout (8x8 makes 64 elements)"),
+        (["bench", "--sizes", "1000", "--layouts", "transposed"], "--sizes 1000 does not fill the transposed layout"),
+        (["bench", "--sizes", "5000", "--layouts", "bias"], "--sizes 5000 does not fill the bias layout (1x4096"),
+        (["bench", "--bias-cols", "3000"], "does not fill the bias layout"),  # the default sizes
+        # issue 45 item 12: ZeroDivisionError, and a tensor of negative dimension
+        (["bench", "--bias-cols", "0"], "argument --bias-cols: '0' is not a positive integer"),
+        (["bench", "--bias-cols", "-3"], "argument --bias-cols: '-3' is not a positive integer"),
+        (["bench", "--matmul", "--shapes", "0x64x64"], "argument --shapes: '0x64x64' has a zero dimension"),
+        (["bench", "--matmul", "--shapes", "2000000x2000000x1"], "has an operand of more than 2**40 elements"),
+        (["bench", "--matmul", "--shapes", "8x8x\u00b2"], "argument --shapes: '8x8x\u00b2' is not MxNxK"),
+        # issue 45 item 12: a missing directory failed after the whole report
+        (["bench", "--json", "{tmp}/missing/r.json"], "argument --json: '{tmp}/missing/r.json': its directory"),
+        (["bench", "--csv", "{tmp}/missing/r.csv"], "argument --csv: '{tmp}/missing/r.csv': its directory"),
+        (["advise", "--json", "{tmp}/missing/r.json"], "argument --json: '{tmp}/missing/r.json': its directory"),
+        (["bench", "--json", "{tmp}/file/r.json"], "its directory {tmp}/file is not a directory"),
+        (["bench", "--json", "{tmp}"], "argument --json: '{tmp}' is a directory; name a file"),
+        (["bench", "--json", ""], "argument --json: '' is empty; name a file"),
+        (["bench", "--plots", "{tmp}/file"], "argument --plots: '{tmp}/file' is a file; name a directory"),
+        (["bench", "--plots", "{tmp}/file/plots"], "argument --plots: {tmp}/file is a file; name a directory"),
+        (["bench", "--json", "{tmp}/r", "--csv", "{tmp}/r"], "--json and --csv name the same file"),
+    ],
+)
+def test_bad_values_are_usage_errors_before_any_report(args, words, tmp_path, capsys, no_report):
+    from fusedkit.__main__ import main
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the usage, the error on one line
+    assert info.value.code == 2 and "error: " in last and words.format(tmp=tmp_path) in last, err
+    assert "Traceback" not in err
+
+
+def test_an_unwritable_destination_is_refused_before_the_report(tmp_path, monkeypatch, capsys, no_report):
+    from fusedkit.__main__ import main
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # (as root, chmod would not refuse)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--json", str(tmp_path / "r.json")])
+    assert info.value.code == 2 and "cannot be written (permission denied)" in capsys.readouterr().err
+
+
+def test_the_parser_takes_what_the_reports_can_run(tmp_path):
+    from fusedkit import registry
+    from fusedkit.__main__ import build_parser, check_bench
+    from fusedkit.bench.cases import make_operands
+
+    parser = build_parser()
+
+    def parsed(*args):
+        ns = parser.parse_args(["bench", *args])
+        check_bench(parser, ns)  # no SystemExit
+        return ns
+
+    # exponents 0..40 (a size given twice runs once), counts from 64 up to 2**40
+    assert parsed("--sizes", "0,2**3,40,64,1099511627776,20,2**20").sizes == [1, 8, 1 << 40, 64, 1 << 20]
+    ns = parsed("--sizes", "1000,2000,256", "--bias-cols", "1000", "--layouts", "contiguous,bias")
+    for n in ns.sizes:  # the bias layout makes exactly n elements: 1000 x 1, 1000 x 2, 256 x 1
+        assert make_operands(registry.get("add"), "bias", n, torch.float32, "meta", 1000)[0].numel() == n
+    assert parsed("--backward", "--sizes", "70").sizes == [70]  # contiguous sizes only: any count fits
+    assert parsed("--latency", "--sizes", "1000").sizes == [1000]
+    assert parsed("--matmul", "--shapes", "1x4096x4096").shapes == [(1, 4096, 4096)]
+    assert parsed("--plots", str(tmp_path / "new" / "plots")).plots == str(tmp_path / "new" / "plots")
+    assert parsed("--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")).csv == str(tmp_path / "r.csv")
