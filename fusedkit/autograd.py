@@ -28,6 +28,7 @@ from .runtime import elementwise, matmul, native
 
 __all__ = [
     "EagerElementwise",
+    "EagerPreElementwise",
     "EagerMatmul",
     "FuncElementwise",
     "FuncMatmul",
@@ -100,17 +101,40 @@ def _(tensors, name, tensor_slots, scalars, param):
     return elementwise.allocate_out(call)
 
 
-def _save(ctx, kernel, param, tensor_slots, scalars, tensors, output) -> None:
-    """What a backward needs, kept on ``ctx`` (the registered op's and the eager Function's)."""
+def _save(ctx, kernel, param, tensor_slots, scalars, tensors, output, needed_only: bool = False) -> None:
+    """What a backward needs, kept on ``ctx`` (the registered op's and the Functions'). A kernel
+    that saves "pre" keeps its operands here: these paths compute ``pre`` again in the
+    backward (the eager one keeps it: :class:`EagerPreElementwise`). ``needed_only``: keep only
+    the operands the requested gradients read (``ElementwiseKernel.needs``), as torch keeps
+    them, so another may change in place afterwards. An inference tensor is held on ``ctx``
+    outside ``save_for_backward``, which refuses it (it cannot change outside inference mode)."""
     ctx.kernel = kernel
     ctx.param = param
     ctx.slots = tensor_slots
     ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
     ctx.scalars = scalars
+    ctx.held = {}
     if kernel.saves == "output":
         ctx.save_for_backward(output)
-    elif kernel.saves == "inputs":
-        ctx.save_for_backward(*tensors)
+    elif kernel.saves in ("inputs", "pre"):
+        needed = range(kernel.arity)
+        if needed_only and kernel.needs is not None:
+            needed = {i for slot, t in zip(tensor_slots, tensors) if t.requires_grad for i in kernel.needs[slot]}
+        ctx.kept = [slot in needed for slot in tensor_slots]
+        ctx.held = {k: t for k, (t, keep) in enumerate(zip(tensors, ctx.kept)) if keep and t.is_inference()}
+        ctx.save_for_backward(*(t for k, (t, keep) in enumerate(zip(tensors, ctx.kept)) if keep and k not in ctx.held))
+
+
+def _saved_operands(ctx) -> tuple:
+    """The operands as :func:`_save` kept them: None in the place of a tensor not kept."""
+    saved = iter(ctx.saved_tensors)
+    tensors = [ctx.held[k] if k in ctx.held else next(saved) if keep else None for k, keep in enumerate(ctx.kept)]
+    operands: list = [None] * ctx.kernel.arity
+    scalars = iter(ctx.scalars)
+    for slot, t in zip(ctx.slots, tensors):
+        operands[slot] = t
+    tensor_slots = set(ctx.slots)
+    return tuple(v if i in tensor_slots else next(scalars) for i, v in enumerate(operands))
 
 
 def _reduce_to(grad: torch.Tensor, shape, device) -> torch.Tensor:
@@ -122,17 +146,31 @@ def _reduce_to(grad: torch.Tensor, shape, device) -> torch.Tensor:
     return grad.to(device=device)
 
 
-def _input_grads(ctx, grad) -> list:
-    """The gradient of each tensor operand (None where none flows), from what ``_save`` kept."""
+def _input_grads(ctx, grad, run=None) -> list:
+    """The gradient of each tensor operand (None where none flows), from what ``_save`` kept;
+    ``run(kernel, operands, param)``: how this path runs a kernel (``pre``'s, which a kernel
+    that saves "pre" computes again here from its operands)."""
     kernel = ctx.kernel
-    if kernel.saves == "output":
-        saved = ctx.saved_tensors[0]
-    elif kernel.saves == "inputs":
-        saved = _assemble(kernel.arity, ctx.saved_tensors, ctx.slots, ctx.scalars)
+    param = _param(kernel, ctx.param)
+    if kernel.saves == "pre":
+        operands = _saved_operands(ctx)
+        grads = _pre_grads(kernel, grad, run(kernel.pre, operands, param), param)
     else:
-        saved = None
-    grads = kernel.backward(grad, saved, _param(kernel, ctx.param))
+        saved = ctx.saved_tensors[0] if kernel.saves == "output" else None
+        if kernel.saves == "inputs":
+            saved = _saved_operands(ctx)
+        grads = kernel.backward(grad, saved, param)
     return [_operand_grad(grads[slot], meta) for slot, meta in zip(ctx.slots, ctx.meta)]
+
+
+def _pre_grads(kernel, grad, pre, param, grad_pre=None):
+    """The operands' gradients of a kernel that saves "pre": its backward gives ``pre``'s
+    gradient (plus ``grad_pre``, what flowed into ``pre`` itself in a double backward), which
+    ``pre``'s entry's backward turns into the operands'."""
+    total = kernel.backward(grad, pre, param) if grad is not None else None
+    if grad_pre is not None:
+        total = grad_pre if total is None else total + grad_pre
+    return kernel.pre.backward(total, None, param)
 
 
 def _operand_grad(grad, meta):
@@ -153,7 +191,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
     result's shape and dtype; the autograd engine sums a broadcast operand's to its shape and
     casts it to the dtype its operand takes, as it does for torch's own nodes (``AddBackward``
     returns the incoming gradient for both operands), which ``_operand_grad`` leaves it."""
-    if kernel.backward is None:
+    if kernel.backward is None or kernel.saves == "pre":  # (its pre and forward launch are Python's)
         return None
     try:
         if get(kernel.name) is not kernel:
@@ -215,8 +253,12 @@ def _elementwise_setup_context(ctx, inputs, output):
     _save(ctx, get(name), param, tensor_slots, scalars, tensors, output)
 
 
+def _run_op(kernel, operands, param):
+    return call_op(kernel, operands, param, None)
+
+
 def _elementwise_backward(ctx, grad):
-    out = _input_grads(ctx, grad)
+    out = _input_grads(ctx, grad, _run_op)
     # The inputs' structure as torch.library sees it: a non-empty list of numbers is
     # one leaf (its gradient None), an empty list stays an empty list.
     return out, None, None if ctx.n_slots else [], None if ctx.scalars else [], None
@@ -305,29 +347,30 @@ def register_pair(kernel) -> None:
 
 @torch.library.custom_op("fusedkit::elementwise_pair", mutates_args=())
 def elementwise_pair_op(
-    tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar]
+    tensors: list[torch.Tensor], name: str, tensor_slots: list[int], scalars: list[Scalar], param: Scalar
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output kernel: the registered op a dispatch mode sees (a byte
-    counter, ``make_fx``) where an eager backward would call ``run_pair`` directly."""
+    counter, ``make_fx``) where an eager call would call ``run_pair`` directly."""
     kernel = PAIRS[name]
-    return elementwise.run_pair(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None)
+    operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
+    return elementwise.run_pair(kernel, operands, _param(kernel, param))
 
 
 @elementwise_pair_op.register_fake
-def _(tensors, name, tensor_slots, scalars):
+def _(tensors, name, tensor_slots, scalars, param):
     kernel = PAIRS[name]
     with torch.no_grad():
         call = elementwise.validate(
-            kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), None, None, outputs=2
+            kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), _param(kernel, param), None, outputs=2
         )
     return elementwise.allocate_out(call), elementwise.allocate_out(call)
 
 
-def call_pair(kernel, operands: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def call_pair(kernel, operands: tuple, param=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both results of a two-output ``kernel`` (registered with :func:`register_pair`) through
     ``fusedkit::elementwise_pair``."""
     tensors, slots, scalars = _split(operands)
-    return elementwise_pair_op(tensors, kernel.name, slots, scalars)
+    return elementwise_pair_op(tensors, kernel.name, slots, scalars, param if param is not None else 0)
 
 
 def _check_registered(kernel) -> None:
@@ -361,12 +404,41 @@ class EagerElementwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel, param, tensor_slots, scalars, *tensors):
         output = elementwise.run(kernel, _assemble(kernel.arity, tensors, tensor_slots, scalars), param)
-        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output)
+        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output, needed_only=True)
         return output
 
     @staticmethod
     def backward(ctx, grad):
         return (None, None, None, None, *_input_grads(ctx, grad))
+
+
+class EagerPreElementwise(torch.autograd.Function):
+    """An eager call that needs a gradient of a kernel that saves "pre" (``gelu(x + alpha * y)``
+    keeps the sum, as torch does): one launch of its ``forward_pair`` writes the result and
+    ``pre``, which is kept as a second output, so a gradient of the gradient (which reads
+    ``pre``) flows back into it and through ``pre``'s own backward."""
+
+    @staticmethod
+    def forward(ctx, kernel, param, observed, tensor_slots, scalars, *tensors):
+        operands = _assemble(kernel.arity, tensors, tensor_slots, scalars)
+        if observed:  # (a dispatch mode watches: the pair through its registered op, which it sees)
+            output, pre = call_pair(kernel.forward_pair, operands, param)
+        else:
+            output, pre = elementwise.run_pair(kernel.forward_pair, operands, param)
+        ctx.set_materialize_grads(False)
+        ctx.kernel, ctx.param, ctx.slots = kernel, param, tensor_slots
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        ctx.save_for_backward(pre)
+        return output, pre
+
+    @staticmethod
+    def backward(ctx, grad, grad_pre):
+        if grad is None and grad_pre is None:
+            return (None,) * (5 + len(ctx.slots))
+        (pre,) = ctx.saved_tensors
+        kernel = ctx.kernel
+        grads = _pre_grads(kernel, grad, pre, _param(kernel, ctx.param), grad_pre)
+        return (None,) * 5 + tuple(_operand_grad(grads[slot], meta) for slot, meta in zip(ctx.slots, ctx.meta))
 
 
 class FuncElementwise(torch.autograd.Function):
@@ -386,7 +458,7 @@ class FuncElementwise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None, None, *_input_grads(ctx, grad))
+        return (None, None, None, None, *_input_grads(ctx, grad, _inner))
 
     @staticmethod
     def vmap(info, in_dims, kernel, param, tensor_slots, scalars, *tensors):
@@ -402,13 +474,16 @@ def call_functorch(kernel, operands: tuple, param) -> torch.Tensor:
     return FuncElementwise.apply(kernel, param, slots, scalars, *tensors)
 
 
-def call_autograd(kernel, operands: tuple, param) -> torch.Tensor:
-    """An eager call of ``kernel`` that autograd records (validated inside the Function)."""
+def call_autograd(kernel, operands: tuple, param, observed: bool = False) -> torch.Tensor:
+    """An eager call of ``kernel`` that autograd records (validated inside the Function);
+    ``observed``: a dispatch mode watches, and sees the launches through registered ops."""
     if kernel.backward is None:
         elementwise.validate(kernel, operands, param, None)  # raises: no backward (or what comes first)
     elementwise.check_arity(kernel, operands)
     _check_registered(kernel)
     tensors, slots, scalars = _split(operands)
+    if kernel.saves == "pre":
+        return EagerPreElementwise.apply(kernel, param, observed, slots, scalars, *tensors)[0]
     return EagerElementwise.apply(kernel, param, slots, scalars, *tensors)
 
 

@@ -143,6 +143,17 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
     if tracing(operands, out):
         if not _is_compiling() and sharding.has_dtensor((*operands, out)):
             return _distributed(kernel, operands, param, out)
+        if (
+            kernel.saves == "pre"
+            and out is None
+            and not _is_compiling()
+            and observed(operands)
+            and _grad_needed(operands)
+        ):
+            # An eager step a mode watches (a byte counter): the launches eager makes, through
+            # registered ops it sees (the forward pair that writes pre, then pre's gradient).
+            ew.validate(kernel, operands, param, None)
+            return autograd.call_autograd(kernel, operands, param, observed=True)
         return autograd.call_op(kernel, operands, param, out)
     call = ew.validate(kernel, operands, param, out)
     if call.needs_grad:
@@ -150,6 +161,10 @@ def _elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.T
     result = ew.run_validated(call)
     ew.remember(key, call, result)
     return result
+
+
+def _grad_needed(operands) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands)
 
 
 def _distributed(kernel: ElementwiseKernel, operands: tuple, param, out) -> torch.Tensor:

@@ -22,9 +22,7 @@ from .runtime import elementwise as ew
 __all__ = [
     "ADD",
     "ADD_GELU",
-    "ADD_GELU_GRAD",
     "ADD_GELU_TANH",
-    "ADD_GELU_TANH_GRAD",
     "ADD_RELU",
     "GELU_GRAD",
     "GELU_MUL",
@@ -175,8 +173,9 @@ def activation_grad(grad: torch.Tensor, saved: torch.Tensor, activation: str | N
 
 
 # --- Gates (SwiGLU, GeGLU) and bias + GELU -----------------------------------------------
-# Each saves its inputs, never an intermediate (the activation is recomputed in the backward:
+# A gate keeps its inputs, never an intermediate (the activation is recomputed in the backward:
 # one more read, none of the forward's extra memory), and takes its gradients in one kernel.
+# Bias + GELU keeps the sum, as torch does, written beside the result in the forward's launch.
 
 #: Whether a profiler is recording (a C call).
 _profiling = torch._C._autograd._profiler_enabled
@@ -221,152 +220,144 @@ def _pair(kernel: ElementwiseKernel, operands: tuple):
     return run(kernel, operands)
 
 
-_GELU_BACKWARD = {
-    "none": torch.ops.aten.gelu_backward,
-    "tanh": lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"),
-}
+def _gelu_backward(approximate: str):
+    """``g * gelu'(v)`` as torch's (differentiable) backward op computes it."""
+    return lambda g, v: torch.ops.aten.gelu_backward(*_aten_operands(g, v), approximate=approximate)
 
 
-def _gate_grad_reference(approximate: str | None):
-    """The two gradients of ``act(a) * b`` with torch's ops (``None``: SiLU; else GELU's ``approximate``)."""
+def _silu_backward(g, v):
+    # (aten's silu_backward has no derivative of its own: a second derivative needs this)
+    s = torch.sigmoid(v)
+    return g * (s * (1 + v * (1 - s)))
 
-    def reference(grad, a, b):
+
+def register_gate(
+    name: str, math, grad_math, activation, activation_backward, formula: str = "act"
+) -> ElementwiseKernel:
+    """Register ``activation(a) * b``, a gate (SwiGLU's, GeGLU's), with its fused backward,
+    from two small ``@triton.jit`` functions: ``math(a, b) -> act(a) * b`` and
+    ``grad_math(grad, a, b) -> (grad * b * act'(a), grad * act(a))``. ``activation(v)`` and
+    ``activation_backward(g, v) -> g * act'(v)`` are their PyTorch references (differentiable
+    torch ops: a gradient of a gradient, ``torch.func`` and traces compute with them).
+
+    The entry keeps a and b for its backward, only a where only b's gradient is asked for
+    (which is then the gate itself on ``(a, grad)``), and takes both gradients in one launch of
+    ``grad_math``'s two-output kernel (``<name>_grad``), from C++ where the launch is kept.
+    ``formula`` names the activation in the docs' op table."""
+
+    def grad_reference(grad, a, b):
         (grad, a, b), dtype = _opmath(grad, a, b)
         a = _float64_if_number(a)
-        if approximate is None:  # (aten's silu_backward has no derivative of its own: a second one needs this)
-            s = torch.sigmoid(a)
-            da, db = grad * b * (s * (1 + a * (1 - s))), grad * (a * s)
-        else:
-            da = _GELU_BACKWARD[approximate](*_aten_operands(grad * b, a))
-            db = grad * F.gelu(a, approximate=approximate)
-        return da.to(dtype), db.to(dtype)
+        return activation_backward(grad * b, a).to(dtype), (grad * activation(a)).to(dtype)
 
-    return reference
-
-
-def _gate_grad_kernel(name: str, grad_math, approximate: str | None, act: str) -> ElementwiseKernel:
-    """Both gradients of ``act(a) * b`` from one read of grad, a and b: a two-output kernel,
-    unregistered (the registry's ops return one tensor); its reference is torch's ops."""
-    return ElementwiseKernel(
-        name=name,
+    grad_kernel = ElementwiseKernel(
+        name=f"{name}_grad",
         math=grad_math,
-        reference=_gate_grad_reference(approximate),
+        reference=grad_reference,
         arg_names=("grad", "a", "b"),
         dtypes=FLOAT_DTYPES,
         param=None,
         outputs=2,
-        formula=f"(grad * b * {act}'(a), grad * {act}(a))",
-        unfused=("torch.mul", f"torch.ops.aten.{act.split('_')[0]}_backward"),
+        formula=f"(grad * b * {formula}'(a), grad * {formula}(a))",
+        unfused=("torch.mul", f"torch.ops.aten.{formula.split('_')[0]}_backward"),
     )
-
-
-SILU_MUL_GRAD = _gate_grad_kernel("silu_mul_grad", activations.silu_mul_grad_math, None, "silu")
-GELU_MUL_GRAD = _gate_grad_kernel("gelu_mul_grad", activations.gelu_mul_grad_math, "none", "gelu")
-GELU_TANH_MUL_GRAD = _gate_grad_kernel("gelu_tanh_mul_grad", activations.gelu_tanh_mul_grad_math, "tanh", "gelu_tanh")
-for _kernel in (SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD):
-    autograd.register_pair(_kernel)
-
-
-def _gate_entry(
-    name: str, math, grad_kernel: ElementwiseKernel, approximate: str | None, act: str
-) -> ElementwiseKernel:
-    """``act(a) * b`` as a registry entry; its backward runs ``grad_kernel``."""
+    autograd.register_pair(grad_kernel)
+    entry = None  # (the registered entry, below: the backward of b alone is the gate itself)
 
     def backward(grad, saved, param):
         a, b = saved
         if _needs_composition(grad, a, b):
-            return grad_kernel.reference(grad, a, b)
+            da, db = grad_reference(grad, a, 0 if b is None else b)
+            return (None if b is None else da), db
+        if b is None:  # only b's gradient is asked for: grad * act(a)
+            return None, dispatch.elementwise(entry, (a, grad), None, None)
         return _pair(grad_kernel, (grad, a, b))
-
-    def reference(a, b):
-        a = _float64_if_number(a)
-        return (F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)) * b
 
     def backward_kernels(param):
         # backward's two gradients as one kept launch of grad_kernel on (grad, a, b)
         return (grad_kernel, None, 0), (grad_kernel, None, 1)
 
-    return register_builtin(
+    entry = register_builtin(
         ElementwiseKernel(
             name=name,
             math=math,
-            reference=reference,
+            reference=lambda a, b: activation(_float64_if_number(a)) * b,
             arg_names=("a", "b"),
             dtypes=FLOAT_DTYPES,
             param=None,
-            formula=f"{act}(a) * b",
-            unfused=(f"torch.nn.functional.{act.split('_')[0]}", "torch.mul"),
+            formula=f"{formula}(a) * b",
+            unfused=(f"torch.nn.functional.{formula.split('_')[0]}", "torch.mul"),
             saves="inputs",
+            needs=((0, 1), (0,)),  # d/da reads a and b; d/db only a
             backward=backward,
             backward_kernels=backward_kernels,
         )
     )
+    return entry
 
 
-SILU_MUL = _gate_entry("silu_mul", activations.silu_mul_math, SILU_MUL_GRAD, None, "silu")
-GELU_MUL = _gate_entry("gelu_mul", activations.gelu_mul_math, GELU_MUL_GRAD, "none", "gelu")
-GELU_TANH_MUL = _gate_entry("gelu_tanh_mul", activations.gelu_tanh_mul_math, GELU_TANH_MUL_GRAD, "tanh", "gelu_tanh")
+SILU_MUL = register_gate(
+    "silu_mul", activations.silu_mul_math, activations.silu_mul_grad_math, F.silu, _silu_backward, "silu"
+)
+GELU_MUL = register_gate(
+    "gelu_mul", activations.gelu_mul_math, activations.gelu_mul_grad_math, F.gelu, _gelu_backward("none"), "gelu"
+)
+GELU_TANH_MUL = register_gate(
+    "gelu_tanh_mul",
+    activations.gelu_tanh_mul_math,
+    activations.gelu_tanh_mul_grad_math,
+    lambda v: F.gelu(v, approximate="tanh"),
+    _gelu_backward("tanh"),
+    "gelu_tanh",
+)
+SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD = (
+    autograd.PAIRS[f"{g.name}_grad"] for g in (SILU_MUL, GELU_MUL, GELU_TANH_MUL)
+)
 
 
-def _add_gelu_grad_entry(name: str, math, approximate: str) -> ElementwiseKernel:
-    """The gradient through ``gelu(x + alpha * y)`` with respect to the sum, recomputed from x
-    and y. Its reference is PyTorch's backward op; it declares no backward of its own."""
+def _add_gelu_entry(name: str, math, pre_math, approximate: str) -> ElementwiseKernel:
+    """``gelu(x + alpha * y)``: keeps the sum under autograd (``saves="pre"``), written by a
+    two-output launch beside the result; its backward is one ``gelu_grad`` launch on
+    (grad, sum), given to both operands (times alpha for y) by ``add``'s backward."""
+    act = "gelu" if approximate == "none" else "gelu_tanh"
 
-    def reference(grad, x, y, alpha=1):
-        (grad, x, y), dtype = _opmath(grad, x, y)
+    def reference(x, y, alpha=1):
+        return F.gelu(torch.add(_float64_if_number(x), y, alpha=alpha), approximate=approximate)
+
+    def pair_reference(x, y, alpha=1):
         pre = torch.add(_float64_if_number(x), y, alpha=alpha)
-        return _GELU_BACKWARD[approximate](*_aten_operands(grad, pre)).to(dtype)
+        return F.gelu(pre, approximate=approximate), pre
 
+    forward_pair = ElementwiseKernel(
+        name=f"{name}_pre",
+        math=pre_math,
+        reference=pair_reference,
+        dtypes=FLOAT_DTYPES,
+        outputs=2,
+        formula=f"({act}(x + alpha * y), x + alpha * y)",
+        unfused=("torch.add", "torch.nn.functional.gelu"),
+    )
+    autograd.register_pair(forward_pair)
     return register_builtin(
         ElementwiseKernel(
             name=name,
             math=math,
             reference=reference,
-            arg_names=("grad", "x", "y"),
             dtypes=FLOAT_DTYPES,
-            formula=f"grad * {'gelu' if approximate == 'none' else 'gelu_tanh'}'(x + alpha * y)",
-            unfused=("torch.add", "torch.ops.aten.gelu_backward"),
-        )
-    )
-
-
-ADD_GELU_GRAD = _add_gelu_grad_entry("add_gelu_grad", activations.add_gelu_grad_math, "none")
-ADD_GELU_TANH_GRAD = _add_gelu_grad_entry("add_gelu_tanh_grad", activations.add_gelu_tanh_grad_math, "tanh")
-
-
-def _add_gelu_entry(name: str, math, grad_kernel: ElementwiseKernel, approximate: str) -> ElementwiseKernel:
-    def backward(grad, saved, alpha):
-        x, y = saved
-        if _needs_composition(grad, x, y):
-            g = grad_kernel.reference(grad, x, y, alpha)
-            return g, g * alpha
-        g = dispatch.elementwise(grad_kernel, (grad, x, y), alpha, None)
-        return g, _scaled(g, alpha)  # d/dy = alpha * d/dx (the same tensor where alpha == 1)
-
-    def backward_kernels(alpha):
-        # backward's gradient as one kept launch of grad_kernel on (grad, x, y), given to both
-        # operands where alpha == 1 (else the scaling takes a number operand: Python runs it)
-        return ((grad_kernel, alpha), (grad_kernel, alpha)) if alpha == 1 else None
-
-    return register_builtin(
-        ElementwiseKernel(
-            name=name,
-            math=math,
-            reference=lambda x, y, alpha=1: F.gelu(
-                torch.add(_float64_if_number(x), y, alpha=alpha), approximate=approximate
-            ),
-            dtypes=FLOAT_DTYPES,
-            formula=f"{'gelu' if approximate == 'none' else 'gelu_tanh'}(x + alpha * y)",
+            formula=f"{act}(x + alpha * y)",
             unfused=("torch.add", "torch.nn.functional.gelu"),
-            saves="inputs",
-            backward=backward,
-            backward_kernels=backward_kernels,
+            saves="pre",
+            pre=ADD,
+            forward_pair=forward_pair,
+            backward=lambda grad, pre, alpha: activation_grad(grad, pre, act),
         )
     )
 
 
-ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, ADD_GELU_GRAD, "none")
-ADD_GELU_TANH = _add_gelu_entry("add_gelu_tanh", activations.add_gelu_tanh_math, ADD_GELU_TANH_GRAD, "tanh")
+ADD_GELU = _add_gelu_entry("add_gelu", activations.add_gelu_math, activations.add_gelu_pre_math, "none")
+ADD_GELU_TANH = _add_gelu_entry(
+    "add_gelu_tanh", activations.add_gelu_tanh_math, activations.add_gelu_tanh_pre_math, "tanh"
+)
 
 
 def matmul_backward(ctx, grad_out):

@@ -78,7 +78,8 @@ def silu_mul(a: Operand, b: Operand, *, out: torch.Tensor | None = None) -> torc
 
     Shapes, dtypes (float16, bfloat16, float32, float64; half types compute in float32 and
     round once), broadcasting, strided views, ``out=`` and errors as :func:`add`.
-    Differentiable: autograd keeps a and b (no intermediate) and takes both gradients in one
+    Differentiable: autograd keeps a and b, those the requested gradients read (no
+    intermediate), and takes both gradients in one
     kernel.
     """
     return dispatch.elementwise(SILU_MUL, (a, b), None, out)
@@ -108,7 +109,8 @@ def add_gelu(
 ) -> torch.Tensor:
     """``F.gelu(torch.add(x, y, alpha=alpha), approximate=approximate)`` in one kernel: a bias
     or residual added before a GELU. Arguments and errors as :func:`add` (floating dtypes
-    only) and :func:`gelu_mul`. Differentiable: autograd keeps x and y (no sum) and takes
+    only) and :func:`gelu_mul`. Differentiable: autograd keeps the sum, as ``F.gelu`` keeps its
+    input (the forward writes it beside the result in one launch), and takes
     the gradient in one kernel."""
     return dispatch.elementwise(_by_approximate(_ADD_GELU, approximate, "add_gelu"), (x, y), alpha, out)
 

@@ -64,8 +64,9 @@ OPERAND_DTYPES = SUPPORTED_DTYPES + (torch.bool, torch.uint8, torch.int8, torch.
 SECTOR_BYTES = 32
 #: Arity range the generic kernel has operand slots for.
 MAX_ARITY = 3
-#: What a kernel may keep for its backward pass.
-SAVES = ("none", "output", "inputs")
+#: What a kernel may keep for its backward pass: nothing, its result, its operands, or the
+#: intermediate its math applies its last step to (``pre``: see :class:`ElementwiseKernel`).
+SAVES = ("none", "output", "inputs", "pre")
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,30 @@ class ElementwiseKernel:
         formula: human-readable formula for the docs.
         unfused: the eager ops the reference launches; each one after the first
             writes and re-reads an intermediate of the output's size.
-        saves: what autograd keeps for ``backward``: "none", "output" or "inputs".
+        saves: what autograd keeps for ``backward``: "none", "output", "inputs" or "pre".
+            "pre" is for math of the form ``f(pre(operands))`` where torch would keep the
+            intermediate ``pre`` (``gelu(x + alpha * y)`` keeps the sum, as ``F.gelu``
+            does): a call that needs a gradient writes ``pre`` beside the result in one
+            launch (``forward_pair``) and keeps it, so an operand changed in place afterwards
+            (``x += add_gelu(x, pos)``) does not invalidate the backward.
         backward: ``backward(grad, saved, param) -> grads``, one per operand (None
             where no gradient flows), each of the output's shape; ``saved`` is the
-            output, the tuple of operands or None, per ``saves``. It should compute
-            with fusedkit kernels. None: the kernel is not differentiable.
+            output, the tuple of operands (None in the place of an operand that no
+            requested gradient ``needs``) or None, per ``saves``. With ``saves="pre"``:
+            ``backward(grad, pre, param) -> grad_pre``, the gradient of ``pre``, which
+            ``pre``'s own backward turns into the operands'. It should compute with
+            fusedkit kernels. None: the kernel is not differentiable.
+        needs: with ``saves="inputs"``, per operand the operands (their indices) its
+            gradient reads: a call keeps only those that its requested gradients need
+            (``silu_mul(a, w)`` with only ``w`` requiring grad keeps ``a``), so an operand no
+            gradient reads may be an inference tensor or change in place afterwards, as in
+            torch. None: every gradient reads every operand.
+        pre: with ``saves="pre"``, the registered entry that computes ``pre`` from the
+            operands and the parameter (``add`` for ``gelu(x + alpha * y)``); it saves
+            nothing and its backward gives the operands' gradients from ``pre``'s.
+        forward_pair: with ``saves="pre"``, the two-output kernel computing
+            ``(result, pre)`` in one pass, ``pre`` rounded to the result dtype as ``pre``'s
+            entry rounds it.
         outputs: 1, or 2 for a kernel whose math returns a pair (a backward giving two
             gradients from one read of its inputs; run by
             :func:`fusedkit.runtime.elementwise.run_pair`, never registered).
@@ -158,6 +178,9 @@ class ElementwiseKernel:
     backward: Callable[..., tuple] | None = None
     backward_kernels: Callable[..., tuple] | None = None
     outputs: int = 1
+    needs: tuple[tuple[int, ...], ...] | None = None
+    pre: ElementwiseKernel | None = None
+    forward_pair: ElementwiseKernel | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -194,8 +217,8 @@ class ElementwiseKernel:
             raise ArgumentError(f"{self.name}: outputs must be 1 or 2, got {self.outputs!r}")
         if self.outputs == 2 and (self.backward is not None or self.saves != "none"):
             raise ArgumentError(
-                f"{self.name}: a two-output kernel is a backward's, run outside autograd: it takes "
-                "no backward and saves nothing"
+                f"{self.name}: a two-output kernel runs outside autograd (a backward's, or a forward_pair): "
+                "it takes no backward and saves nothing"
             )
         if self.backward_kernels is not None and (
             self.backward is None or self.saves not in ("output", "inputs") or not callable(self.backward_kernels)
@@ -203,6 +226,51 @@ class ElementwiseKernel:
             raise ArgumentError(
                 f"{self.name}: backward_kernels states a backward on what the call saves: it needs "
                 "backward and saves='output' or 'inputs'"
+            )
+        self._check_saving()
+
+    def _check_saving(self) -> None:
+        """``needs`` fits ``saves="inputs"`` and the operands; ``pre`` and ``forward_pair``
+        come with ``saves="pre"`` and take this entry's operands and parameter."""
+        if self.needs is not None:
+            if self.saves != "inputs":
+                raise ArgumentError(
+                    f"{self.name}: needs says which saved operands each gradient reads: it needs saves='inputs'"
+                )
+            if not (
+                isinstance(self.needs, tuple)
+                and len(self.needs) == self.arity
+                and all(
+                    isinstance(n, tuple) and all(type(i) is int and 0 <= i < self.arity for i in n) for n in self.needs
+                )
+            ):
+                raise ArgumentError(
+                    f"{self.name}: needs must be a tuple of {self.arity} tuples of operand "
+                    f"indices (0..{self.arity - 1}), got {self.needs!r}"
+                )
+        parts = {"pre": self.pre, "forward_pair": self.forward_pair}
+        if self.saves != "pre":
+            if any(p is not None for p in parts.values()):
+                raise ArgumentError(f"{self.name}: pre and forward_pair come with saves='pre'")
+            return
+        if self.backward is None:
+            raise ArgumentError(f"{self.name}: saves='pre' keeps pre for a backward: give backward")
+        for field_name, part in parts.items():
+            if not isinstance(part, ElementwiseKernel):
+                raise DTypeError(
+                    f"{self.name}: saves='pre' needs {field_name}, an ElementwiseKernel; got {type(part).__name__}"
+                )
+            if part.arg_names != self.arg_names or part.param != self.param:
+                raise ArgumentError(
+                    f"{self.name}: {field_name} must take this entry's operands "
+                    f"{self.arg_names} and parameter {self.param!r}"
+                )
+        if self.forward_pair.outputs != 2 or self.forward_pair.dtypes != self.dtypes:
+            raise ArgumentError(f"{self.name}: forward_pair must be a two-output kernel of this entry's dtypes")
+        if self.pre.outputs != 1 or self.pre.saves != "none" or self.pre.backward is None:
+            raise ArgumentError(
+                f"{self.name}: pre must be a one-output entry that saves nothing and has a backward "
+                "(its backward turns pre's gradient into the operands')"
             )
 
     @property

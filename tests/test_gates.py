@@ -89,13 +89,26 @@ def test_out_and_in_place():
     assert_matches_reference(a, expected.cpu())
 
 
-@pytest.mark.parametrize("op", [fusedkit.silu_mul, fusedkit.gelu_mul, fusedkit.add_gelu])
-def test_autograd_keeps_the_inputs_and_no_intermediate(op):
+@pytest.mark.parametrize("op", [fusedkit.silu_mul, fusedkit.gelu_mul])
+def test_a_gate_keeps_the_inputs_and_no_intermediate(op):
     a, b = leaf((40, 8), torch.float32), leaf((40, 8), torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         op(a, b)
     assert sorted(t.data_ptr() for t in saved) == sorted((a.data_ptr(), b.data_ptr()))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_add_gelu_keeps_the_sum_as_torch_does(approximate):
+    # F.gelu(x + y) keeps the sum (GeluBackward's self), not x and y: one tensor, whatever
+    # changes x and y undergo afterwards. fusedkit writes it beside the result in one launch.
+    x, bias = leaf((40, 8), torch.float32), leaf((8,), torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fusedkit.add_gelu(x, bias, approximate=approximate)
+    assert len(saved) == 1 and saved[0].shape == out.shape
+    assert saved[0].data_ptr() not in (x.data_ptr(), bias.data_ptr(), out.data_ptr())
+    assert torch.equal(saved[0].cpu(), (x + bias).detach().cpu())
 
 
 def _launches(monkeypatch):
@@ -115,8 +128,8 @@ def _launches(monkeypatch):
     [
         (fusedkit.silu_mul, None, ["silu_mul_grad"]),
         (fusedkit.gelu_mul, None, ["gelu_mul_grad"]),
-        (fusedkit.add_gelu, 1, ["add_gelu_grad"]),
-        (fusedkit.add_gelu, 2.0, ["add_gelu_grad", "add"]),  # d/dy = alpha * d/dx
+        (fusedkit.add_gelu, 1, ["gelu_grad"]),  # from the kept sum
+        (fusedkit.add_gelu, 2.0, ["gelu_grad", "add"]),  # d/dy = alpha * d/dx
     ],
 )
 def test_backward_is_one_fused_launch(monkeypatch, op, alpha, expected):
@@ -370,8 +383,9 @@ def test_the_pair_op_passes_opcheck():
 
     for dtype in (torch.float32, torch.bfloat16, F64):
         g, a, b = (rand(shape, dtype, DEVICE) for shape in ((5, 6), (5, 6), (6,)))
-        torch.library.opcheck(elementwise_pair_op, ([g, a, b], "silu_mul_grad", [0, 1, 2], []))
-        torch.library.opcheck(elementwise_pair_op, ([g, a], "gelu_tanh_mul_grad", [0, 1], [1.5]))
+        torch.library.opcheck(elementwise_pair_op, ([g, a, b], "silu_mul_grad", [0, 1, 2], [], 0))
+        torch.library.opcheck(elementwise_pair_op, ([g, a], "gelu_tanh_mul_grad", [0, 1], [1.5], 0))
+        torch.library.opcheck(elementwise_pair_op, ([a, b], "add_gelu_pre", [0, 1], [], -0.5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -507,3 +521,56 @@ def test_gates_take_torchs_type_promotion(fused, plain, other):
         (grad,) = torch.autograd.grad(out.sum(), a)
         (want_grad,) = torch.autograd.grad(plain(*(t if t is not a else a for t in (x, y))).sum(), a)
         torch.testing.assert_close(grad, want_grad, rtol=1.3e-6, atol=1e-6)
+
+
+GATE_OPS = {"silu_mul": (fusedkit.silu_mul, F.silu), "gelu_mul": (fusedkit.gelu_mul, F.gelu)}
+
+
+@pytest.mark.parametrize("name", sorted(GATE_OPS))
+def test_a_gate_keeps_only_what_the_requested_gradients_read(name):
+    # torch's silu(a) * w with only w requiring grad keeps silu(a) and not w; fusedkit keeps a
+    # alone, so features made under inference mode train a weight, and w may change in place.
+    fused, act = GATE_OPS[name]
+    with torch.inference_mode():
+        features = rand((16, 8), torch.float32, DEVICE)
+    w = leaf((8,), torch.float32)
+    (grad,) = torch.autograd.grad(fused(features, w).sum(), w)
+    (want,) = torch.autograd.grad((act(features.clone()) * w).sum(), w)
+    torch.testing.assert_close(grad, want, rtol=1.3e-6, atol=1e-5)
+    a, w = leaf((16, 8), torch.float32).detach(), leaf((16, 8), torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused(a, w)
+    assert [t.data_ptr() for t in saved] == [a.data_ptr()]
+    with torch.no_grad():
+        w.mul_(2)  # not read by w's gradient: the backward still runs, as torch's does
+    (grad,) = torch.autograd.grad(out.sum(), w)
+    torch.testing.assert_close(grad, act(a), rtol=1.3e-6, atol=1e-6)
+    # the other way round: an inference tensor a gradient reads is held, not refused
+    x = leaf((16, 8), torch.float32)
+    (gx,) = torch.autograd.grad(fused(x, features).sum(), x)
+    xw = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad((act(xw) * features.clone()).sum(), xw)
+    torch.testing.assert_close(gx, want, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_an_input_changed_in_place_after_add_gelu_still_trains(approximate):
+    # x += F.gelu(x + pos) trains in torch: GELU keeps the sum, not x.
+    x0 = leaf((12, 8), torch.float32)
+    pos = rand((8,), torch.float32, DEVICE)
+    grads = []
+    for gelu_of_sum in (
+        lambda x: fusedkit.add_gelu(x, pos, approximate=approximate),
+        lambda x: F.gelu(x + pos, approximate=approximate),
+    ):
+        x = x0 * 1
+        x += gelu_of_sum(x)
+        grads.append(torch.autograd.grad(x.sum(), x0)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1.3e-6, atol=1e-5)
+
+
+def test_add_gelus_double_backward_flows_through_the_kept_sum():
+    x, y = leaf((7, 5)), leaf((5,))
+    for alpha in (1, -0.5):
+        assert torch.autograd.gradgradcheck(lambda x, y: fusedkit.add_gelu(x, y, alpha=alpha), (x, y))

@@ -223,7 +223,19 @@ def test_fused_backward_kernels_are_counted_as_one_op():
     out = fusedkit.add_gelu(x, y)
     with fusedkit.MemoryCounterMode(display=False) as c:
         torch.autograd.grad(out, (x, y), g)
-    assert c.get_bytes_by_op() == {"fusedkit.add_gelu_grad": 4 * n}
+    # from the kept sum: reads grad and the sum, writes the gradient both operands take
+    assert c.get_bytes_by_op() == {"fusedkit.gelu_grad": 3 * n}
+
+
+def test_a_counted_add_gelu_step_moves_what_the_eager_one_does():
+    # Under the counter, as in eager: the forward pair writes the result and the sum (4n),
+    # the backward reads grad and the sum and writes the gradient (3n); nothing recomputed.
+    x, y = (rand((64, 48), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    n = 64 * 48 * F32
+    with fusedkit.MemoryCounterMode(display=False) as c:
+        out = fusedkit.add_gelu(x, y)
+        torch.autograd.grad(out, (x, y), torch.ones_like(out))
+    assert c.get_bytes_by_op() == {"fusedkit.add_gelu_pre": 4 * n, "aten.ones_like": n, "fusedkit.gelu_grad": 3 * n}
 
 
 def test_a_matmul_backward_allocates_no_gradient_for_its_saved_pre_activation():

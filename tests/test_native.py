@@ -308,21 +308,28 @@ def test_a_broadcast_or_promoting_call_gets_its_plan_and_autograd_reduces_it(tab
     assert b.grad.shape == b.shape and b.grad.dtype == torch.float16
 
 
-@pytest.mark.parametrize("alpha", [1, 2])
-def test_add_gelus_backward_is_planned_where_alpha_is_one(table, monkeypatch, alpha):
-    calls = _counting_backwards(monkeypatch)
+def test_add_gelu_under_autograd_is_pythons_which_keeps_the_sum(table):
+    # The C++ node would keep x and y; add_gelu keeps the sum its forward pair writes (as
+    # F.gelu keeps its input), which the Python path does: the table takes its calls without grad.
     x, y = (rand((64,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
-    _keep(table, ADD_GELU, (x.detach(), y.detach()), alpha)
-    grad = rand((64,), torch.float32, DEVICE)
-    _keep(table, fusedkit.library.ADD_GELU_GRAD, (grad, x.detach(), y.detach()), alpha)
-    out = table.call(ADD_GELU, (x, y), alpha)
-    out.backward(grad)
-    if alpha == 1:  # one launch on (grad, x, y), its result both gradients
-        assert not calls
-        assert table.last_params()[1:4] == [grad.data_ptr(), x.data_ptr(), y.data_ptr()]
-        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0, equal_nan=True)
-    else:  # d/dy = alpha * d/dx takes a number operand, which the table does not launch
-        assert len(calls) == 1
+    _keep(table, ADD_GELU, (x.detach(), y.detach()), 1)
+    assert table.call(ADD_GELU, (x.detach(), y.detach()), 1) is not None
+    assert table.call(ADD_GELU, (x, y), 1) is None
+
+
+def test_a_node_keeping_operands_needs_every_one_to_need_a_gradient(table):
+    # A node that saves the operands keeps all of them; where one needs no gradient Python
+    # keeps only those the requested gradients read, and an inference tensor (which autograd
+    # refuses to save) is Python's to hold.
+    a, b = (rand((37, 19), torch.float32, DEVICE) for _ in range(2))
+    _keep(table, SILU_MUL, (a, b))
+    assert table.call(SILU_MUL, (a.requires_grad_(), b.requires_grad_()), None).grad_fn is not None
+    assert table.call(SILU_MUL, (a.detach(), b), None) is None
+    with torch.inference_mode():
+        frozen = a.detach().clone()
+    assert table.call(SILU_MUL, (frozen, b), None) is None
+    with torch.no_grad():  # no gradient: nothing saved, the launch is the table's
+        assert table.call(SILU_MUL, (frozen, b), None) is not None
 
 
 def test_the_cpp_node_keeps_autograds_rules(table):

@@ -325,16 +325,18 @@ def add_gelu_tanh_math(x, y, alpha):
 
 
 @triton.jit
-def add_gelu_grad_math(grad, x, y, alpha):
-    """Registry math of ``add_gelu_grad``: the gradient through ``gelu(x + alpha * y)`` with
-    respect to its sum, recomputed from x and y (nothing else is kept for it)."""
-    return grad * gelu_derivative(add_scaled(x, y, alpha))
+def add_gelu_pre_math(x, y, alpha):
+    """``add_gelu``'s forward under autograd: ``(gelu(x + alpha * y), x + alpha * y)``, the sum
+    kept for the backward as ``F.gelu`` keeps its input."""
+    pre = add_scaled(x, y, alpha)
+    return gelu(pre), pre
 
 
 @triton.jit
-def add_gelu_tanh_grad_math(grad, x, y, alpha):
-    """Registry math of ``add_gelu_tanh_grad``."""
-    return grad * gelu_tanh_derivative(add_scaled(x, y, alpha))
+def add_gelu_tanh_pre_math(x, y, alpha):
+    """``add_gelu_tanh``'s forward under autograd (see :func:`add_gelu_pre_math`)."""
+    pre = add_scaled(x, y, alpha)
+    return gelu_tanh(pre), pre
 
 
 @triton.jit

@@ -460,6 +460,10 @@ class Table {
     ts.reserve(n);
     const bool grad_mode = at::GradMode::is_enabled();
     bool needs_grad = false;
+    // A node that saves the operands keeps all of them: right only where every one needs a
+    // gradient (else Python keeps those the requested gradients read) and none is an
+    // inference tensor (which autograd refuses to save: Python holds it).
+    bool keeps_all = true;
     for (size_t i = 0; i < n; ++i) {
       PyObject* obj = operands[i].ptr();
       if (!THPVariable_CheckExact(obj)) return py::none();  // numbers and subclasses: Python
@@ -469,6 +473,7 @@ class Table {
       // Forward-mode AD (a dual tensor, with or without requires_grad) is Python's to refuse.
       if (t._fw_grad(/*level=*/0).defined()) return py::none();
       if (grad_mode && t.requires_grad()) needs_grad = true;
+      if (!t.requires_grad() || t.is_inference()) keeps_all = false;
       ts.push_back(&t);
     }
     const c10::Device device = ts[0]->device();
@@ -476,7 +481,9 @@ class Table {
       if (t->device() != device) return py::none();
     }
     const Launch* l = store_->find(kernel, device, ts, [&](const Param& p) { return p.matches(param.ptr()); });
-    if (l == nullptr || l->pair || (needs_grad && !l->backward)) return py::none();
+    if (l == nullptr || l->pair || (needs_grad && (!l->backward || (l->backward->saves == 2 && !keeps_all)))) {
+      return py::none();
+    }
     std::shared_ptr<const BackwardSpec> backward = l->backward;  // (l may move while the launch drops the GIL)
     at::Tensor out = store_->launch(*l, ts)[0];
     if (!out.defined()) return py::none();
