@@ -13,13 +13,37 @@ whole 32-byte sectors when its innermost dim is strided. Views and metadata ops 
 nothing; an allocation moves nothing until written; an in-place op reads and writes its
 target (an overwrite such as ``fill_`` or ``copy_`` only writes it); an ``out=`` argument is
 written, not read; a gather (``embedding``, ``index_select``, ``gather``) reads the rows it
-takes, not its whole source. PyTorch's own batch norm in training reads its input twice
-(statistics, then normalizing; its backward, computing the input's gradient, reads grad and
-input twice; cuDNN's is counted as one pass); a convolution's backward reads grad_output once
-for each gradient it computes. A matmul reads each operand once: the model ignores the
-re-reads its tiling may make, as it ignores caches. fusedkit's own ops count as one op each,
-named after their kernel (``fusedkit.add_relu``). Only shapes, strides and dtypes are read,
-so it counts on any device, ``meta`` and fake tensors included.
+takes, not its whole source.
+
+A scatter writes the elements its index selects, whatever its value: one per element of the
+index of ``scatter``, ``scatter_add``, ``scatter_reduce`` and ``put``; a slice of the other dims
+per element of the index of ``index_add``, ``index_copy``, ``index_fill`` and ``index_reduce``;
+for ``index_put`` (``x[rows] = 0.0``) the positions its index tensors select, broadcast together
+(a boolean mask selects its True elements), times the dims they leave. It reads its index
+once, its source for as many elements as it writes (a broadcast one once, a 0-d value once, a
+Scalar value not at all), and, accumulating (``index_add``, ``scatter_add``, ``accumulate=True``,
+a ``reduce``...), the elements it updates. ``masked_fill`` and ``masked_scatter`` are CUDA
+elementwise passes: they read the mask and their whole target, keep the elements it does not
+select and write all of them (``masked_scatter`` reads a source element per True element, after
+a scan of the mask writing an int64 per element, which it reads back); ``index_put`` with one
+boolean index and a one-element value (``x[mask] = 0.0``) is one too, as PyTorch runs it as
+``masked_fill_``. The model counts a scatter's elements, not the 32-byte sectors that writes at
+scattered positions read and write whole, nor the int64 indices ``nonzero`` makes of a boolean
+index the other ``index_put`` calls take. An out-of-place scatter (``scatter``, ``index_put``,
+``masked_fill``, ``slice_scatter``..., the forms functionalized, compiled and backward code
+runs) first copies its whole input into its result: one more read of it and write of the result.
+A mask's True elements are data: counted where the mask holds data (outside any dispatch mode;
+on a GPU the count waits for the mask); a meta or fake tensor holds none, and all its elements
+are counted, the bound. ``constant_pad_nd`` fills its whole result, then copies the input into
+it; an out-of-place ``fill`` reads no input, as ``zeros_like`` reads none.
+
+PyTorch's own batch norm in training reads its input twice (statistics, then normalizing;
+its backward, computing the input's gradient, reads grad and input twice; cuDNN's is counted
+as one pass); a convolution's backward reads grad_output once for each gradient it computes.
+A matmul reads each operand once: the model ignores the re-reads its tiling may make, as it
+ignores caches. fusedkit's own ops count as one op each, named after their kernel
+(``fusedkit.add_relu``). Only shapes, strides and dtypes are read (and a mask's True elements,
+where it has them), so it counts on any device, ``meta`` and fake tensors included.
 
 Inside the counter fusedkit's calls go through their registered ops, so the counter sees
 each as one op, backward kernels included (a gate's two gradients: ``fusedkit.silu_mul_grad``).
@@ -27,6 +51,7 @@ each as one op, backward kernels included (a gate's two gradients: ``fusedkit.si
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -55,6 +80,7 @@ SHAPE_ONLY_OPS = frozenset(
         "new_zeros",
         "new_ones",
         "new_full",
+        "fill",
     }
 )
 #: In-place ops that overwrite their target without reading it.
@@ -76,19 +102,36 @@ OVERWRITING_OPS = frozenset(
 #: Gathers, by the name of their index argument: they read the indices and as many source
 #: elements as they write.
 GATHERING_OPS = {"embedding": "indices", "index_select": "index", "gather": "index", "index": "indices"}
-#: In-place scatters, by their index and source arguments: they read those and write as many
-#: elements of their target as the source has (an accumulating one reads them too).
+#: Scatters, in place (``scatter_``) or not (``scatter``, ``scatter.out``), by what sizes the elements
+#: they write (see :func:`_scatter_traffic`): ``"elements"``, one per element of ``index``;
+#: ``"slices"``, a slice of the other dims per element of ``index`` along ``dim``; ``"indices"``,
+#: the positions ``indices`` select times the dims they leave; ``"mask"``, every element of the
+#: target (CUDA's ``masked_fill_`` and ``masked_scatter_`` are elementwise passes over it, keeping
+#: the unselected elements); ``"source"``, the elements of the source (the view scatters).
 SCATTERING_OPS = {
-    "index_put_": ("indices", "values"),
-    "index_add_": ("index", "source"),
-    "index_copy_": ("index", "source"),
-    "scatter_": ("index", "src"),
-    "scatter_add_": ("index", "src"),
-    "scatter_reduce_": ("index", "src"),
-    "index_reduce_": ("index", "source"),
+    "scatter": "elements",
+    "scatter_add": "elements",
+    "scatter_reduce": "elements",
+    "put": "elements",
+    "index_add": "slices",
+    "index_copy": "slices",
+    "index_fill": "slices",
+    "index_reduce": "slices",
+    "index_put": "indices",
+    "_index_put_impl": "indices",
+    "_unsafe_index_put": "indices",
+    "masked_fill": "mask",
+    "masked_scatter": "mask",
+    "select_scatter": "source",
+    "slice_scatter": "source",
+    "diagonal_scatter": "source",
+    "as_strided_scatter": "source",
 }
-#: Of those, the ones that read the elements they update.
-ACCUMULATING_OPS = frozenset({"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_"})
+#: A scatter's source argument: each has one of these (a Scalar ``value`` is read from no tensor).
+SOURCE_ARGS = ("src", "source", "values", "value")
+#: Scatters that read the elements they update (``index_put`` and ``put`` with ``accumulate``,
+#: and ``scatter`` with a ``reduce``, too).
+ACCUMULATING_OPS = frozenset({"scatter_add", "scatter_reduce", "index_add", "index_reduce"})
 #: Batch norm forwards: in training, a pass for the batch statistics, then the normalizing
 #: pass, each reading the input (the H200's DRAM reads of a ResNet-50 Bottleneck's: 2.0x the
 #: input, cold caches). cuDNN's (``cudnn_batch_norm``: float32 in NCHW on a GPU) is not
@@ -140,13 +183,14 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
     if name in GATHERING_OPS:
         index = _tensors(by_name.get(GATHERING_OPS[name]))
         return Traffic(_bytes(index) + _bytes(written), _bytes(written))
-    if name in SCATTERING_OPS:
-        index_name, source_name = SCATTERING_OPS[name]
-        index, source = _tensors(by_name.get(index_name)), _tensors(by_name.get(source_name))
-        touched = _bytes(source)
-        return Traffic(_bytes(index) + touched + (touched if name in ACCUMULATING_OPS else 0), touched)
+    base = name.removesuffix("_")  # (an in-place scatter's rules are its out-of-place twin's)
+    if base in SCATTERING_OPS:
+        return _scatter_traffic(base, bound, by_name, written[0])
     if name in SHAPE_ONLY_OPS:
-        return Traffic(0, _bytes(written))
+        # (``fill``'s value may be a 0-d tensor: read, as ``fill_`` reads it)
+        return Traffic(_bytes(_tensors(by_name.get("value"))), _bytes(written))
+    if name == "constant_pad_nd":
+        return _pad_traffic(by_name["self"], by_name["pad"], written[0])
     passes = _multi_pass_read(name, by_name)
     if passes is not None:
         return Traffic(passes, _bytes(written))
@@ -158,6 +202,103 @@ def op_traffic(func, args: tuple, kwargs: dict, out) -> Traffic:
             continue
         read += _tensors(value)
     return Traffic(_bytes(read), _bytes(written))
+
+
+def _scatter_traffic(base: str, bound: list, by_name: dict, target: torch.Tensor) -> Traffic:
+    """The bytes a scatter (``SCATTERING_OPS``) moves writing into ``target``: ``self`` in place,
+    else its result, which it first fills with a copy of ``self``."""
+    self = by_name["self"]
+    names = [n for n in SOURCE_ARGS if n in by_name]
+    source = by_name[names[0]] if names else None
+    source = source if isinstance(source, torch.Tensor) else None  # (a Scalar value: no tensor to read)
+    # the index or mask, read once: every tensor argument but the target, the copied input and the source
+    others = [t for a, v in bound if a.name not in ("self", "out", *names) for t in _tensors(v)]
+    kind = SCATTERING_OPS[base]
+    accumulating = base in ACCUMULATING_OPS or bool(by_name.get("accumulate")) or by_name.get("reduce") is not None
+    if kind == "indices" and _runs_as_masked_fill(by_name["indices"], source, accumulating):
+        kind = "mask"
+    passes = Traffic(0, 0)  # what runs before the scatter itself
+    if kind == "mask":
+        # an elementwise pass over the target, keeping what the mask does not select
+        written = taken = target.numel()  # (masked_fill's value: one element, read once)
+        if base == "masked_scatter":  # the source's elements, in order, one per selected element
+            mask = by_name["mask"]
+            taken = _selected(mask) * (written // mask.numel()) if mask.numel() else 0
+            # CUDA's finds each one's source element with an exclusive scan of the mask first: it
+            # reads the mask and writes an int64 per target element, which the pass reads back
+            prefix = 8 * written
+            passes = Traffic(tensor_read_bytes(mask), prefix) + Traffic(prefix, 0)
+    elif kind == "elements":
+        written = taken = by_name["index"].numel()
+    elif kind == "slices":
+        dim = by_name["dim"] % max(target.dim(), 1)
+        written = taken = by_name["index"].numel() * math.prod(s for d, s in enumerate(target.shape) if d != dim)
+    elif kind == "indices":
+        written = taken = _index_put_elements(target, by_name["indices"])
+    else:
+        written = taken = source.numel()
+    read = _bytes(others) + (min(tensor_read_bytes(source), taken * source.element_size()) if source is not None else 0)
+    if kind == "mask":
+        traffic = Traffic(read + tensor_read_bytes(target), tensor_read_bytes(target))
+    else:
+        touched = written * target.element_size()
+        traffic = Traffic(read + (touched if accumulating else 0), touched)
+    if target is not self:
+        passes = passes + Traffic(tensor_read_bytes(self), tensor_read_bytes(target))  # the copy of self
+    return passes + traffic
+
+
+def _runs_as_masked_fill(indices, source, accumulating: bool) -> bool:
+    """Whether PyTorch runs an ``index_put_`` as ``masked_fill_``: one boolean index (the others
+    None) and a one-element value, as ``x[mask] = 0.0``. (PyTorch also wants the value on the CPU,
+    where ``x[mask] = 0.0`` puts it for a GPU tensor; the model does not ask where it is.)"""
+    given = [i for i in indices if i is not None]
+    return (
+        not accumulating
+        and source is not None
+        and source.numel() == 1
+        and len(given) == 1
+        and given[0].dtype in (torch.bool, torch.uint8)
+    )
+
+
+def _index_put_elements(target: torch.Tensor, indices) -> int:
+    """Elements an ``index_put_`` writes: the positions its index tensors select, broadcast
+    together (a boolean mask's True elements, in a dim of their own), times the dims they leave."""
+    shapes, left, dim = [], 1, 0
+    for index in indices:
+        if index is None:
+            left *= target.shape[dim]
+            dim += 1
+        elif index.dtype in (torch.bool, torch.uint8):
+            shapes.append((_selected(index),))
+            dim += index.dim()
+        else:
+            shapes.append(tuple(index.shape))
+            dim += 1
+    return math.prod(torch.broadcast_shapes(*shapes)) * left * math.prod(target.shape[dim:])
+
+
+def _selected(mask: torch.Tensor) -> int:
+    """The True elements of a boolean mask, counted where it holds data; a meta or fake tensor (or
+    another subclass) holds none, and all of its elements are counted: the bound."""
+    if mask.device.type == "meta" or type(mask) is not torch.Tensor:
+        return mask.numel()
+    # Outside every dispatch mode, so neither this counter nor one beneath it sees the count. On
+    # a GPU, reading it back waits for the mask.
+    with torch._C._DisableTorchDispatch():
+        return int(torch.count_nonzero(mask))
+
+
+def _pad_traffic(self: torch.Tensor, pad, result: torch.Tensor) -> Traffic:
+    """``constant_pad_nd``: where any pad is positive it fills its whole result, then copies into
+    it the part of ``self`` the negative pads leave; else it copies that part alone."""
+    kept = list(self.shape)
+    for i in range(len(pad) // 2):
+        kept[-1 - i] -= max(-pad[2 * i], 0) + max(-pad[2 * i + 1], 0)
+    copied = math.prod(max(k, 0) for k in kept) * self.element_size()
+    filled = tensor_read_bytes(result) if any(p > 0 for p in pad) else 0
+    return Traffic(min(tensor_read_bytes(self), copied), filled + copied)
 
 
 def _multi_pass_read(name: str, by_name: dict) -> int | None:

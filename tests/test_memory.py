@@ -9,6 +9,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
+from fusedkit.registry import Traffic
 
 F32 = 4
 
@@ -247,3 +248,238 @@ def test_a_matmul_backward_allocates_no_gradient_for_its_saved_pre_activation():
         fusedkit.matmul(a, w, None, "gelu").sum().backward()
     assert "aten.zeros" not in counter.get_bytes_by_op()
     assert a.grad is not None and w.grad is not None
+
+
+# --- Scatters and ops with a scalar value (issue 45 item 1) ---------------------------------
+
+I64, ROWS, COLS = 8, 8, 16
+TARGET = ROWS * COLS * F32  # the (8, 16) float32 target's bytes
+
+
+def test_the_issues_scatters_with_a_scalar_value_move_what_they_select():
+    # The issue's three cases on a (1024, 1024) fp32 x, which counted 4, 4 and 0 bytes written.
+    n = 1024
+    x = rand((n, n), torch.float32, DEVICE)
+    full = n * n * F32
+    # x[rows] = 0.0 writes the 512 rows it selects, reading their indices and the value once
+    rows = torch.arange(0, n, 2, device=DEVICE)
+    c = count(lambda: x.__setitem__(rows, 0.0))
+    assert traffic(c, "aten.index_put_") == Traffic(512 * I64 + F32, 512 * n * F32)
+    # scatter_ with a Scalar value writes one element per index element and reads the index
+    idx = torch.randint(0, n, (n, n), device=DEVICE)
+    c = count(lambda: x.scatter_(1, idx, 0.0))
+    assert traffic(c, "aten.scatter_") == Traffic(n * n * I64, n * n * F32)
+    # x[mask] = 0.0 runs as masked_fill_ (PyTorch's index_put_ hands a one-element value with a
+    # boolean index to it), which on CUDA is an elementwise pass: it reads the mask and all of x
+    # and writes all of x, however many elements the mask selects
+    mask = torch.zeros(n, n, dtype=torch.bool, device=DEVICE)
+    mask[::4] = True
+    c = count(lambda: x.__setitem__(mask, 0.0))
+    assert traffic(c, "aten.index_put_") == Traffic(n * n + full + F32, full)
+    assert traffic(count(lambda: x.masked_fill_(mask, 0.0)), "aten.masked_fill_") == Traffic(n * n + full, full)
+    # with as many values as it selects, index_put_ writes the mask's True elements alone
+    values = rand((n * n // 4,), torch.float32, DEVICE)
+    c = count(lambda: x.__setitem__(mask, values))
+    assert traffic(c, "aten.index_put_") == Traffic(n * n + full // 4, full // 4)
+
+
+@pytest.mark.parametrize("value", ["number", "0-d tensor", "full tensor"])
+def test_a_scatters_value_is_read_once_as_a_number_or_0d_tensor(value):
+    x = rand((ROWS, COLS), torch.float32, DEVICE)
+    rows = torch.tensor([1, 4, 6], device=DEVICE)
+    picked = 3 * COLS * F32
+    value_of = {"number": 2.0, "0-d tensor": torch.tensor(2.0, device=DEVICE)}
+    value_of["full tensor"] = rand((3, COLS), torch.float32, DEVICE)
+    read = {"number": F32, "0-d tensor": F32, "full tensor": picked}[value]  # (a number is lifted to a 0-d tensor)
+    c = count(lambda: x.__setitem__(rows, value_of[value]))
+    assert traffic(c, "aten.index_put_") == Traffic(3 * I64 + read, picked)
+    # a boolean index: one value runs as masked_fill_ (the whole of x), more write the True rows
+    row_mask = torch.zeros(ROWS, dtype=torch.bool, device=DEVICE)
+    row_mask[rows] = True
+    c = count(lambda: x.__setitem__(row_mask, value_of[value]))
+    expected = Traffic(ROWS + picked, picked) if value == "full tensor" else Traffic(ROWS + F32 + TARGET, TARGET)
+    assert traffic(c, "aten.index_put_") == expected
+    # scatter_ and index_fill_ take a Scalar or a tensor
+    idx = torch.tensor([[0, 3], [2, 2]], device=DEVICE)
+    if value == "number":
+        assert traffic(count(lambda: x.scatter_(1, idx, 2.0)), "aten.scatter_") == Traffic(4 * I64, 4 * F32)
+        c = count(lambda: x.index_fill_(0, rows, 2.0))
+        assert traffic(c, "aten.index_fill_") == Traffic(3 * I64, picked)
+    elif value == "0-d tensor":
+        c = count(lambda: x.index_fill_(0, rows, value_of[value]))
+        assert traffic(c, "aten.index_fill_") == Traffic(3 * I64 + F32, picked)
+    else:
+        src = rand((ROWS, COLS), torch.float32, DEVICE)  # (larger than the index: 4 of its elements are read)
+        c = count(lambda: x.scatter_(1, idx, src))
+        assert traffic(c, "aten.scatter_") == Traffic(4 * I64 + 4 * F32, 4 * F32)
+
+
+def _scatter_cases():
+    """(op, arguments after the target, the Traffic of its writing into an (8, 16) float32 target),
+    in place, out of place and with out= where the op has those forms: every scatter-like op of
+    aten's schemas (scatter, index_put, index_fill, masked_... and the view scatters) and each
+    overload with a Scalar value among them. aten's other ops with a Scalar value either keep the
+    elementwise rule (addcmul, addcdiv, threshold, their _foreach forms) or are counted below
+    (fill, constant_pad_nd)."""
+    d = DEVICE
+    idx = torch.tensor([[0, 3, 5, 3], [2, 2, 9, 1]], device=d)  # 8 elements
+    src = torch.randn(ROWS, COLS, device=d)
+    rows, cols = torch.tensor([1, 4, 6], device=d), torch.tensor([0, 7, 15], device=d)
+    row_src = torch.randn(3, COLS, device=d)
+    flat, flat_src = torch.tensor([0, 17, 100, 127, 5], device=d), torch.randn(5, device=d)
+    row_mask = torch.zeros(ROWS, dtype=torch.bool, device=d)
+    row_mask[rows] = True
+    mask = torch.zeros(ROWS, COLS, dtype=torch.bool, device=d)
+    mask[:, ::4] = True  # 32 True
+    zero_d = torch.tensor(2.0, device=d)
+    e, r = 8 * F32, 3 * COLS * F32  # bytes of 8 scattered elements; of the 3 rows
+    prefix = ROWS * COLS * I64  # masked_scatter's prefix sum of the mask
+    return [
+        pytest.param("scatter", (1, idx, src), {}, Traffic(8 * I64 + e, e), id="scatter.src"),
+        pytest.param("scatter", (1, idx, 2.0), {}, Traffic(8 * I64, e), id="scatter.value"),
+        pytest.param("scatter", (1, idx, src), {"reduce": "add"}, Traffic(8 * I64 + 2 * e, e), id="scatter.reduce"),
+        pytest.param(
+            "scatter", (1, idx, 2.0), {"reduce": "multiply"}, Traffic(8 * I64 + e, e), id="scatter.value_reduce"
+        ),
+        pytest.param("scatter_add", (1, idx, src), {}, Traffic(8 * I64 + 2 * e, e), id="scatter_add"),
+        pytest.param("scatter_reduce", (1, idx, src, "amax"), {}, Traffic(8 * I64 + 2 * e, e), id="scatter_reduce"),
+        pytest.param("put", (flat, flat_src), {}, Traffic(5 * I64 + 5 * F32, 5 * F32), id="put"),
+        pytest.param("put", (flat, flat_src, True), {}, Traffic(5 * I64 + 10 * F32, 5 * F32), id="put-accumulate"),
+        pytest.param("index_add", (0, rows, row_src), {}, Traffic(3 * I64 + 2 * r, r), id="index_add"),
+        pytest.param("index_copy", (0, rows, row_src), {}, Traffic(3 * I64 + r, r), id="index_copy"),
+        pytest.param("index_fill", (0, rows, 2.0), {}, Traffic(3 * I64, r), id="index_fill.int_Scalar"),
+        pytest.param(
+            "index_fill", (1, cols, zero_d), {}, Traffic(3 * I64 + F32, 3 * ROWS * F32), id="index_fill.int_Tensor"
+        ),
+        pytest.param("index_reduce", (0, rows, row_src, "prod"), {}, Traffic(3 * I64 + 2 * r, r), id="index_reduce"),
+        pytest.param("index_put", ([rows], zero_d), {}, Traffic(3 * I64 + F32, r), id="index_put-rows-0d"),
+        pytest.param(
+            "index_put", ([rows], row_src, True), {}, Traffic(3 * I64 + 2 * r, r), id="index_put-rows-accumulate"
+        ),
+        pytest.param(
+            "index_put", ([rows, cols], flat_src[:3]), {}, Traffic(6 * I64 + 3 * F32, 3 * F32), id="index_put-rows-cols"
+        ),
+        pytest.param(
+            "index_put",
+            ([None, cols], flat_src[:3]),
+            {},
+            Traffic(3 * I64 + 3 * F32, 3 * ROWS * F32),
+            id="index_put-None-cols",
+        ),
+        pytest.param("index_put", ([row_mask], row_src), {}, Traffic(ROWS + r, r), id="index_put-mask-rows"),
+        pytest.param(
+            "index_put", ([row_mask], zero_d), {}, Traffic(ROWS + F32 + TARGET, TARGET), id="index_put-mask-0d"
+        ),
+        pytest.param("_unsafe_index_put", ([rows], row_src), {}, Traffic(3 * I64 + r, r), id="_unsafe_index_put"),
+        pytest.param("masked_fill", (mask, 2.0), {}, Traffic(ROWS * COLS + TARGET, TARGET), id="masked_fill.Scalar"),
+        pytest.param(
+            "masked_fill", (mask, zero_d), {}, Traffic(ROWS * COLS + F32 + TARGET, TARGET), id="masked_fill.Tensor"
+        ),
+        pytest.param(
+            "masked_fill", (row_mask[:, None], 2.0), {}, Traffic(ROWS + TARGET, TARGET), id="masked_fill-broadcast-mask"
+        ),
+        pytest.param(
+            "masked_scatter",
+            (mask, src.flatten()),
+            {},
+            # the scan's mask read and int64 prefix sum written, then the pass: the mask, the prefix
+            # sum, 32 source elements and the target read, the target written
+            Traffic(ROWS * COLS, prefix) + Traffic(ROWS * COLS + prefix + 32 * F32 + TARGET, TARGET),
+            id="masked_scatter",
+        ),
+        pytest.param("select_scatter", (src[0], 0, 1), {}, Traffic(COLS * F32, COLS * F32), id="select_scatter"),
+        pytest.param("slice_scatter", (row_src, 0, 2, 5), {}, Traffic(r, r), id="slice_scatter"),
+        pytest.param("diagonal_scatter", (src[0, :ROWS],), {}, Traffic(ROWS * F32, ROWS * F32), id="diagonal_scatter"),
+        pytest.param(
+            "as_strided_scatter",
+            (src[:4, :4], (4, 4), (16, 1)),
+            {},
+            Traffic(16 * F32, 16 * F32),
+            id="as_strided_scatter",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name, args, kwargs, scattered", _scatter_cases())
+def test_scatters_in_place_out_of_place_and_out_count_what_they_select(name, args, kwargs, scattered):
+    packet = getattr(torch.ops.aten, name)
+    in_place = getattr(torch.ops.aten, name + "_", None)
+    x = rand((ROWS, COLS), torch.float32, DEVICE)
+    if in_place is not None:
+        y = x.clone()
+        c = count(lambda: in_place(y, *args, **kwargs))
+        assert traffic(c, f"aten.{name}_") == scattered
+    # out of place: the input copied into the result (a read of x, a write of the result), then scattered into
+    copied = Traffic(TARGET, TARGET)
+    c = count(lambda: packet(x, *args, **kwargs))
+    assert traffic(c, f"aten.{name}") == scattered + copied
+    if any(a.is_out for o in packet.overloads() for a in getattr(packet, o)._schema.arguments):
+        out = torch.empty_like(x)
+        c = count(lambda: packet(x, *args, **kwargs, out=out))
+        assert traffic(c, f"aten.{name}") == scattered + copied
+
+
+def test_a_masks_true_elements_are_counted_outside_every_mode():
+    # The count runs inside the counter's dispatch: neither it nor a mode beneath it sees it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = rand((ROWS, COLS), torch.float32, DEVICE)
+    row_mask = torch.tensor([True, False, False, True, False, True, True, False], device=DEVICE)
+    values = rand((COLS,), torch.float32, DEVICE)
+    with Seen() as seen, fusedkit.MemoryCounterMode(display=False) as c:
+        x[row_mask] = values
+    assert seen.ops == ["index_put_"]
+    # the 4 True rows, each written from the broadcast row of values, read once
+    forward, _ = c.get_traffic_by_module()["Global"]["aten.index_put_"]
+    assert c.get_bytes_by_op().keys() == {"aten.index_put_"}
+    assert forward == Traffic(ROWS + COLS * F32, 4 * COLS * F32)
+
+
+def test_masks_without_data_count_their_bound_on_meta_and_fake_tensors():
+    # No True elements to count: every element of the mask is taken as selected (the bound).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run(device):
+        x = torch.empty(ROWS, COLS, device=device)
+        row_mask = torch.empty(ROWS, dtype=torch.bool, device=device)
+        mask = torch.empty(ROWS, COLS, dtype=torch.bool, device=device)
+        values, source = torch.empty(COLS, device=device), torch.empty(ROWS * COLS, device=device)
+        with fusedkit.MemoryCounterMode(display=False) as c:
+            x.index_put_((row_mask,), values)
+            x.masked_scatter_(mask, source)
+        return c
+
+    with FakeTensorMode():
+        fake = run("cpu")
+    for c in (run("meta"), fake):
+        assert not c.uncounted
+        ops = c.get_traffic_by_module()["Global"]
+        assert ops["aten.index_put_"][0] == Traffic(ROWS + COLS * F32, TARGET)  # every row
+        # a source element for every element (and the mask's prefix sum, an int64 each)
+        prefix = ROWS * COLS * I64
+        assert ops["aten.masked_scatter_"][0] == Traffic(2 * ROWS * COLS + prefix + 2 * TARGET, TARGET + prefix)
+
+
+def test_fill_reads_no_input_and_a_constant_pad_fills_then_copies():
+    x = rand((ROWS, COLS), torch.float32, DEVICE)
+    assert traffic(count(lambda: torch.ops.aten.fill(x, 2.0)), "aten.fill") == Traffic(0, TARGET)
+    zero_d = torch.tensor(2.0, device=DEVICE)
+    assert traffic(count(lambda: torch.ops.aten.fill(x, zero_d)), "aten.fill") == Traffic(F32, TARGET)
+    # a positive pad: the (8, 18) result filled, then x copied into it
+    c = count(lambda: F.pad(x, (1, 1)))
+    assert traffic(c, "aten.constant_pad_nd") == Traffic(TARGET, ROWS * 18 * F32 + TARGET)
+    # negative pads alone: the kept (8, 14) part copied, nothing filled
+    c = count(lambda: F.pad(x, (-1, -1)))
+    assert traffic(c, "aten.constant_pad_nd") == Traffic(ROWS * 14 * F32, ROWS * 14 * F32)
+    # both: (9, 15) filled, the kept (8, 15) part copied
+    c = count(lambda: F.pad(x, (0, -1, 0, 1), value=3.0))
+    assert traffic(c, "aten.constant_pad_nd") == Traffic(ROWS * 15 * F32, 9 * 15 * F32 + ROWS * 15 * F32)
