@@ -260,8 +260,8 @@ def kmajor_copy(b: torch.Tensor, kept=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
     square tiles. ``kept``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
-    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` takes 38.6 us (about 3.5 TB/s
-    read + written) against 128.3 for ``b.t().contiguous()``."""
+    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` copies three times as fast as
+    through ``b.t().contiguous()`` (docs/matmul.md has the copy's time)."""
     if kept is not None:
         out = kept.run((b,), None)
         if out is not None:
@@ -433,8 +433,8 @@ def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple) -> None
     key = plan.prefix + (True,) + aligned  # as :func:`_first_launch` keys the pointer kernel
     entry = TMA_LAUNCHES.get(key)
     # A kept launch whose launcher takes encoded descriptors (``entry.layouts``) gets
-    # them encoded once per operand address (building them each call cost LinearReLU's
-    # 4096^3 bf16 step 64 us of host time on the H200); a profiler's hooks get
+    # them encoded once per operand address (building them each call doubled a repeated
+    # call's host time: docs/design.md, "Matmul calls"); a profiler's hooks get
     # Triton's own launch, which passes them the descriptor objects.
     if entry is not None and (entry.layouts is None or launch.hooks_idle()):
         if entry.layouts is None:
@@ -577,7 +577,7 @@ def call_key(a, b, bias, activation) -> tuple | None:
         requires_grad = requires_grad or t.requires_grad
         key += (t.dtype, t.device, t.shape, t.stride())
     key.append(requires_grad and torch.is_grad_enabled())  # recorded by autograd or not
-    if a.dtype == torch.float32:  # PyTorch's TF32 flag matters to fp32 only (and costs ~1 us to read)
+    if a.dtype == torch.float32:  # PyTorch's TF32 flag matters to fp32 only (and is slow to read)
         key.append(tf32_enabled())
     return tuple(key)
 
@@ -595,9 +595,8 @@ class KeptMatmul:
     activation: str | None
     plan: Plan
     #: Autograd records the call (the dispatcher runs it through fusedkit.autograd, whose
-    #: forward launches with this plan), without the full path's validation (it cost
-    #: LinearReLU's forward with autograd 135 us of host time against 44 without, 4096^3
-    #: bf16 on the H200).
+    #: forward launches with this plan), without the full path's validation (it more than
+    #: doubled LinearReLU's host time with autograd: docs/design.md, "Matmul calls").
     grad: bool
 
     def a2(self, a) -> torch.Tensor:
