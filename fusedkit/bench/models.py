@@ -81,16 +81,16 @@ __all__ = [
 
 #: Training steps of the loss comparison.
 LOSS_STEPS = 20
-#: do_bench budget (ms) of a model step in one round: a ResNet-50 step is ~20-30 ms, so
-#: the default 100 ms would take the median of about four.
+#: do_bench budget (ms) of a model step in one round: a ResNet-50 step takes tens of
+#: milliseconds (docs/results.md), so do_bench's default budget would take the median of a few.
 MODEL_WARMUP_MS, MODEL_REP_MS = 50, 300
 #: Rounds of timing, every variant once a round (the median over rounds is reported): the
-#: same stock ResNet-50 step measured 16.3 and 28.0 ms in two processes on the H200 host,
-#: and drifts within one.
+#: same stock ResNet-50 step measured 1.7x apart in two processes on the H200 host, and
+#: drifts within one.
 TIMING_ROUNDS = 3
 VARIANTS = ("eager", "eager2", "fusedkit", "compiled")
-#: Training steps profiled together for the GPU busy time (one step's read 9.52 and 9.79 ms
-#: for the same stock LLaMA-7B MLP in two processes on the H200).
+#: Training steps profiled together for the GPU busy time (one step's read 3% apart for the
+#: same stock LLaMA-7B MLP in two processes on the H200).
 GPU_BUSY_STEPS = 3
 #: Steps issued from an idle GPU for the host's time (the median is reported).
 HOST_STEPS = 10

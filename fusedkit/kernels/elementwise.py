@@ -80,63 +80,23 @@ NOT_SPECIALISED = (
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def elementwise_kernel(
-    out_ptr,
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    out2_ptr,
-    a_bits,
-    b_bits,
-    c_bits,
-    param_bits,
-    size1,
-    size2,
-    size3,
-    size_r,
-    size_c,
-    tiles_c,
-    tiles_c_magic,
-    tiles_c_shift,
-    tiles_per_batch,
-    o_s0,
-    o_s1,
-    o_s2,
-    o_s3,
-    o_sr,
-    o_sc,
-    a_s0,
-    a_s1,
-    a_s2,
-    a_s3,
-    a_sr,
-    a_sc,
-    b_s0,
-    b_s1,
-    b_s2,
-    b_s3,
-    b_sr,
-    b_sc,
-    c_s0,
-    c_s1,
-    c_s2,
-    c_s3,
-    c_sr,
-    c_sc,
-    FN: tl.constexpr,
-    NUM_INPUTS: tl.constexpr,
-    HAS_PARAM: tl.constexpr,
-    NUM_OUTPUTS: tl.constexpr,
-    SCALAR_MASK: tl.constexpr,
-    UNIT_R_MASK: tl.constexpr,
-    UNIT_C_MASK: tl.constexpr,
-    RESULT_DTYPE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,
-    COMPUTE_IS_FLOAT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    INT64: tl.constexpr,
-    BATCHED: tl.constexpr,
-):
+    # Pointers: out, the three operand slots (out's where a slot is a scalar or unused), out2 (out's if unused).
+    out_ptr, a_ptr, b_ptr, c_ptr, out2_ptr,
+    # Host scalars as 64-bit patterns (``helpers.scalar_value``): each operand slot's, the parameter's.
+    a_bits, b_bits, c_bits, param_bits,
+    # Sizes and tile counts: batch dims 1-3, rows, columns; tile columns, its division constants; tiles per batch.
+    size1, size2, size3, size_r, size_c, tiles_c, tiles_c_magic, tiles_c_shift, tiles_per_batch,
+    # Strides of the output, then of each operand slot: batch dims 0-3, the tile's row axis, its column axis.
+    o_s0, o_s1, o_s2, o_s3, o_sr, o_sc,
+    a_s0, a_s1, a_s2, a_s3, a_sr, a_sc,
+    b_s0, b_s1, b_s2, b_s3, b_sr, b_sc,
+    c_s0, c_s1, c_s2, c_s3, c_sr, c_sc,
+    # Compile-time switches: the op; per-operand flags (bit k: operand k, 0 the output); dtypes; tiling.
+    FN: tl.constexpr, NUM_INPUTS: tl.constexpr, HAS_PARAM: tl.constexpr, NUM_OUTPUTS: tl.constexpr,
+    SCALAR_MASK: tl.constexpr, UNIT_R_MASK: tl.constexpr, UNIT_C_MASK: tl.constexpr,
+    RESULT_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, COMPUTE_IS_FLOAT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INT64: tl.constexpr, BATCHED: tl.constexpr,
+):  # fmt: skip
     # Without batch dims (BATCHED false) the program's coordinates take no division by a
     # runtime value: five of them (four for the batch index, one for the tile row) made each
     # thread run 149 instructions before its first load, now 22 to 24 (bf16 silu_mul, sm_90).
@@ -151,7 +111,7 @@ def elementwise_kernel(
         i0, i1, i2, i3 = batch, batch, batch, batch
     # Interior tiles skip the mask: a bound that is not a multiple of 16 would
     # otherwise stop Triton from issuing 16-byte accesses for the whole launch
-    # (H200, n = 2**28 + 1 fp32 add_relu: 1013 us masked everywhere vs 738 us at 2**28).
+    # (what that cost: docs/design.md, "Interior tiles run unmasked").
     full = helpers.block_is_full(tile_r, BLOCK_R, size_r, INT64) & helpers.block_is_full(tile_c, BLOCK_C, size_c, INT64)
     for MASKED in tl.static_range(2):  # the tile twice, unmasked and masked; each program runs one
         if full == (MASKED == 0):

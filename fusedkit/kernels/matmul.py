@@ -55,39 +55,19 @@ def _store(
 
 @triton.jit
 def matmul_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    bias_ptr,
-    pre_ptr,
-    ws_ptr,
-    arrivals_ptr,
-    M,
-    N,
-    K,
-    M_BUCKET,
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    stride_cn,
-    stride_bias,
-    HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    INT64: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    # Pointers: a, b, c (the output), bias and pre (c's where absent), split-K's workspace and counters (c's without).
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr,
+    # Sizes: a is (M, K), b (K, N); M_BUCKET (M's power-of-two bucket, ``configs.matmul_m_bucket``) keys the tuner.
+    M, N, K, M_BUCKET,
+    # Strides, in elements, of a, b, c and the bias.
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    # Compile-time switches: the epilogue; the arithmetic and the offsets; the tile.
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
-):
+):  # fmt: skip
     pid_m, pid_n = helpers.grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

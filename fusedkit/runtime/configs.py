@@ -17,8 +17,8 @@ from .. import settings
 #: Elements per program on the contiguous 1-D path (4- and 8-byte results).
 BLOCK_1D = 1024
 #: The same for 1- and 2-byte results: 1024 is fastest at every size since the kernel's
-#: prologue lost its divisions (H200, bf16: gelu_mul 372.8 us at 2^28 against 389.8 at 4096,
-#: 5.4 against 7.7 at 2^18; add_relu, silu_mul and add_gelu within 1% at 2^28).
+#: prologue lost its divisions (H200, bf16: gelu_mul at 2^28 4% faster than with 4096;
+#: ``benchmarks/tile_sweep.py`` measures it again).
 BLOCK_1D_NARROW = 1024
 #: Elements per program for a row-major 2-D tile (a broadcast bias, a strided slice).
 TILE_ELEMS_2D = 2048
@@ -87,7 +87,7 @@ MATMUL_LARGE_M_TILES = (
 #: Decode-sized M (<= SMALL_M_BUCKET): the weight stream is the cost, so narrow N tiles
 #: spread it over more SMs (N = 4096 / 32 = 128 programs for 132 SMs) and long K steps
 #: keep each program's loads in flight. The last fits fp64. No 64-row tiles: with them
-#: M = 64, N = K = 4096 bf16 ran 81.6 TFLOP/s against 93.9 without (H200).
+#: M = 64, N = K = 4096 bf16 ran 13% slower (H200; current figures: docs/results.md).
 MATMUL_DECODE_TILES = (
     (16, 32, 256, 4, 4),
     (16, 64, 256, 4, 4),
@@ -100,8 +100,8 @@ MATMUL_DECODE_TILES = (
 #: (``DOT=False``), with as few rows as M needs. Same tuple layout.
 #: Fewer than 16 rows: from 16 up in every dimension Triton rewrites the multiply-and-sum
 #: into a TF32 ``tl.dot``. The narrow 1-row tiles give N = 4096 128 or 256 programs for
-#: 132 SMs (a 64-wide one gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 takes
-#: 20.2 us against cuBLAS's 26.6 (H200).
+#: 132 SMs (a 64-wide one gives 64): fp32 ``linear_relu`` at M = 1, K = N = 4096 runs
+#: 1.3x as fast as cuBLAS (H200; ``python -m fusedkit bench --matmul`` measures it again).
 MATMUL_REDUCE_TILES = (
     (1, 64, 128, 3, 4),
     (1, 128, 64, 3, 4),
@@ -119,8 +119,7 @@ SMALL_M_BUCKET = 64
 #: share a tile's K range and the last to finish sums their partial accumulators (a
 #: workspace of SPLIT_K x M x N) and runs the epilogue. For grids of fewer tiles than
 #: SMs: bf16 M = 64, N = K = 4096 has 64 tiles of 64 x 64 for 132 SMs. Decode-sized M; the
-#: last, 64 x 128 x 128 with 8 warps, takes 20.4 us there against 21.3 for the best tile
-#: without it (H200):
+#: last, 64 x 128 x 128 with 8 warps, runs there 4% faster than the best tile without it (H200):
 MATMUL_SPLIT_K_TILES = (
     (16, 64, 128, 4, 4, 4),
     (32, 64, 128, 4, 4, 4),
@@ -130,8 +129,9 @@ MATMUL_SPLIT_K_TILES = (
     (64, 128, 128, 3, 8, 4),
 )
 #: Exact fp32 / fp64 (``ieee``) at M buckets of 32 and 64: tall FMA tiles split over K, so the
-#: CUDA cores get 4 to 8 times the warps: at M = 64, N = K = 4096 160 us with 4 splits against
-#: 310 unsplit (H200). (The same tiles unsplit were no faster than the decode tiles: not kept.)
+#: CUDA cores get 4 to 8 times the warps: at M = 64, N = K = 4096 4 splits take half the time
+#: unsplit takes (H200; docs/design.md). (The same tiles unsplit were no faster than the decode
+#: tiles: not kept.)
 MATMUL_EXACT_SPLIT_K_TILES = (
     (64, 32, 32, 3, 4, 4),
     (64, 32, 32, 3, 4, 8),
@@ -142,15 +142,15 @@ MATMUL_EXACT_SPLIT_K_TILES = (
 EXACT_TALL_M_BUCKET = 32
 #: M buckets above SMALL_M_BUCKET up to this one also try split-K large tiles (M = 512,
 #: N = 4096: 128 tiles of 128 x 128 for 132 SMs; without split-K 0.89x cuBLASLt's epilogue
-#: on the H200).
+#: on the H200; current figures: docs/results.md).
 SPLIT_K_MAX_M_BUCKET = 512
 MATMUL_MID_M_SPLIT_K_TILES = ((128, 128, 64, 4, 8, 2), (128, 256, 64, 3, 8, 2), (64, 128, 64, 4, 4, 2))
 #: float32 at M buckets above SMALL_M_BUCKET (pointer kernel), beside the tiles above:
 #: 32-wide K steps, so three or four stages fit shared memory with 4-byte operands (most
 #: tiles above do not fit fp32 tf32x3 on the H200: OutOfResources). These fit sm_90's
 #: shared memory in the tf32x3 mode (checked at compile time: ``tests/test_codegen.py``);
-#: with them the matmul report's fp32 M = 512 (row-major ``b``) runs 39.7 TFLOP/s against
-#: 26.8 without (H200).
+#: with them the matmul report's fp32 M = 512 (row-major ``b``) runs 1.5x as fast as without
+#: (H200; ``python -m fusedkit bench --matmul`` measures it again).
 MATMUL_FP32_TILES = (
     (128, 128, 32, 3, 8, 1),
     (128, 128, 32, 4, 8, 1),
@@ -202,9 +202,9 @@ def matmul_configs():
 def reduce_tiles_apply(precision: str, dtype: torch.dtype) -> bool:
     """Whether a call at decode-sized M tunes over the multiply-and-sum tiles: fp32 / fp64
     unless TF32. They use no ``tl.dot``, so they are fp32's own math in the tf32x3 mode too,
-    and at M = 1 the faster: fp32 ``linear_relu`` at M = 1, N = K = 4096 takes 20.2 us with
-    them against torch's 26.6 on the H200, where tf32x3's 16-row dot tiles alone run at about
-    half torch's speed."""
+    and at M = 1 the faster: fp32 ``linear_relu`` at M = 1, N = K = 4096 outruns torch with
+    them on the H200, where tf32x3's 16-row dot tiles alone run at about half torch's speed
+    (``MATMUL_REDUCE_TILES``)."""
     return dtype in (torch.float32, torch.float64) and precision != "tf32"
 
 
@@ -287,20 +287,21 @@ TENSOR_MAP_CACHE_SIZE = 512
 # "pointer" (the tiled kernel with per-thread loads), "tma" (persistent, tensor-descriptor
 # loads; Hopper, aligned operands) or "auto", which chooses by these measurements.
 #: "auto" takes the TMA kernel from this many rows of ``a`` up: at M = 512, N = K = 4096,
-#: bf16, b row-major, autotuned, it runs 556.3 TFLOP/s against the pointer kernel's 544.5
-#: (H200, torch 2.11, triton 3.6), and leads for fp16 and for fp32 in nn.Linear's layout too;
+#: bf16, b row-major, autotuned, it leads the pointer kernel by 2% (H200, torch 2.11, triton
+#: 3.6; this choice and the ones below with their figures: docs/design.md, "Matmul kernel
+#: choice and tuning"), and leads for fp16 and for fp32 in nn.Linear's layout too;
 #: at M = 128 and 256 the pointer kernel leads. fp32 with ``FUSEDKIT_FP32_MATMUL=ieee`` at
 #: M = 512-1023 is untimed on either kernel.
 MATMUL_TMA_MIN_M = 512
 #: ... and, for 2-byte operands, in this M bucket (33-64 rows: one 64-row tile, where the TMA
 #: kernel's 64 x 32 x 128 tile 8 stages deep streams the weight): at M = 64 bf16, the same
-#: setup, 114.7 TFLOP/s against 107.5. At M = 16 and 32 the pointer kernel's split-K tiles
-#: lead or tie, so those buckets stay with the pointer kernel.
+#: setup, 7% ahead (a small margin, docs/design.md says how small). At M = 16 and 32 the
+#: pointer kernel's split-K tiles lead or tie, so those buckets stay with the pointer kernel.
 MATMUL_TMA_HALF_M_BUCKET = 64
 #: The same for float32 on TF32 tensor cores with row-major ``a`` and ``b``, which the TMA
 #: kernel computes as a transposed product (``_matmul_tma.transposed_product``) and the
-#: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200, TMA runs 59.9
-#: TFLOP/s at M = 128 against the pointer kernel's 40.1 with TF32, and leads with tf32x3 too.
+#: pointer kernel cannot: K = N = 4096, b row-major, autotuned, on the H200, TMA runs 1.5x as
+#: fast as the pointer kernel at M = 128 with TF32, and leads with tf32x3 too.
 MATMUL_TMA_MIN_M_TRANSPOSED = 128
 
 
@@ -322,9 +323,9 @@ def matmul_kernel_choice(m: int, transposed: bool = False, half: bool = False) -
 #: and as many written, each call, through a kept launch) and runs ``a @ b`` on that, instead
 #: of the transposed product, whose ``b^T`` goes through registers. The copy pays only with
 #: the TMA kernel after it, so this is at least ``MATMUL_TMA_MIN_M`` (a test holds it there).
-#: On the H200 (K = N = 4096, the copy about 38 us) the copy and ``a @ b`` run 193.7 TFLOP/s
-#: at M = 512 against 164.3 for the transposed product, and lead at larger M too; at M = 256,
-#: where ``a @ b`` runs on the pointer kernel, the transposed product leads.
+#: On the H200 (K = N = 4096) the copy and ``a @ b`` lead the transposed product by 18% at
+#: M = 512, and lead at larger M too; at M = 256, where ``a @ b`` runs on the pointer kernel,
+#: the transposed product leads.
 MATMUL_TF32_COPY_MIN_M = 512
 
 
@@ -337,7 +338,7 @@ def tf32_copies_b(m: int) -> bool:
 #: TMA tiles tuned for fp32 operands only, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, SUBTILE).
 #: 64 x 64 gives 128 tiles at M = 128, N = 4096, where the smallest tile otherwise offered to
 #: fp32 (64 x 128) leaves 68 of the H200's 132 SMs idle: with it alone (K = 4096, b row-major)
-#: tf32x3 runs 23.0 TFLOP/s at M = 128 against 47.4 at M = 256, twice the tiles. The tile
+#: tf32x3 runs at M = 128 half as fast as at M = 256, twice the tiles. The tile
 #: must keep 64 rows on ``wgmma``'s M side in either product (``a @ b`` and the transposed
 #: one), which 64 x 64 does (checked on sm_90 by tests/test_codegen.py).
 #: The deeper 32-wide K steps after it are for TF32 on a K-major ``b`` (the copy above), where
@@ -347,8 +348,7 @@ def tf32_copies_b(m: int) -> bool:
 #: (``_codegen.compile_matmul_tma``, on the CPU) they take 161-224 KiB in both products and
 #: both fp32 modes (the most: 128 x 256 x 32, tf32x3, K-major ``b``; 6 stages of 128 x 128 x 32
 #: would take 240 KiB in the transposed TF32 product, over the 227 available). With them
-#: ``a @ b`` with TF32 on a K-major ``b`` runs 364.6 TFLOP/s at M = 1024 against 288.3
-#: without (H200).
+#: ``a @ b`` with TF32 on a K-major ``b`` runs 26% faster at M = 1024 than without (H200).
 TMA_FP32_TILES = (
     (64, 64, 32, 5, 4, False),
     (128, 128, 32, 5, 8, True),
@@ -381,8 +381,8 @@ def matmul_tma_configs(pre_hook=None):
         cfg(64, 256, 64, 4, 4, True),
         cfg(128, 64, 64, 4, 4, False),
         # Deeper pipelines, each the fastest of its shape (H200, bf16, N = K = 4096, b
-        # row-major, CUDA-graph replays): at M = 512 128 x 128 x 64 at 6 stages takes 31.0 us
-        # against 33.8 at 4 stages; at M = 64 64 x 32 x 128 at 8 stages leads the 64-row tiles.
+        # row-major, CUDA-graph replays): at M = 512 128 x 128 x 64 at 6 stages takes 8% less
+        # time than at 4 stages; at M = 64 64 x 32 x 128 at 8 stages leads the 64-row tiles.
         cfg(128, 128, 64, 5, 8, True),
         cfg(128, 128, 64, 6, 8, True),
         cfg(64, 256, 64, 5, 4, True),

@@ -1,12 +1,12 @@
 """Direct launches of compiled Triton kernels: the eager fast path.
 
 ``kernel[grid](*args)`` re-binds every argument, recomputes Triton's
-specialisation key and checks global values on each call, about 14 us of host
-time for a small kernel on the H200 host and 35 us for the 50-argument
-elementwise kernel. It also returns the ``CompiledKernel`` it launched, and
-``CompiledKernel.run`` launches that same binary with a few microseconds of
-argument packing. :class:`CompiledCache` keeps those kernels under a key that the
-caller builds from everything Triton specialises on (dtypes, 16-byte pointer
+specialisation key and checks global values on each call: host time that grows with
+the argument count, several times what a direct launch takes (docs/design.md, "The eager
+fast path"; ``python -m fusedkit bench --latency`` times calls). It also returns the
+``CompiledKernel`` it launched, and ``CompiledKernel.run`` launches that same binary
+with little more than its argument packing. :class:`CompiledCache` keeps those kernels
+under a key that the caller builds from everything Triton specialises on (dtypes, 16-byte pointer
 alignment, integer values or their classes, compile-time constants, options,
 device), so a later call with the same key launches directly and any other call
 takes the ordinary path, which compiles or finds the right kernel.
@@ -211,9 +211,9 @@ class Entry(NamedTuple):
 def _descriptor_launch(launch, metadata):
     """``(C launch, layouts)`` when ``launch`` is the wrapper Triton 3.6 puts around its C
     launch for a kernel with TMA descriptor parameters (it encodes every ``TensorDescriptor``
-    on every call, after the caller has built them: four take 19.5 us of the H200 host's
-    time), else None (no descriptors, or a layout this module does
-    not encode: the wrapper stays)."""
+    on every call, after the caller has built them: encoding them once per operand instead
+    halves a repeated TMA matmul's host time, docs/design.md, "Matmul calls"), else None (no
+    descriptors, or a layout this module does not encode: the wrapper stays)."""
     names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
     cells = dict(zip(names, getattr(launch, "__closure__", None) or ()))
     metas = getattr(metadata, "tensordesc_meta", None)

@@ -230,8 +230,8 @@ def span_bytes(t) -> tuple[int, int]:
 def broadcast_shape(shapes: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
     """The broadcast of ``shapes``, or None when they do not broadcast.
 
-    Plain Python: ``torch.broadcast_shapes`` costs about 4 us a call through its
-    reference implementation, a tenth of a small op's budget.
+    Plain Python: ``torch.broadcast_shapes`` runs its reference implementation, several
+    times slower, and a small op's call is bound by its host time (docs/why-fusion.md).
     """
     first = shapes[0]
     if all(s == first for s in shapes):

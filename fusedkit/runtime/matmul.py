@@ -6,7 +6,9 @@ Read top to bottom:
 - :func:`launch_config` and :func:`plan_matmul`: arguments, compile-time switches and the
   kernel choice (the tiled pointer kernel or the Hopper TMA kernel,
   :mod:`fusedkit.runtime.configs` says why), 32- or 64-bit offsets, split-K;
-- :func:`launch_matmul`: autotunes or launches a kept kernel for validated 2-D operands;
+- :func:`launch_matmul`: launches a kept kernel for validated 2-D operands, or goes on to
+  :func:`_first_launch`, which autotunes or compiles and keeps it (:func:`_launch_tma_kernel`
+  for the TMA kernel);
 - :func:`validate` and :func:`forward`: a call's checks, and its (M, N) result (and
   pre-activation) for a 2-D ``a``;
 - kept calls: :func:`call_key`, :data:`KEPT`, :class:`KeptMatmul` and :func:`run`, as
@@ -258,8 +260,8 @@ def kmajor_copy(b: torch.Tensor, kept=None) -> torch.Tensor:
     """``b`` (K, N) with the same values, laid out K-major (strides (1, K)): a copy through
     fusedkit's elementwise kernel, which reads ``b`` row-major and writes the transpose in
     square tiles. ``kept``: :func:`kmajor_copy_launch` of a ``b`` like this one, which skips
-    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` takes 38.6 us (about 3.5 TB/s
-    read + written) against 128.3 for ``b.t().contiguous()``."""
+    Triton's own launch path. On the H200 a 4096^2 fp32 ``b`` copies three times as fast as
+    through ``b.t().contiguous()`` (docs/matmul.md has the copy's time)."""
     if kept is not None:
         out = kept.run((b,), None)
         if out is not None:
@@ -335,20 +337,23 @@ def launch_matmul(
 
     ``pre``, when given, receives the pre-activation (for a backward pass). ``plan``:
     this call's ``plan_matmul``, when the caller kept it.
+
+    The body is the kept launch of a repeated call: the plan's pointer kernel, launched
+    directly once the plan keeps it for these pointers' alignment. The TMA kernel's launches
+    go on to :func:`_launch_tma_kernel`, any other to :func:`_first_launch`.
     """
     index = a.device.index
     if not INTERPRETED and index != launch.current_device():
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan)
-    plan = plan or plan_matmul(a, b, bias, activation, out, pre)
+    if plan is None:
+        plan = plan_matmul(a, b, bias, activation, out, pre)
     if plan.copy_b:
         b = kmajor_copy(b, plan.copy_launch)
-    M, K = a.shape
-    N = b.shape[1]
-    o = out.data_ptr()
     ws = arrivals = out  # no split-K: the kernel never reads these
     if plan.split_k > 1:
-        ws, arrivals = split_k_buffers(a.device, plan.split_k, M, N, plan.ws_dtype)
+        ws, arrivals = split_k_buffers(a.device, plan.split_k, a.shape[0], b.shape[1], plan.ws_dtype)
+    o = out.data_ptr()
     addresses = (
         a.data_ptr(),
         b.data_ptr(),
@@ -361,49 +366,42 @@ def launch_matmul(
     aligned = tuple([p % launch.ALIGNMENT == 0 for p in addresses])
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
     use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
-    local = (use_tma, aligned)
-    entry = plan.launches.get(local)  # pointer-kernel launches only (never under the interpreter)
+    entry = plan.launches.get((use_tma, aligned))  # pointer-kernel launches only (never under the interpreter)
     if entry is not None:
         launch.CompiledCache.run(entry, addresses + plan.ints, index)
-        return out
-    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, ws, arrivals) + plan.ints
+    elif use_tma:
+        _launch_tma_kernel(a, b, bias, out, pre, plan, aligned)
+    else:
+        _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned)
+    return out
+
+
+def _first_launch(a, b, bias, out, pre, plan: Plan, split_k: tuple, addresses: tuple, aligned: tuple) -> None:
+    """A pointer-kernel launch that ``plan`` has not kept: in the interpreter; the kernel kept in
+    the shared cache under this launch's key (another plan's, or one cleared), which the plan
+    then keeps; else through Triton's launch, which compiles or autotunes, the compiled kernel
+    kept under the key for the next call."""
+    M, K = a.shape
+    N = b.shape[1]
+    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, *split_k) + plan.ints
     meta = plan.meta
 
     def grid(m):
         return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
 
     if INTERPRETED:
+        tile = MATMUL_INTERPRETER_TILE
         with launch.serialised():
-            if use_tma:
-                _launch_tma(a, b, bias, out, pre, meta, tuned=False)
-                return out
-            tile = MATMUL_INTERPRETER_TILE
             matmul_kernel[grid(tile)](*args, **meta, **tile, EVEN_K=K % tile["BLOCK_K"] == 0, **COMPILER_OPTIONS)
-        return out
+        return
     # Everything Triton specialises on: the integers exactly (they refine its
     # classes), pointer dtypes and alignment, the switches, the config source.
-    key = plan.prefix + (use_tma,) + aligned
-    if use_tma:
-        entry = TMA_LAUNCHES.get(key)
-        # A kept launch whose launcher takes encoded descriptors (``entry.layouts``) gets
-        # them encoded once per operand address (building them each call cost LinearReLU's
-        # 4096^3 bf16 step 64 us of host time on the H200); a profiler's hooks get
-        # Triton's own launch, which passes them the descriptor objects.
-        if entry is not None and (entry.layouts is None or launch.hooks_idle()):
-            if entry.layouts is None:
-                descs = matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
-            else:
-                descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts)
-            tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
-            launch.CompiledCache.run(entry, (*descs, *tail), index)
-        else:
-            _launch_tma(a, b, bias, out, pre, meta, plan.tuned, key)
-        return out
+    key = plan.prefix + (False,) + aligned
     entry = LAUNCHES.get(key)
     if entry is not None:
-        plan.launches[local] = entry
-        launch.CompiledCache.run(entry, addresses + plan.ints, index)
-        return out
+        plan.launches[(False, aligned)] = entry
+        launch.CompiledCache.run(entry, addresses + plan.ints, a.device.index)
+        return
     if plan.tuned:
         recorder = launch.GridRecorder(grid)
         compiled = matmul_tuned[recorder](*args, **meta, **COMPILER_OPTIONS)
@@ -422,7 +420,31 @@ def launch_matmul(
         )
     constexprs = {**meta, **tile, "EVEN_K": K % tile["BLOCK_K"] == 0}
     LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
-    return out
+
+
+def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple) -> None:
+    """A TMA-kernel launch: its kept launches take tensor descriptors, built for each call's
+    operands, so they run here rather than from ``plan.launches``; the first launch of a key
+    (and any launch under the interpreter) goes through Triton's path."""
+    if INTERPRETED:
+        with launch.serialised():
+            _launch_tma(a, b, bias, out, pre, plan.meta, tuned=False)
+        return
+    key = plan.prefix + (True,) + aligned  # as :func:`_first_launch` keys the pointer kernel
+    entry = TMA_LAUNCHES.get(key)
+    # A kept launch whose launcher takes encoded descriptors (``entry.layouts``) gets
+    # them encoded once per operand address (building them each call doubled a repeated
+    # call's host time: docs/design.md, "Matmul calls"); a profiler's hooks get
+    # Triton's own launch, which passes them the descriptor objects.
+    if entry is not None and (entry.layouts is None or launch.hooks_idle()):
+        if entry.layouts is None:
+            descs = matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
+        else:
+            descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts)
+        tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
+        launch.CompiledCache.run(entry, (*descs, *tail), a.device.index)
+    else:
+        _launch_tma(a, b, bias, out, pre, plan.meta, plan.tuned, key)
 
 
 def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
@@ -555,7 +577,7 @@ def call_key(a, b, bias, activation) -> tuple | None:
         requires_grad = requires_grad or t.requires_grad
         key += (t.dtype, t.device, t.shape, t.stride())
     key.append(requires_grad and torch.is_grad_enabled())  # recorded by autograd or not
-    if a.dtype == torch.float32:  # PyTorch's TF32 flag matters to fp32 only (and costs ~1 us to read)
+    if a.dtype == torch.float32:  # PyTorch's TF32 flag matters to fp32 only (and is slow to read)
         key.append(tf32_enabled())
     return tuple(key)
 
@@ -573,9 +595,8 @@ class KeptMatmul:
     activation: str | None
     plan: Plan
     #: Autograd records the call (the dispatcher runs it through fusedkit.autograd, whose
-    #: forward launches with this plan), without the full path's validation (it cost
-    #: LinearReLU's forward with autograd 135 us of host time against 44 without, 4096^3
-    #: bf16 on the H200).
+    #: forward launches with this plan), without the full path's validation (it more than
+    #: doubled LinearReLU's host time with autograd: docs/design.md, "Matmul calls").
     grad: bool
 
     def a2(self, a) -> torch.Tensor:
