@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ArgumentError, NotDifferentiableError, UnknownKernelError
+from .errors import ArgumentError, NotDifferentiableError, SignatureError, UnknownKernelError
 from .registry import get, result_dtype
 from .runtime import elementwise, matmul, native
 
@@ -159,7 +159,7 @@ def _input_grads(ctx, grad, run=None) -> list:
         saved = ctx.saved_tensors[0] if kernel.saves == "output" else None
         if kernel.saves == "inputs":
             saved = _saved_operands(ctx)
-        grads = kernel.backward(grad, saved, param)
+        grads = _checked_grads(kernel, kernel.backward(grad, saved, param))
     return [_operand_grad(grads[slot], meta) for slot, meta in zip(ctx.slots, ctx.meta)]
 
 
@@ -170,7 +170,25 @@ def _pre_grads(kernel, grad, pre, param, grad_pre=None):
     total = kernel.backward(grad, pre, param) if grad is not None else None
     if grad_pre is not None:
         total = grad_pre if total is None else total + grad_pre
-    return kernel.pre.backward(total, None, param)
+    return _checked_grads(kernel.pre, kernel.pre.backward(total, None, param))
+
+
+def _checked_grads(kernel, grads):
+    """``kernel.backward``'s result, refused unless a tuple or list of one tensor or None per
+    operand: autograd would index past its end or ``zip`` would drop an operand's gradient."""
+    if not isinstance(grads, (tuple, list)) or len(grads) != kernel.arity:
+        given = f"{len(grads)} gradient(s)" if isinstance(grads, (tuple, list)) else f"a {type(grads).__name__}"
+        raise SignatureError(
+            f"{kernel.name}: backward returned {given} for its {kernel.arity} operand(s) "
+            f"({', '.join(kernel.arg_names)}); it must return a tuple of one tensor or None per operand"
+        )
+    for name, g in zip(kernel.arg_names, grads):
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise SignatureError(
+                f"{kernel.name}: backward returned a {type(g).__name__} as {name}'s gradient; "
+                "it must return a tensor or None per operand"
+            )
+    return grads
 
 
 def _operand_grad(grad, meta):
@@ -204,7 +222,7 @@ def native_backward(kernel, param, operand_signature, device, shape, dtype):
 
     def backward(grad, saved):
         arg = saved[0] if saves == "output" else saved if saves == "inputs" else None
-        return [_operand_grad(g, m) for g, m in zip(formula(grad, arg, param), meta)]
+        return [_operand_grad(g, m) for g, m in zip(_checked_grads(kernel, formula(grad, arg, param)), meta)]
 
     plan = ()
     if kernel.backward_kernels is not None and all(d.is_floating_point for _, d, _ in meta):

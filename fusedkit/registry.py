@@ -67,6 +67,8 @@ MAX_ARITY = 3
 #: What a kernel may keep for its backward pass: nothing, its result, its operands, or the
 #: intermediate its math applies its last step to (``pre``: see :class:`ElementwiseKernel`).
 SAVES = ("none", "output", "inputs", "pre")
+#: Keywords of :func:`fusedkit.elementwise` itself, which a kernel's ``param`` cannot be.
+RESERVED_NAMES = ("kernel", "out")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ class ElementwiseKernel:
         dtypes: result dtypes the op accepts (``torch.result_type`` of the operands). An operand
             may have any dtype in :data:`OPERAND_DTYPES` that promotes to one of them, as in
             torch: it is converted to the result dtype as torch converts it.
-        param: name of the single scalar keyword parameter, or ``None``.
+        param: name of the single scalar keyword parameter, or ``None``; neither an
+            operand's name nor a keyword of :func:`fusedkit.elementwise` (``RESERVED_NAMES``).
         param_default: its default value.
         formula: human-readable formula for the docs.
         unfused: the eager ops the reference launches; each one after the first
@@ -163,6 +166,9 @@ class ElementwiseKernel:
             so that a repeated call's autograd node launches them from C++ without
             Python; None for a parameter no such plan serves (the Python ``backward``
             runs). Needs ``saves`` "output" or "inputs".
+
+    Each field's type is checked when the entry is made (``DTypeError``, its value:
+    ``ArgumentError``); a list given for a tuple field is stored as a tuple.
     """
 
     name: str
@@ -183,23 +189,28 @@ class ElementwiseKernel:
     forward_pair: ElementwiseKernel | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.isidentifier():
+        # Every field's type first: a wrong one must not pass as another value (a str where a
+        # tuple is meant counts its characters) nor fail later in a plain TypeError.
+        if not isinstance(self.name, str):
+            raise DTypeError(f"kernel name must be a str, got {_shown(self.name)}")
+        if not self.name.isidentifier():
             raise ArgumentError(f"kernel name must be a Python identifier, got {self.name!r}")
         if not isinstance(self.math, KernelInterface):
             raise DTypeError(f"{self.name}: math must be a @triton.jit function, got {type(self.math).__name__}")
         if not callable(self.reference):
             raise DTypeError(f"{self.name}: reference must be callable")
+        self._tuple_field("arg_names", "operand names", str)
         if not 1 <= len(self.arg_names) <= MAX_ARITY:
             raise ArgumentError(f"{self.name}: arity must be 1..{MAX_ARITY}, got {len(self.arg_names)}")
         if len(set(self.arg_names)) != len(self.arg_names) or not all(a.isidentifier() for a in self.arg_names):
             raise ArgumentError(f"{self.name}: arg_names must be distinct identifiers, got {self.arg_names}")
+        self._tuple_field("dtypes", "torch dtypes", torch.dtype)
         bad = [d for d in self.dtypes if d not in SUPPORTED_DTYPES]
         if not self.dtypes or bad:
             raise ArgumentError(f"{self.name}: dtypes must be a non-empty subset of {SUPPORTED_DTYPES}, got {bad}")
-        if self.param is not None and not self.param.isidentifier():
-            raise ArgumentError(f"{self.name}: param must be an identifier or None, got {self.param!r}")
-        if not isinstance(self.param_default, numbers.Real):
-            raise DTypeError(f"{self.name}: param_default must be a real number")
+        self._check_param()
+        if not isinstance(self.formula, str):
+            raise DTypeError(f"{self.name}: formula must be a str, got {_shown(self.formula)}")
         n_math = len(inspect.signature(self.math.fn).parameters)
         expected = self.arity + (self.param is not None)
         if n_math != expected:
@@ -207,12 +218,19 @@ class ElementwiseKernel:
                 f"{self.name}: math takes {n_math} arguments, expected {expected} "
                 f"(the operands{' and ' + self.param if self.param else ''})"
             )
-        if not self.unfused:
-            raise ArgumentError(f"{self.name}: unfused must name the eager ops of the reference")
+        self._tuple_field("unfused", "op names", str)
+        if not self.unfused or not all(self.unfused):
+            raise ArgumentError(f"{self.name}: unfused must name the eager ops of the reference, got {self.unfused}")
+        if not isinstance(self.saves, str):
+            raise DTypeError(f"{self.name}: saves must be a str, one of {SAVES}, got {_shown(self.saves)}")
         if self.saves not in SAVES:
             raise ArgumentError(f"{self.name}: saves must be one of {SAVES}, got {self.saves!r}")
         if self.backward is not None and not callable(self.backward):
             raise DTypeError(f"{self.name}: backward must be callable or None")
+        if self.backward_kernels is not None and not callable(self.backward_kernels):
+            raise DTypeError(f"{self.name}: backward_kernels must be callable or None")
+        if type(self.outputs) is not int:  # (not a bool: True would count as one output)
+            raise DTypeError(f"{self.name}: outputs must be an int, 1 or 2, got {_shown(self.outputs)}")
         if self.outputs not in (1, 2):
             raise ArgumentError(f"{self.name}: outputs must be 1 or 2, got {self.outputs!r}")
         if self.outputs == 2 and (self.backward is not None or self.saves != "none"):
@@ -220,9 +238,7 @@ class ElementwiseKernel:
                 f"{self.name}: a two-output kernel runs outside autograd (a backward's, or a forward_pair): "
                 "it takes no backward and saves nothing"
             )
-        if self.backward_kernels is not None and (
-            self.backward is None or self.saves not in ("output", "inputs") or not callable(self.backward_kernels)
-        ):
+        if self.backward_kernels is not None and (self.backward is None or self.saves not in ("output", "inputs")):
             raise ArgumentError(
                 f"{self.name}: backward_kernels states a backward on what the call saves: it needs "
                 "backward and saves='output' or 'inputs'"
@@ -273,6 +289,33 @@ class ElementwiseKernel:
                 "(its backward turns pre's gradient into the operands')"
             )
 
+    def _tuple_field(self, field: str, what: str, item: type) -> None:
+        """Check that ``field`` is a tuple (a list is taken as one) of ``item``; the dataclass is
+        frozen and hashed, so a list is stored as a tuple."""
+        value = getattr(self, field)
+        if not isinstance(value, (tuple, list)):
+            raise DTypeError(f"{self.name}: {field} must be a tuple of {what}, got {_shown(value)}")
+        wrong = [v for v in value if not isinstance(v, item)]
+        if wrong:
+            raise DTypeError(f"{self.name}: {field} must be a tuple of {what}, got {_shown(wrong[0])} in it")
+        object.__setattr__(self, field, tuple(value))
+
+    def _check_param(self) -> None:
+        """``param``: None, or an identifier the public call can take as its keyword;
+        ``param_default``: a real number, as the call's check of the parameter takes it."""
+        if self.param is not None:
+            if not isinstance(self.param, str):
+                raise DTypeError(f"{self.name}: param must be a str or None, got {_shown(self.param)}")
+            if not self.param.isidentifier():
+                raise ArgumentError(f"{self.name}: param must be an identifier or None, got {self.param!r}")
+            if self.param in RESERVED_NAMES or self.param in self.arg_names:
+                raise ArgumentError(
+                    f"{self.name}: param {self.param!r} is a name the call reserves: fusedkit.elementwise's "
+                    f"own keywords ({', '.join(RESERVED_NAMES)}) and the operand names ({', '.join(self.arg_names)})"
+                )
+        if isinstance(self.param_default, bool) or not isinstance(self.param_default, numbers.Real):
+            raise DTypeError(f"{self.name}: param_default must be a real number, got {_shown(self.param_default)}")
+
     @property
     def arity(self) -> int:
         return len(self.arg_names)
@@ -294,6 +337,11 @@ class ElementwiseKernel:
         shape, dtype = _out_shape_dtype(operands, out_dtype)
         extra = self.intermediates * _result_bytes(shape, dtype)
         return self.bytes_fused(*operands, out_dtype=out_dtype) + Traffic(extra, extra)
+
+
+def _shown(value) -> str:
+    """A wrong value as an error shows it: its type and repr."""
+    return f"{type(value).__name__} {value!r}"
 
 
 def _out_shape_dtype(operands, out_dtype):

@@ -62,8 +62,10 @@ _CHOICES = {"fp32_precision": FP32_PRECISIONS, "matmul_kernel": MATMUL_KERNELS}
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Settings:
-    """One set of values, interned: there is one object per set of values, so comparing and
-    hashing by identity (what a kept launch plan's key does, once per call) is comparing values."""
+    """One set of values, each checked when the object is made (``ArgumentError`` names the
+    choices). Equal values compare and hash equal; :func:`current` gives one interned object
+    per set of values, so a kept launch plan's key (compared and hashed once per call) meets
+    the same object and its hash is kept with it."""
 
     fp32_precision: str = "tf32x3"
     autotune: bool = True
@@ -71,25 +73,46 @@ class Settings:
     fast_launch: bool = True
     native_launch: bool = True
 
-    def replace(self, **values) -> Settings:
-        """A copy with ``values`` changed, each checked (``ArgumentError`` names the choices)."""
-        fields = {f.name for f in dataclasses.fields(self)}
-        for name, value in values.items():
-            if name not in fields:
-                raise ArgumentError(f"fusedkit has no setting {name!r}; settings: {', '.join(sorted(fields))}")
+    def __post_init__(self) -> None:
+        for name, value in self._values().items():
             if name in _CHOICES:
-                if value not in _CHOICES[name]:
+                if not isinstance(value, str) or value not in _CHOICES[name]:
                     raise ArgumentError(f"{name}={value!r}; choose from {', '.join(_CHOICES[name])}")
             elif not isinstance(value, bool):
                 raise ArgumentError(f"{name} must be True or False, got {value!r}")
+        object.__setattr__(self, "_hash", hash(tuple(self._values().values())))
+
+    def _values(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __eq__(self, other) -> bool:
+        if self is other:  # the interned objects: what a kept plan's key meets
+            return True
+        if not isinstance(other, Settings):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Made again from its values: a str's hash differs from process to process.
+        return Settings, tuple(self._values().values())
+
+    def replace(self, **values) -> Settings:
+        """A copy with ``values`` changed, each checked (``ArgumentError`` names the choices)."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        for name in values:
+            if name not in fields:
+                raise ArgumentError(f"fusedkit has no setting {name!r}; settings: {', '.join(sorted(fields))}")
         return _intern(dataclasses.replace(self, **values))
 
 
-_INTERNED: dict[tuple, Settings] = {}
+_INTERNED: dict[Settings, Settings] = {}
 
 
 def _intern(settings: Settings) -> Settings:
-    return _INTERNED.setdefault(dataclasses.astuple(settings), settings)
+    return _INTERNED.setdefault(settings, settings)
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> Settings:
@@ -132,7 +155,7 @@ def restore(previous: Settings) -> None:
     global _current
     if not isinstance(previous, Settings):
         raise ArgumentError(f"restore() takes the Settings set() returned, got {type(previous).__name__}")
-    _current = previous
+    _current = _intern(previous)
 
 
 @contextlib.contextmanager

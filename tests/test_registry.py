@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import DEVICE
 from helpers import rand
 
 import fusedkit
+from fusedkit.errors import ArgumentError, DTypeError, SignatureError
 from fusedkit.kernels.activations import relu
 from fusedkit.registry import ElementwiseKernel, Traffic, get, register, unregister
 from fusedkit.runtime import elementwise as ew
@@ -90,6 +92,98 @@ def test_builtins_listed():
 def test_spec_validation(bad, error, words):
     with pytest.raises(error, match=words):
         _spec(**bad)
+
+
+# Each field's wrong type or value, as a hostile caller gives it (issue 45): the entry is refused
+# with the class the built-in expects and the field's name, never taken as another value.
+_BAD_FIELDS = [
+    ({"name": 3}, DTypeError, "kernel name must be a str, got int 3"),
+    ({"arg_names": (1, 2)}, DTypeError, "arg_names must be a tuple of operand names, got int 1"),
+    ({"arg_names": "x"}, DTypeError, "arg_names must be a tuple of operand names, got str 'x'"),
+    ({"dtypes": torch.float32}, DTypeError, "dtypes must be a tuple of torch dtypes, got dtype torch.float32"),
+    ({"dtypes": ("float32",)}, DTypeError, "dtypes must be a tuple of torch dtypes, got str 'float32'"),
+    ({"param": 3, "math": _mul_math}, DTypeError, "param must be a str or None, got int 3"),
+    ({"param": "out", "math": _mul_math}, ArgumentError, "param 'out' is a name the call reserves"),
+    ({"param": "kernel", "math": _mul_math}, ArgumentError, "param 'kernel' is a name the call reserves"),
+    ({"param": "x", "math": _mul_math}, ArgumentError, "param 'x' is a name the call reserves"),
+    ({"param_default": "1"}, DTypeError, "param_default must be a real number, got str '1'"),
+    ({"param_default": True}, DTypeError, "param_default must be a real number, got bool True"),
+    ({"formula": 3}, DTypeError, "formula must be a str, got int 3"),
+    ({"unfused": "torch.sub"}, DTypeError, "unfused must be a tuple of op names, got str 'torch.sub'"),
+    ({"unfused": ("torch.neg", None)}, DTypeError, "unfused must be a tuple of op names, got NoneType None"),
+    ({"unfused": ("torch.neg", "")}, ArgumentError, "unfused must name the eager ops"),
+    ({"saves": ["inputs"]}, DTypeError, "saves must be a str"),
+    (
+        {"backward": lambda g, s, p: (g,), "saves": "inputs", "backward_kernels": 3},
+        DTypeError,
+        "backward_kernels must be callable or None",
+    ),
+    ({"outputs": True}, DTypeError, "outputs must be an int, 1 or 2, got bool True"),
+    ({"outputs": 2.0}, DTypeError, "outputs must be an int, 1 or 2, got float 2.0"),
+]
+
+
+@pytest.mark.parametrize(
+    "bad,error,words", _BAD_FIELDS, ids=[next(iter(b)) + f"-{i}" for i, (b, _, _) in enumerate(_BAD_FIELDS)]
+)
+def test_every_field_is_checked_when_the_entry_is_made(bad, error, words):
+    with pytest.raises(error, match=re.escape(f"{'' if 'name' in bad else 'neg_relu: '}{words}")):
+        _spec(**bad)
+
+
+def test_a_list_for_a_tuple_field_is_stored_as_a_tuple():
+    spec = _spec(arg_names=["x"], dtypes=[torch.float32], unfused=["torch.neg", "torch.relu"])
+    assert (spec.arg_names, spec.dtypes, spec.unfused) == (("x",), (torch.float32,), ("torch.neg", "torch.relu"))
+    hash(spec)  # a frozen entry hashes its fields: no list among them
+    x = torch.empty(1024)
+    assert spec.bytes_unfused(x) == Traffic(2 * 1024 * FP32, 2 * 1024 * FP32)  # one intermediate
+
+
+@triton.jit
+def _sub_math(x, y):
+    return x - y
+
+
+def _one_gradient(grad, saved, _param):
+    return (grad,)
+
+
+@pytest.mark.parametrize(
+    "backward,words",
+    [
+        (_one_gradient, "sub_test: backward returned 1 gradient(s) for its 2 operand(s) (x, y)"),
+        (lambda grad, saved, _param: grad, "sub_test: backward returned a Tensor for its 2 operand(s)"),
+        (lambda grad, saved, _param: (grad, 1.0), "sub_test: backward returned a float as y's gradient"),
+    ],
+    ids=["one-for-two", "not-a-sequence", "not-a-tensor"],
+)
+def test_a_backward_giving_the_wrong_gradients_is_refused(backward, words):
+    """A user's backward must give one gradient (a tensor or None) per operand: one for two
+    failed with an IndexError inside autograd, and the C++ node's ``zip`` dropped the second."""
+    kernel = register(
+        ElementwiseKernel(
+            name="sub_test",
+            math=_sub_math,
+            reference=lambda x, y: torch.sub(x, y),
+            param=None,
+            formula="x - y",
+            unfused=("torch.sub",),
+            saves="inputs",
+            backward=backward,
+        )
+    )
+    try:
+        a = rand((4, 5), torch.float32, DEVICE).requires_grad_()
+        b = rand((4, 5), torch.float32, DEVICE).requires_grad_()
+        with pytest.raises(SignatureError, match=re.escape(words)):
+            fusedkit.elementwise("sub_test", a, b).sum().backward()
+        # The C++ autograd node's backward (dry run: called as the node calls it).
+        signature = ((torch.float32, (4, 5), (5, 1)),) * 2
+        node_backward = fusedkit.autograd.native_backward(kernel, None, signature, DEVICE, (4, 5), torch.float32)[0]
+        with pytest.raises(SignatureError, match=re.escape(words)):
+            node_backward(torch.ones(4, 5), (a.detach(), b.detach()))
+    finally:
+        unregister("sub_test")
 
 
 _PLANNED = [k for k in (get(n) for n in fusedkit.registry.names()) if k.backward_kernels is not None]

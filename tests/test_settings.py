@@ -4,7 +4,10 @@ never writes ``os.environ``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
+import re
 import subprocess
 import sys
 
@@ -128,3 +131,40 @@ def test_fp32_precision_changes_what_a_float32_matmul_runs(fk_settings):
         assert fusedkit.runtime.matmul.fp32_precision() == precision
     kept = {k.plan.meta["INPUT_PRECISION"] for k in fusedkit.runtime.matmul.KEPT.values()}
     assert kept == {"ieee", "tf32x3"} or fusedkit.backend_for(DEVICE) == "torch"
+
+
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (dict(fp32_precision="bogus"), "fp32_precision='bogus'; choose from tf32x3, ieee"),
+        (dict(matmul_kernel=None), "matmul_kernel=None; choose from auto, pointer, tma"),
+        (dict(autotune=1), "autotune must be True or False, got 1"),
+        (dict(native_launch="0"), "native_launch must be True or False, got '0'"),
+    ],
+)
+def test_a_settings_object_is_checked_when_made(fk_settings, bad, words):
+    """Every Settings is valid, however made: ``restore`` of a bad one was taken, and the
+    interpreter's matmul failed later on it while the PyTorch path ignored it."""
+    before = fusedkit.settings.current()
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        fusedkit.settings.restore(Settings(**bad))
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        dataclasses.replace(before, **bad)
+    assert fusedkit.settings.current() is before
+
+
+def test_settings_compare_and_hash_by_value(fk_settings):
+    """Equal values are equal settings, however made; ``restore`` puts back the interned one,
+    so a kept plan's key meets the same object as before."""
+    assert Settings() == Settings() and hash(Settings()) == hash(Settings())
+    assert Settings(autotune=False) != Settings() and Settings() != "tf32x3"
+    assert len({Settings(), Settings(), Settings(autotune=False)}) == 2
+    before = fusedkit.settings.current()
+    fusedkit.settings.restore(dataclasses.replace(before, autotune=not before.autotune))
+    fusedkit.settings.restore(Settings(**{f.name: getattr(before, f.name) for f in dataclasses.fields(before)}))
+    assert fusedkit.settings.current() is before
+    # Pickled as its values, made again where it is loaded: a str's hash differs from one
+    # process to another, so a kept hash must not travel.
+    assert b"_hash" not in pickle.dumps(before)
+    copy = pickle.loads(pickle.dumps(before))
+    assert copy == before and hash(copy) == hash(before)
