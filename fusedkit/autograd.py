@@ -7,8 +7,8 @@
   dtype and layout without data), a vmap rule and autograd.
 - :class:`EagerElementwise` and :class:`EagerMatmul`: eager calls that need a gradient,
   the custom ops' saved tensors and backward without the dispatcher (a call through a
-  registered op costs 110-190 us of host time on the H200 host, against 13-22 us for a
-  kept eager launch; ``python -m fusedkit bench --latency``).
+  registered op costs about eight times a kept eager launch's host time on the H200 host;
+  ``python -m fusedkit bench --latency`` measures both).
 - :class:`FuncElementwise` and :class:`FuncMatmul`: calls under a ``torch.func`` transform,
   with the ``setup_context`` and vmap rule those need.
 

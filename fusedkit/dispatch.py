@@ -2,7 +2,7 @@
 
 For an elementwise call (:func:`elementwise`) and a matmul (:func:`matmul`), in this order:
 1. **Eager and seen before**: no ``out=``, no tracing, no Python dispatch mode, no
-   ``torch.func`` transform, no profiler (C-level flags, about 50 ns each): the C++ table's
+   ``torch.func`` transform, no profiler (C-level flags, one C call each): the C++ table's
    kept launch (:mod:`fusedkit.runtime.native`, which records the autograd node too), else
    the signature's kept launch in Python (:mod:`fusedkit.runtime`), or autograd records the
    call (:mod:`fusedkit.autograd`) when a tensor requires grad.
@@ -30,7 +30,7 @@ _is_compiling = torch.compiler.is_compiling
 #: ``torch.jit.trace`` recording: calls go through the registered op, which it records.
 _jit_tracing = torch._C._is_tracing
 #: Python dispatch modes (``TorchDispatchMode``: make_fx, FlopCounterMode, selective
-#: activation checkpointing, op loggers) on the stack; a C call of ~50 ns.
+#: activation checkpointing, op loggers) on the stack; one C call.
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch = autograd.functorch_active
 #: Whether a profiler is recording: ranges cost host time only then.
@@ -79,8 +79,8 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
                 return result
     if _profiling():
         # Under a range, the same path as unprofiled: a profile shows what the call costs
-        # (validating every call instead took 230-300 us a call in a ResNet-50 training step
-        # on the H200 host).
+        # (validating every call instead took over ten times a kept launch's host time in a
+        # ResNet-50 training step on the H200 host; ``python -m fusedkit bench --latency`` times calls).
         with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
             return _kept_or_first(kernel, operands, param, out)
     return _kept_or_first(kernel, operands, param, out)

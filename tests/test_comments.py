@@ -27,16 +27,6 @@ ALLOWED = {
     ("fusedkit/sharding.py", "2.4 ms"): "why every argument keys DTensor's propagation cache: the cost of "
     "propagating again for a new scalar value, on a CPU host; no report times it",
 }
-#: Figures in files another change is rewriting; the wording proposed for each drops them
-#: (issue 45 item 17). Remove an entry once its file no longer has the figure.
-PENDING = {
-    ("fusedkit/dispatch.py", "50 ns"): "the cost of a C-level flag check",
-    ("fusedkit/dispatch.py", "300 us"): "validating every call in a ResNet-50 step",
-    ("fusedkit/autograd.py", "190 us"): "a call through a registered op",
-    ("fusedkit/autograd.py", "22 us"): "a kept eager launch",
-    ("fusedkit/runtime/elementwise.py", "0.84 us"): "new_empty_strided against torch.empty_strided",
-    ("fusedkit/runtime/elementwise.py", "130 us"): "a backward's Python launch",
-}
 
 
 def _doc_texts(source: str):
@@ -84,7 +74,7 @@ def test_comments_quote_no_ageing_timings():
     new = [
         f"{name}:{line}: {figure}"
         for (name, figure), lines in _found().items()
-        if (name, figure) not in ALLOWED and (name, figure) not in PENDING
+        if (name, figure) not in ALLOWED
         for line in lines
     ]
     assert not new, (

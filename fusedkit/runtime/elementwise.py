@@ -671,7 +671,7 @@ class KeptLaunch:
             None if self.host_numbers else tuple((t.dtype, tuple(t.shape), tuple(t.stride())) for t in operands)
         )
         #: An operand of the result's dtype: ``new_empty_strided`` on it parses fewer
-        #: arguments than ``torch.empty_strided`` (0.63 vs 0.84 us on a CPU host).
+        #: arguments than ``torch.empty_strided`` (a quarter less host time on a CPU host).
         self.like = next((s for s in self.tensor_slots if s is not None and operands[s].dtype == result.dtype), None)
         self.static_args = static_args  # planned sizes and strides
         self.constexprs = constexprs  # in signature order
@@ -844,8 +844,8 @@ def run_pair(kernel: ElementwiseKernel, operands: tuple, param) -> tuple[torch.T
     """Both results of a two-output ``kernel`` (``outputs=2``: its math and its reference
     return a pair) on ``operands``, each of their broadcast shape and result dtype, laid out
     alike: validated, then one launch (the reference on the PyTorch backend), kept as
-    :func:`run` keeps one-output calls: a backward's Python launch took 130 us of host time
-    at 2^24 elements on the H200 host where its kernel took 41. For eager calls outside autograd
+    :func:`run` keeps one-output calls: a backward's Python launch took three times its
+    kernel's time at 2^24 elements (H200). For eager calls outside autograd
     (a backward's), as :func:`run` for one output."""
     key = call_key(kernel, operands, param)
     result = run_kept(key, operands, param, pair=True)
