@@ -101,28 +101,35 @@ def _(tensors, name, tensor_slots, scalars, param):
     return elementwise.allocate_out(call)
 
 
-def _save(ctx, kernel, param, tensor_slots, scalars, tensors, output, needed_only: bool = False) -> None:
+def _save(
+    ctx, kernel, param, tensor_slots, scalars, tensors, output, needed_only: bool = False, for_forward: bool = False
+) -> None:
     """What a backward needs, kept on ``ctx`` (the registered op's and the Functions'). A kernel
     that saves "pre" keeps its operands here: these paths compute ``pre`` again in the
     backward (the eager one keeps it: :class:`EagerPreElementwise`). ``needed_only``: keep only
     the operands the requested gradients read (``ElementwiseKernel.needs``), as torch keeps
     them, so another may change in place afterwards. An inference tensor is held on ``ctx``
-    outside ``save_for_backward``, which refuses it (it cannot change outside inference mode)."""
+    outside ``save_for_backward``, which refuses it (it cannot change outside inference mode).
+    ``for_forward``: the same tensors for a ``jvp`` (forward-mode AD) too."""
     ctx.kernel = kernel
     ctx.param = param
     ctx.slots = tensor_slots
     ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
     ctx.scalars = scalars
     ctx.held = {}
+    kept = ()
     if kernel.saves == "output":
-        ctx.save_for_backward(output)
+        kept = (output,)
     elif kernel.saves in ("inputs", "pre"):
         needed = range(kernel.arity)
         if needed_only and kernel.needs is not None:
             needed = {i for slot, t in zip(tensor_slots, tensors) if t.requires_grad for i in kernel.needs[slot]}
         ctx.kept = [slot in needed for slot in tensor_slots]
         ctx.held = {k: t for k, (t, keep) in enumerate(zip(tensors, ctx.kept)) if keep and t.is_inference()}
-        ctx.save_for_backward(*(t for k, (t, keep) in enumerate(zip(tensors, ctx.kept)) if keep and k not in ctx.held))
+        kept = tuple(t for k, (t, keep) in enumerate(zip(tensors, ctx.kept)) if keep and k not in ctx.held)
+    ctx.save_for_backward(*kept)
+    if for_forward:
+        ctx.save_for_forward(*kept)
 
 
 def _saved_operands(ctx) -> tuple:
@@ -146,21 +153,39 @@ def _reduce_to(grad: torch.Tensor, shape, device) -> torch.Tensor:
     return grad.to(device=device)
 
 
-def _input_grads(ctx, grad, run=None) -> list:
-    """The gradient of each tensor operand (None where none flows), from what ``_save`` kept;
-    ``run(kernel, operands, param)``: how this path runs a kernel (``pre``'s, which a kernel
-    that saves "pre" computes again here from its operands)."""
+def _kernel_grads(ctx, grad, run=None) -> tuple:
+    """The kernel's gradients from ``grad`` (one per operand, of the result's shape, None where
+    none flows), from what ``_save`` kept; ``run(kernel, operands, param)``: how this path runs a
+    kernel (``pre``'s, which a kernel that saves "pre" computes again here from its operands)."""
     kernel = ctx.kernel
     param = _param(kernel, ctx.param)
     if kernel.saves == "pre":
-        operands = _saved_operands(ctx)
-        grads = _pre_grads(kernel, grad, run(kernel.pre, operands, param), param)
-    else:
-        saved = ctx.saved_tensors[0] if kernel.saves == "output" else None
-        if kernel.saves == "inputs":
-            saved = _saved_operands(ctx)
-        grads = _checked_grads(kernel, kernel.backward(grad, saved, param))
+        return _pre_grads(kernel, grad, run(kernel.pre, _saved_operands(ctx), param), param)
+    saved = ctx.saved_tensors[0] if kernel.saves == "output" else None
+    if kernel.saves == "inputs":
+        saved = _saved_operands(ctx)
+    return _checked_grads(kernel, kernel.backward(grad, saved, param))
+
+
+def _input_grads(ctx, grad, run=None) -> list:
+    """The gradient of each tensor operand (None where none flows), reduced to its shape."""
+    grads = _kernel_grads(ctx, grad, run)
     return [_operand_grad(grads[slot], meta) for slot, meta in zip(ctx.slots, ctx.meta)]
+
+
+def _tangent(ctx, tangents, run) -> torch.Tensor | None:
+    """The result's tangent (forward-mode AD) from the operands': an elementwise op's Jacobian
+    is diagonal per operand, so operand i's part is the kernel's backward (its stated
+    derivative, computed by the kernels or, under a transform, by torch ops) applied to that
+    operand's tangent, broadcast to the result. None where no operand has one."""
+    total = None
+    for slot, t, (_, dtype, _) in zip(ctx.slots, tangents, ctx.meta):
+        if t is None or not dtype.is_floating_point:
+            continue
+        part = _kernel_grads(ctx, t.expand(ctx.shape), run)[slot]
+        if part is not None:
+            total = part if total is None else total + part
+    return None if total is None else total.to(ctx.dtype)
 
 
 def _pre_grads(kernel, grad, pre, param, grad_pre=None):
@@ -472,11 +497,16 @@ class FuncElementwise(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         kernel, param, tensor_slots, scalars, *tensors = inputs
-        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output)
+        _save(ctx, kernel, param, tensor_slots, scalars, tensors, output, for_forward=True)
+        ctx.shape, ctx.dtype = output.shape, output.dtype
 
     @staticmethod
     def backward(ctx, grad):
         return (None, None, None, None, *_input_grads(ctx, grad, _inner))
+
+    @staticmethod
+    def jvp(ctx, _kernel, _param, _slots, _scalars, *tangents):
+        return _tangent(ctx, tangents, _inner)
 
     @staticmethod
     def vmap(info, in_dims, kernel, param, tensor_slots, scalars, *tensors):
@@ -545,6 +575,7 @@ def matmul_setup_context(ctx, inputs, output):
     # saved in the input dtype (never an fp32 copy); no activation needs neither.
     saved = pre if activation in matmul.NEEDS_PRE else out if activation == "relu" else None
     ctx.save_for_backward(a, b, saved)
+    return a, b, saved
 
 
 #: The matmul's gradient, ``backward(ctx, grad_out) -> (grad_a, grad_b, grad_bias)`` from what
@@ -553,10 +584,15 @@ def matmul_setup_context(ctx, inputs, output):
 _matmul_backward = None
 
 
-def register_matmul_backward(backward) -> None:
-    """Give the matmul (the custom op and the Functions below) its gradient formula."""
-    global _matmul_backward
-    _matmul_backward = backward
+def register_matmul_backward(backward, jvp=None) -> None:
+    """Give the matmul (the custom op and the Functions below) its gradient formula and, for
+    forward-mode AD, ``jvp(ctx, tangent_a, tangent_b, tangent_bias) -> (tangent_out,
+    tangent_pre)`` on what :func:`matmul_setup_context` kept."""
+    global _matmul_backward, _matmul_jvp
+    _matmul_backward, _matmul_jvp = backward, jvp
+
+
+_matmul_jvp = None
 
 
 def _op_backward(ctx, grad_out, _grad_pre):
@@ -612,7 +648,13 @@ class FuncMatmul(torch.autograd.Function):
         out, pre = matmul.forward(a2, b, bias, activation, store_pre)
         return out, pre if pre is not None else out.new_empty(0)
 
-    setup_context = staticmethod(matmul_setup_context)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(*matmul_setup_context(ctx, inputs, output))
+
+    @staticmethod
+    def jvp(ctx, tangent_a, tangent_b, tangent_bias, _activation, _store_pre):
+        return _matmul_jvp(ctx, tangent_a, tangent_b, tangent_bias)
 
     @staticmethod
     def backward(ctx, grad_out, grad_pre):

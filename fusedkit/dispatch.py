@@ -86,24 +86,29 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
     return _kept_or_first(kernel, operands, param, out)
 
 
-def _no_forward_ad(name: str, tensors) -> None:
-    """Refuse forward-mode AD (``torch.autograd.forward_ad``) in eager calls: the kernels have
-    no forward derivative, and the result would silently carry no tangent. A global read
-    unless a dual level is open."""
-    if _forward_ad._current_level >= 0 and not _functorch():
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
-                raise NotDifferentiableError(
-                    f"{name}(): forward-mode AD is not supported (an operand carries a "
-                    "tangent); use the PyTorch composition under forward_ad"
-                )
+def _has_tangent(tensors) -> bool:
+    """Whether an eager call's operand carries a tangent (``torch.autograd.forward_ad``): such a
+    call goes through the autograd Function with a ``jvp`` (the ``torch.func`` one), so its
+    result carries the tangent the op's derivative gives. A global read unless a dual level is open."""
+    return (
+        _forward_ad._current_level >= 0
+        and not _functorch()
+        and any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    )
 
 
 def _kept_or_first(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """An eager call the C++ table did not take: an ``out=None`` call outside any dispatch
     mode, transform or trace runs its kept launch, or autograd records it; everything else,
     and a first call (which keeps a launch for its signature), takes the full path."""
-    _no_forward_ad(kernel.name, (*operands, out))
+    if _has_tangent(operands):
+        if out is not None:
+            raise NotDifferentiableError(
+                f"{kernel.name}(): out= does not support forward-mode AD (an operand carries a tangent)"
+            )
+        return autograd.call_functorch(kernel, operands, param)
+    if _has_tangent((out,)):
+        raise NotDifferentiableError(f"{kernel.name}(): out= carries a tangent; forward-mode AD does not write it")
     if out is not None or _dispatch_modes() or _functorch() or _jit_tracing():
         return _elementwise(kernel, operands, param, out, None)
     key = _call_key(kernel, operands, param)
@@ -212,11 +217,10 @@ def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
 
 
 def _matmul(a, b, bias, activation):
-    if not _is_compiling():
-        _no_forward_ad("matmul", (a, b, bias))
+    forward_ad = not _is_compiling() and _has_tangent((a, b, bias))
     a, b, bias = autocast(a, b, bias)
     key = None
-    if not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing():
+    if not _is_compiling() and not _dispatch_modes() and not _functorch() and not _jit_tracing() and not forward_ad:
         key = mm.call_key(a, b, bias, activation)
         if key is not None:
             kept = mm.KEPT.get(key)
@@ -231,17 +235,18 @@ def _matmul(a, b, bias, activation):
     lead = a.shape[:-1]
     a2 = a.reshape(lead.numel(), a.shape[-1])  # a view whenever the strides allow
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a2, b, bias))
-    out = _matmul_2d(a2, b, bias, activation, needs_grad)
+    out = _matmul_2d(a2, b, bias, activation, needs_grad, forward_ad)
     if key is not None:
         mm.remember(key, a2, b, bias, activation, lead, out, needs_grad)
     return mm.with_lead(out, lead)
 
 
-def _matmul_2d(a2, b, bias, activation, needs_grad: bool):
-    """One validated 2-D matmul on the path its tensors and mode call for."""
+def _matmul_2d(a2, b, bias, activation, needs_grad: bool, forward_ad: bool = False):
+    """One validated 2-D matmul on the path its tensors and mode call for (``forward_ad``: an
+    operand carries a tangent, which the ``torch.func`` Function's ``jvp`` propagates)."""
     if ew.backend_for(a2.device) == "torch":
         return mm.matmul_reference(a2, b, bias, activation)
-    if _functorch() and not _is_compiling():
+    if (_functorch() or forward_ad) and not _is_compiling():
         return autograd.matmul_functorch(a2, b, bias, activation)
     if tracing((a2, b, bias)):
         return autograd.matmul_op(a2, b, bias, activation, needs_grad and activation in mm.NEEDS_PRE)[0]

@@ -18,6 +18,7 @@ from . import autograd, dispatch
 from .kernels import activations
 from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin, result_dtype
 from .runtime import elementwise as ew
+from .runtime.matmul import NEEDS_PRE
 
 __all__ = [
     "ADD",
@@ -151,9 +152,24 @@ GELU_TANH_GRAD = _activation_grad_entry(
     lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"),
     "grad * gelu_tanh'(pre)",
 )
-SILU_GRAD = _activation_grad_entry(
-    "silu_grad", activations.silu_grad_math, torch.ops.aten.silu_backward, "grad * silu'(pre)"
-)
+
+
+def _silu_backward(g, v):
+    # (aten's silu_backward has no derivative of its own, backward or forward: a second
+    # derivative, forward-mode AD and hessians need this composition)
+    s = torch.sigmoid(v)
+    return g * (s * (1 + v * (1 - s)))
+
+
+def _silu_grad_reference(grad, pre):
+    """``grad * silu'(pre)`` with torch's differentiable ops, in float32 for half types as
+    aten's ``silu_backward`` computes it."""
+    dtype = torch.result_type(grad, pre)
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return _silu_backward(*(v.to(wide) for v in _aten_operands(grad, pre))).to(dtype)
+
+
+SILU_GRAD = _activation_grad_entry("silu_grad", activations.silu_grad_math, _silu_grad_reference, "grad * silu'(pre)")
 #: The kernel that takes a gradient through each activation that keeps its pre-activation.
 _ACTIVATION_GRAD = {"gelu": GELU_GRAD, "gelu_tanh": GELU_TANH_GRAD, "silu": SILU_GRAD}
 
@@ -223,12 +239,6 @@ def _pair(kernel: ElementwiseKernel, operands: tuple):
 def _gelu_backward(approximate: str):
     """``g * gelu'(v)`` as torch's (differentiable) backward op computes it."""
     return lambda g, v: torch.ops.aten.gelu_backward(*_aten_operands(g, v), approximate=approximate)
-
-
-def _silu_backward(g, v):
-    # (aten's silu_backward has no derivative of its own: a second derivative needs this)
-    s = torch.sigmoid(v)
-    return g * (s * (1 + v * (1 - s)))
 
 
 def register_gate(
@@ -380,4 +390,21 @@ def matmul_backward(ctx, grad_out):
     return grad_a, grad_b, grad_bias
 
 
-autograd.register_matmul_backward(matmul_backward)
+def matmul_jvp(ctx, tangent_a, tangent_b, tangent_bias):
+    """``(tangent_out, tangent_pre)`` of ``act(a @ b + bias)`` from the operands' tangents
+    (forward-mode AD): the product rule for the pre-activation, then the activation's
+    derivative, as its backward takes it. ``tangent_pre`` is the kept pre-activation's (an
+    empty tensor where the call keeps none, as its output is)."""
+    a2, b, saved = ctx.saved_tensors
+    pre = a2.new_zeros(a2.shape[0], b.shape[1])
+    for t in (
+        None if tangent_a is None else tangent_a @ b,
+        None if tangent_b is None else a2 @ tangent_b,
+        tangent_bias,
+    ):
+        if t is not None:
+            pre = pre + t
+    return activation_grad(pre, saved, ctx.activation), pre if ctx.activation in NEEDS_PRE else pre.new_zeros(0)
+
+
+autograd.register_matmul_backward(matmul_backward, matmul_jvp)

@@ -620,7 +620,9 @@ def test_jit_trace_is_refused_not_recorded_without_the_kernel():
     assert isinstance(fusedkit.TracingError("x"), NotImplementedError)
 
 
-def test_forward_mode_ad_is_refused_not_answered_without_a_tangent():
+def test_forward_mode_ad_answers_with_the_tangent_every_time():
+    # A dual tensor's call carries its tangent (tests/test_forward_ad.py checks the values), also
+    # the second time, when a kept launch (or the C++ table) would take a plain call.
     import torch.autograd.forward_ad as fwAD
 
     x, t, w = (
@@ -628,7 +630,7 @@ def test_forward_mode_ad_is_refused_not_answered_without_a_tangent():
         rand((3, 4), torch.float32, DEVICE),
         rand((4, 2), torch.float32, DEVICE),
     )
-    for _ in range(2):  # the second time a kept launch (or the C++ table) would take the call
+    for _ in range(2):
         with fwAD.dual_level():
             dual = fwAD.make_dual(x, t)
             for call in (
@@ -637,8 +639,9 @@ def test_forward_mode_ad_is_refused_not_answered_without_a_tangent():
                 lambda: fusedkit.silu_mul(dual, x),
                 lambda: fusedkit.matmul(dual, w),
             ):
-                with pytest.raises(fusedkit.NotDifferentiableError, match="forward-mode AD"):
-                    call()
-            assert fusedkit.add_relu(x, 1.0).shape == (3, 4)  # no tangent: runs
+                assert fwAD.unpack_dual(call()).tangent is not None
+            with pytest.raises(fusedkit.NotDifferentiableError, match="forward-mode AD"):
+                fusedkit.add(dual, x, out=torch.empty_like(x))
+            assert fwAD.unpack_dual(fusedkit.add_relu(x, 1.0)).tangent is None  # no tangent: none out
         fusedkit.add_relu(x, x)
         fusedkit.matmul(x, w)
