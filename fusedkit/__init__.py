@@ -29,6 +29,7 @@ from .errors import (
     UnknownKernelError,
 )
 from .fusion import FusionSite, advise, fuse
+from .library import register_gate
 from .memory import MemoryCounterMode
 from .ops import add, add_gelu, add_relu, elementwise, gelu_mul, linear_relu, matmul, matmul_relu, silu_mul
 from .runtime.elementwise import BACKENDS, backend_for
@@ -77,6 +78,7 @@ __all__ = [
     "gelu_mul",
     "add_gelu",
     "elementwise",
+    "register_gate",
     "clear_caches",
     "matmul",
     "matmul_relu",

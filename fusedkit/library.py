@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import autograd, dispatch
 from .kernels import activations
-from .registry import FLOAT_DTYPES, ElementwiseKernel, register_builtin, result_dtype
+from .registry import FLOAT_DTYPES, ElementwiseKernel, register, register_builtin, result_dtype
 from .runtime import elementwise as ew
 from .runtime.matmul import NEEDS_PRE
 
@@ -242,7 +242,7 @@ def _gelu_backward(approximate: str):
 
 
 def register_gate(
-    name: str, math, grad_math, activation, activation_backward, formula: str = "act"
+    name: str, math, grad_math, activation, activation_backward, formula: str = "act", *, builtin: bool = False
 ) -> ElementwiseKernel:
     """Register ``activation(a) * b``, a gate (SwiGLU's, GeGLU's), with its fused backward,
     from two small ``@triton.jit`` functions: ``math(a, b) -> act(a) * b`` and
@@ -253,7 +253,8 @@ def register_gate(
     The entry keeps a and b for its backward, only a where only b's gradient is asked for
     (which is then the gate itself on ``(a, grad)``), and takes both gradients in one launch of
     ``grad_math``'s two-output kernel (``<name>_grad``), from C++ where the launch is kept.
-    ``formula`` names the activation in the docs' op table."""
+    ``formula`` names the activation in the docs' op table; ``builtin``: one of fusedkit's own
+    (fixed from then on), else registered as :func:`fusedkit.registry.register` registers."""
 
     def grad_reference(grad, a, b):
         (grad, a, b), dtype = _opmath(grad, a, b)
@@ -287,7 +288,7 @@ def register_gate(
         # backward's two gradients as one kept launch of grad_kernel on (grad, a, b)
         return (grad_kernel, None, 0), (grad_kernel, None, 1)
 
-    entry = register_builtin(
+    entry = (register_builtin if builtin else register)(
         ElementwiseKernel(
             name=name,
             math=math,
@@ -307,10 +308,16 @@ def register_gate(
 
 
 SILU_MUL = register_gate(
-    "silu_mul", activations.silu_mul_math, activations.silu_mul_grad_math, F.silu, _silu_backward, "silu"
+    "silu_mul", activations.silu_mul_math, activations.silu_mul_grad_math, F.silu, _silu_backward, "silu", builtin=True
 )
 GELU_MUL = register_gate(
-    "gelu_mul", activations.gelu_mul_math, activations.gelu_mul_grad_math, F.gelu, _gelu_backward("none"), "gelu"
+    "gelu_mul",
+    activations.gelu_mul_math,
+    activations.gelu_mul_grad_math,
+    F.gelu,
+    _gelu_backward("none"),
+    "gelu",
+    builtin=True,
 )
 GELU_TANH_MUL = register_gate(
     "gelu_tanh_mul",
@@ -319,6 +326,7 @@ GELU_TANH_MUL = register_gate(
     lambda v: F.gelu(v, approximate="tanh"),
     _gelu_backward("tanh"),
     "gelu_tanh",
+    builtin=True,
 )
 SILU_MUL_GRAD, GELU_MUL_GRAD, GELU_TANH_MUL_GRAD = (
     autograd.PAIRS[f"{g.name}_grad"] for g in (SILU_MUL, GELU_MUL, GELU_TANH_MUL)

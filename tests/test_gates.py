@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from conftest import DEVICE
 from helpers import rand, views
 
@@ -574,3 +576,41 @@ def test_add_gelus_double_backward_flows_through_the_kept_sum():
     x, y = leaf((7, 5)), leaf((5,))
     for alpha in (1, -0.5):
         assert torch.autograd.gradgradcheck(lambda x, y: fusedkit.add_gelu(x, y, alpha=alpha), (x, y))
+
+
+@triton.jit
+def _relu_mul_math(a, b):
+    return activations.relu(a) * b
+
+
+@triton.jit
+def _relu_mul_grad_math(grad, a, b):
+    # torch's threshold_backward: no gradient where a <= 0 (NaN passes it)
+    return tl.where(a <= 0, 0.0, grad * b), grad * activations.relu(a)
+
+
+def test_a_new_gate_is_a_registry_entry_not_new_plumbing():
+    # ReLU-gated MLPs: two small jit functions and two torch references make a gate with
+    # everything the built-in ones have (one-launch backward, kept inputs, promotion, the
+    # public elementwise call), as design.md's checklist says.
+    relu_mul = fusedkit.register_gate(
+        "relu_mul_test",
+        _relu_mul_math,
+        _relu_mul_grad_math,
+        torch.relu,
+        lambda g, v: torch.ops.aten.threshold_backward(g, v, 0),
+        "relu",
+    )
+    try:
+        assert relu_mul.needs == ((0, 1), (0,)) and "relu_mul_test" in fusedkit.registry.names()
+        a, b = leaf((9, 7)), leaf((7,))
+        g = rand((9, 7), F64, DEVICE)
+        out = fusedkit.elementwise("relu_mul_test", a, b)
+        assert_matches_reference(out, torch.relu(a.detach().cpu()) * b.detach().cpu())
+        got = torch.autograd.grad(out, (a, b), g)
+        want = torch.autograd.grad(torch.relu(a) * b, (a, b), g)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradgradcheck(lambda a, b: fusedkit.elementwise("relu_mul_test", a, b), (a, b))
+    finally:
+        fusedkit.registry.unregister("relu_mul_test")
