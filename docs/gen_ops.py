@@ -75,6 +75,8 @@ def _moves(kernel: ElementwiseKernel) -> tuple[str, str]:
 def _backward(kernel: ElementwiseKernel) -> str:
     if kernel.backward is None:
         return "not differentiable"
+    if kernel.saves == "pre":
+        return f"saves {kernel.pre.name}'s result"
     return {"none": "saves nothing", "output": "saves the output", "inputs": "saves the inputs"}[kernel.saves]
 
 

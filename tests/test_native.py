@@ -588,7 +588,6 @@ _PLANNED = {
     "silu_mul": fusedkit.silu_mul,
     "gelu_mul": fusedkit.gelu_mul,
     "gelu_tanh_mul": lambda a, b: fusedkit.gelu_mul(a, b, approximate="tanh"),
-    "add_gelu": fusedkit.add_gelu,
 }
 
 
