@@ -1,7 +1,15 @@
-"""Input makers shared by the tests."""
+"""Input makers and the test grid shared by the tests.
+
+Test grid: a parametrised test exists for one axis (shapes, layouts, broadcasts, scalars,
+activations, ...). The quick subset (``-m "not slow"``) runs that axis whole against one
+representative of each other axis (:func:`one_at_a_time`); the other combinations carry
+the ``slow`` mark and run in the full suite. docs/design.md ("The test grid") says which
+axis each large test exists for and where the quick subset meets every op and dtype.
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -27,3 +35,37 @@ def views(shape2d, dtype, device):
         "expanded_row": rand((1, c), dtype, device).expand(r, c),
         "expanded_col": rand((r, 1), dtype, device).expand(r, c),
     }
+
+
+def value_id(value) -> str:
+    """A parameter's id: a kernel's name, a dtype without ``torch.``, else ``str``."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value)
+
+
+def _is(value, wanted) -> bool:
+    # ``wanted`` may name the value by its id ("add_relu", "float32") or be the value itself.
+    return value_id(value) == wanted if isinstance(wanted, str) else value == wanted
+
+
+def slow_unless(quick, combinations, ids=None) -> list:
+    """``combinations`` (tuples of argument values) as ``pytest.param``s, marked slow where
+    ``quick(*combination)`` is false; ``ids``, by default the values' ids joined by "-"."""
+    combinations = [tuple(c) for c in combinations]
+    ids = ids or ["-".join(value_id(v) for v in c) for c in combinations]
+    marks = [() if quick(*c) else (pytest.mark.slow,) for c in combinations]
+    if all(marks):  # every combination slow: the quick subset would lose the test
+        raise ValueError(f"no combination of {combinations[:2]}... is quick")
+    return [pytest.param(*c, id=i, marks=m) for c, i, m in zip(combinations, ids, marks)]
+
+
+def one_at_a_time(combinations, representative, ids=None) -> list:
+    """:func:`slow_unless` keeping quick the ``representative`` combination (its values, or
+    their ids) and each one that departs from it in a single argument: every axis whole
+    against one representative of the others; the rest of the cross product is slow."""
+    combinations = [tuple(c) for c in combinations]
+    if not any(all(map(_is, c, representative)) for c in combinations):
+        raise ValueError(f"the representative {representative} is not one of the combinations")
+    return slow_unless(lambda *c: sum(not _is(v, r) for v, r in zip(c, representative)) <= 1, combinations, ids)

@@ -240,6 +240,7 @@ def test_a_submodule_fx_cannot_trace_is_kept_whole(attn, training):
     torch.testing.assert_close(fused(x), block(x))
 
 
+@pytest.mark.slow  # the CLI in a subprocess over every report model (6 s on 2 cores)
 def test_the_advise_command_on_the_report_models(tmp_path):
     import json
     import subprocess

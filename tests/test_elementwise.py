@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rand, views
+from helpers import one_at_a_time, rand, slow_unless, value_id, views
 
 import fusedkit
 from fusedkit.runtime import configs
@@ -20,6 +20,9 @@ from fusedkit.testing import assert_matches_reference, poisoned, reference_resul
 KERNELS = list(fusedkit.registry.kernels())
 CASES = [(k, d) for k in KERNELS for d in k.dtypes]
 IDS = [f"{k.name}-{str(d).removeprefix('torch.')}" for k, d in CASES]
+#: The representative op and dtype of the layout tests' quick subset: the flagship op, which
+#: takes every dtype and a scalar parameter (docs/design.md, "The test grid").
+REP = ("add_relu", "float32")
 
 
 def run_and_check(kernel, operands, param=None, out=None, dtype=None):
@@ -41,8 +44,17 @@ def test_kernels_run_here():
     assert fusedkit.backend_for(DEVICE) in ("triton", "interpreter")
 
 
-@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (1000,), (4097,), (3, 0, 5), (37, 53), (2, 3, 4, 5)])
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+SHAPES = [(), (0,), (1,), (7,), (1000,), (4097,), (3, 0, 5), (37, 53), (2, 3, 4, 5)]
+
+
+# For the shapes; quick: every op in every dtype at (37, 53), and every shape with REP.
+@pytest.mark.parametrize(
+    "kernel,dtype,shape",
+    slow_unless(
+        lambda k, d, shape: shape == (37, 53) or (k.name, value_id(d)) == REP,
+        [(k, d, s) for k, d in CASES for s in SHAPES],
+    ),
+)
 def test_contiguous(kernel, dtype, shape):
     ops = [rand(shape, dtype, DEVICE) for _ in range(kernel.arity)]
     out = poisoned(shape, dtype, DEVICE)
@@ -62,16 +74,23 @@ BROADCASTS = [
 ]
 
 
-@pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+# For the broadcast patterns; quick: each pattern with REP; each op (float32) and dtype (add_relu) on a bias.
+@pytest.mark.parametrize(
+    "kernel,dtype,shapes", one_at_a_time([(*c, s) for c in CASES for s in BROADCASTS], (*REP, BROADCASTS[0]))
+)
 def test_broadcast(kernel, dtype, shapes):
     a, b = (rand(s, dtype, DEVICE) for s in shapes)
     for ops in ((a, b), (b, a)):
         run_and_check(kernel, operands_for(kernel, ops))
 
 
-@pytest.mark.parametrize("view", ["transposed", "row_sliced", "col_strided", "offset", "expanded_row", "expanded_col"])
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+VIEWS = ["transposed", "row_sliced", "col_strided", "offset", "expanded_row", "expanded_col"]
+
+
+# For the view kinds; quick: each view with REP; each op (float32) and dtype (add_relu) on a transposed view.
+@pytest.mark.parametrize(
+    "kernel,dtype,view", one_at_a_time([(*c, v) for c in CASES for v in VIEWS], (*REP, "transposed"))
+)
 def test_strided_views(kernel, dtype, view):
     shape = (67, 45)
     v = views(shape, dtype, DEVICE)[view]
@@ -81,7 +100,8 @@ def test_strided_views(kernel, dtype, view):
     run_and_check(kernel, operands_for(kernel, (v, v)))
 
 
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+# For the permuted layouts in its body; quick: REP alone.
+@pytest.mark.parametrize("kernel,dtype", slow_unless(lambda k, d: (k.name, value_id(d)) == REP, CASES, ids=IDS))
 def test_high_rank_permuted(kernel, dtype):
     """Permuted 4-D and 6-D views that no dims collapse in."""
     a = rand((3, 4, 5, 6), dtype, DEVICE).permute(2, 0, 3, 1)
@@ -92,8 +112,11 @@ def test_high_rank_permuted(kernel, dtype):
     run_and_check(kernel, operands_for(kernel, (c, d)))
 
 
-@pytest.mark.parametrize("alpha", [1, 0, -1, 3, 2.5, -0.75])
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+# For the alphas and the scalar operands; quick: each alpha with REP; each op (float32) and dtype
+# (add_relu) at alpha 3, an integer, which integer results take too.
+@pytest.mark.parametrize(
+    "kernel,dtype,alpha", one_at_a_time([(*c, a) for c in CASES for a in [1, 0, -1, 3, 2.5, -0.75]], (*REP, 3))
+)
 def test_scalars_and_alpha(kernel, dtype, alpha):
     if kernel.param is None:
         pytest.skip(f"{kernel.name} has no scalar parameter")
@@ -130,7 +153,11 @@ MIXED = [
 MIXED_CASES = [(k, d) for k in KERNELS for d in MIXED if all(x in k.dtypes for x in d)]
 
 
-@pytest.mark.parametrize("kernel,dtypes", MIXED_CASES, ids=[f"{k.name}-{d}" for k, d in MIXED_CASES])
+# For the dtype pairs; quick: each pair with add_relu, and each op with float16 and float32.
+@pytest.mark.parametrize(
+    "kernel,dtypes",
+    one_at_a_time(MIXED_CASES, ("add_relu", MIXED[0]), ids=[f"{k.name}-{d}" for k, d in MIXED_CASES]),
+)
 def test_mixed_dtypes(kernel, dtypes):
     ops = [rand((19, 23), d, DEVICE) for d in dtypes]
     result = run_and_check(kernel, operands_for(kernel, ops))
@@ -171,7 +198,8 @@ def test_special_values(kernel, dtype):
     run_and_check(kernel, operands_for(kernel, (x, -0.0)))
 
 
-@pytest.mark.parametrize("kernel,dtype", CASES, ids=IDS)
+# For the out= layouts and in-place runs in its body; quick: each op in float32, add_relu in each dtype.
+@pytest.mark.parametrize("kernel,dtype", one_at_a_time(CASES, REP, ids=IDS))
 def test_out_layouts_and_aliasing(kernel, dtype):
     shape = (29, 41)
     x, y = rand(shape, dtype, DEVICE), rand(shape, dtype, DEVICE)

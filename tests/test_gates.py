@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from conftest import DEVICE
-from helpers import rand, views
+from helpers import one_at_a_time, rand, slow_unless, value_id, views
 
 import fusedkit
 from fusedkit import library
@@ -176,11 +176,20 @@ def test_two_output_kernels_stay_out_of_the_registry():
         ew.run_pair(library.SILU_MUL, (rand((3,), torch.float32, DEVICE),) * 2, None)
 
 
+# For the layouts and the numbers in place of tensors; quick: each kernel, layout and dtype
+# once (silu_mul_grad, transposed, float32 the representatives).
 @pytest.mark.parametrize(
-    "kernel", [library.SILU_MUL_GRAD, library.GELU_MUL_GRAD, library.GELU_TANH_MUL_GRAD], ids=lambda k: k.name
+    "dtype,layout,kernel",
+    one_at_a_time(
+        [
+            (d, layout, k)
+            for k in (library.SILU_MUL_GRAD, library.GELU_MUL_GRAD, library.GELU_TANH_MUL_GRAD)
+            for layout in ("transposed", "expanded_col", "offset")
+            for d in (torch.bfloat16, torch.float32, F64)
+        ],
+        ("float32", "transposed", "silu_mul_grad"),
+    ),
 )
-@pytest.mark.parametrize("layout", ["transposed", "expanded_col", "offset"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64])
 def test_run_pair_reads_strided_inputs_and_numbers(kernel, layout, dtype):
     grad = rand((23, 17), dtype, DEVICE)
     a = views((23, 17), dtype, DEVICE)[layout]
@@ -299,10 +308,19 @@ def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     assert m.gate.weight.grad.dtype == torch.float32
 
 
+_GRAD_DTYPE_OPS = GATES + [(fusedkit.add_relu, lambda x, y: torch.relu(x + y))]
+_GRAD_DTYPE_IDS = GATE_IDS + ["add_relu"]
+
+
+# For the grad_dtype settings; quick: each op with the default, and each setting with silu_mul.
 @pytest.mark.parametrize(
-    "fused,plain", GATES + [(fusedkit.add_relu, lambda x, y: torch.relu(x + y))], ids=GATE_IDS + ["add_relu"]
+    "grad_dtype,fused,plain",
+    slow_unless(
+        lambda grad_dtype, fused, plain: grad_dtype == "default" or fused is GATES[0][0],
+        [(g, *op) for g in ("default", None, torch.float32) for op in _GRAD_DTYPE_OPS],
+        ids=[f"{value_id(g)}-{name}" for g in ("default", None, torch.float32) for name in _GRAD_DTYPE_IDS],
+    ),
 )
-@pytest.mark.parametrize("grad_dtype", ["default", None, torch.float32])
 def test_gradient_dtype_is_autograds(fused, plain, grad_dtype):
     """A promoted operand's gradient takes the dtype torch's own ops give it: the operand's,
     or the ``grad_dtype`` its leaf asks for (None: the result's), on every path a repeated
@@ -573,7 +591,7 @@ def test_an_input_changed_in_place_after_add_gelu_still_trains(approximate):
 
 
 def test_add_gelus_double_backward_flows_through_the_kept_sum():
-    x, y = leaf((7, 5)), leaf((5,))
+    x, y = leaf((3, 4)), leaf((4,))  # small: gradgradcheck perturbs every element (12 s at (7, 5) interpreted)
     for alpha in (1, -0.5):
         assert torch.autograd.gradgradcheck(lambda x, y: fusedkit.add_gelu(x, y, alpha=alpha), (x, y))
 
@@ -611,6 +629,7 @@ def test_a_new_gate_is_a_registry_entry_not_new_plumbing():
         want = torch.autograd.grad(torch.relu(a) * b, (a, b), g)
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+        a, b = leaf((3, 4)), leaf((4,))  # gradgradcheck perturbs every element
         assert torch.autograd.gradgradcheck(lambda a, b: fusedkit.elementwise("relu_mul_test", a, b), (a, b))
     finally:
         fusedkit.registry.unregister("relu_mul_test")

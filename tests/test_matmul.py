@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 from conftest import DEVICE
-from helpers import rand
+from helpers import rand, slow_unless
 
 import fusedkit
 from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
@@ -27,7 +27,14 @@ def fixed_matmul_config(fk_settings, monkeypatch, request):
     fk_settings(autotune="autotuned" in request.node.name)
 
 
-@pytest.fixture(autouse=True, params=["pointer", "tma"])
+#: The kernels the autouse fixture runs every test with. Where the operands are no TMA
+#: layout (float64; a row of a, b or the output not a multiple of 16 bytes) the TMA setting
+#: runs the pointer kernel again: such tests parametrise ``matmul_kernel`` themselves
+#: (``indirect``) with their TMA runs slow (docs/design.md, "The test grid").
+MATMUL_KERNELS = ["pointer", "tma"]
+
+
+@pytest.fixture(autouse=True, params=MATMUL_KERNELS)
 def matmul_kernel(fk_settings, monkeypatch, request):
     """Every test runs both kernels (the TMA one where the operands allow it)."""
     fk_settings(matmul_kernel=request.param)
@@ -35,7 +42,6 @@ def matmul_kernel(fk_settings, monkeypatch, request):
 
 
 ACTS = [None, *ACTIVATION_NAMES]
-DT_IDS = [str(d).removeprefix("torch.") for d in MATMUL_DTYPES]
 
 
 def ref64(a, b, bias=None, activation=None):
@@ -47,8 +53,16 @@ def mk(*shape, dtype=torch.float32):
     return rand(shape, dtype, DEVICE)
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", MATMUL_DTYPES, ids=DT_IDS)
+# For the activations and the dtypes; quick: each once with the pointer kernel (float32 and
+# relu the representatives). K = 33 is no TMA layout in any dtype.
+@pytest.mark.parametrize(
+    "matmul_kernel,dtype,activation",
+    slow_unless(
+        lambda kernel, dtype, activation: kernel == "pointer" and (dtype == torch.float32 or activation == "relu"),
+        [(k, d, a) for k in MATMUL_KERNELS for d in MATMUL_DTYPES for a in ACTS],
+    ),
+    indirect=["matmul_kernel"],
+)
 def test_every_activation_and_dtype(dtype, activation):
     a, b, bias = mk(70, 33, dtype=dtype), mk(33, 45, dtype=dtype), mk(45, dtype=dtype)
     for with_bias in (bias, None):
@@ -57,8 +71,26 @@ def test_every_activation_and_dtype(dtype, activation):
         assert_rel_err(out, ref64(a, b, with_bias, activation), matmul_rel_err(dtype))
 
 
+# For the sizes; quick: each with the pointer kernel, and (64, 64, 64), the one TMA takes, with both.
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 1, 1), (7, 129, 250), (129, 7, 33), (250, 250, 7), (1, 250, 129), (64, 64, 64), (33, 65, 97)]
+    "matmul_kernel,m,n,k",
+    slow_unless(
+        lambda kernel, *size: kernel == "pointer" or size == (64, 64, 64),
+        [
+            (kernel, *size)
+            for kernel in MATMUL_KERNELS
+            for size in [
+                (1, 1, 1),
+                (7, 129, 250),
+                (129, 7, 33),
+                (250, 250, 7),
+                (1, 250, 129),
+                (64, 64, 64),
+                (33, 65, 97),
+            ]
+        ],
+    ),
+    indirect=["matmul_kernel"],
 )
 def test_odd_sizes(m, n, k):
     a, b, bias = mk(m, k), mk(k, n), mk(n)
@@ -212,18 +244,32 @@ def test_bad_input_is_refused_before_launch(monkeypatch):
         fusedkit.linear_relu(a, mk(6, 5), mk(2, 4, 6))  # torch's addmm refuses to widen the result
 
 
-@pytest.mark.parametrize("activation", ACTS)
+# For the activations' backward; quick: each with the pointer kernel (float64 is no TMA dtype).
+@pytest.mark.parametrize(
+    "matmul_kernel,activation",
+    slow_unless(lambda kernel, activation: kernel == "pointer", [(k, a) for k in MATMUL_KERNELS for a in ACTS]),
+    indirect=["matmul_kernel"],
+)
 def test_gradcheck_float64(activation):
-    a = mk(6, 5, dtype=torch.float64).requires_grad_()
-    b = mk(5, 4, dtype=torch.float64).requires_grad_()
-    bias = mk(4, dtype=torch.float64).requires_grad_()
+    # small: gradcheck perturbs every element, two interpreted launches each
+    a = mk(3, 4, dtype=torch.float64).requires_grad_()
+    b = mk(4, 3, dtype=torch.float64).requires_grad_()
+    bias = mk(3, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(
         lambda x, y, z: fusedkit.matmul(x, y, z, activation), (a, b, bias), eps=1e-6, atol=1e-5, rtol=1e-4
     )
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+# For the activations' backward in float32 and bfloat16; quick: each with the pointer kernel
+# (the output's 31 columns are no TMA layout).
+@pytest.mark.parametrize(
+    "matmul_kernel,dtype,activation",
+    slow_unless(
+        lambda kernel, dtype, activation: kernel == "pointer",
+        [(k, d, a) for k in MATMUL_KERNELS for d in (torch.float32, torch.bfloat16) for a in ACTS],
+    ),
+    indirect=["matmul_kernel"],
+)
 def test_gradients_match_torch(dtype, activation):
     a = mk(2, 17, 24, dtype=dtype).requires_grad_()
     w = mk(31, 24, dtype=dtype).requires_grad_()
@@ -449,8 +495,14 @@ def _split_cases():
     return cases + [(t, d) for t in MATMUL_EXACT_SPLIT_K_TILES for d in (torch.float32, torch.float64)]
 
 
+# For the tiles; quick: each tile once, the exact ones in float32 and one of them in float64 too.
 @pytest.mark.parametrize(
-    "tile,dtype", _split_cases(), ids=[f"{'x'.join(map(str, t[:3]))}-s{t[5]}-{str(d)[6:]}" for t, d in _split_cases()]
+    "tile,dtype",
+    slow_unless(
+        lambda tile, dtype: dtype != torch.float64 or tile == _split_cases()[-1][0],
+        _split_cases(),
+        ids=[f"{'x'.join(map(str, t[:3]))}-s{t[5]}-{str(d)[6:]}" for t, d in _split_cases()],
+    ),
 )
 def test_split_k_configs(tile, dtype, matmul_kernel):
     """Every split-K config tuning may pick, launched directly: ragged M, N and K (a last

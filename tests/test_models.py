@@ -105,6 +105,7 @@ def test_unavailable_names_the_package():
     assert "no_such_package_fusedkit" in models.unavailable(case)
 
 
+@pytest.mark.slow  # runs a model through the report (10 s on 2 cores)
 def test_peer_variants_run_where_they_import_and_work(monkeypatch):
     """A peer library's fusion is one more variant where its package imports and its fusion
     runs here; otherwise the report names why it is left out."""
