@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -34,9 +35,11 @@ import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
 from . import nn as fnn
-from .errors import FusedkitError, TracingError
+from .errors import FusedkitError, SignatureError, TracingError
 from .memory import MemoryCounterMode
 from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
+from .registry import OPERAND_DTYPES, get
+from .runtime.matmul import MATMUL_DTYPES
 
 __all__ = ["FusionSite", "advise", "fuse"]
 
@@ -51,6 +54,7 @@ FOREIGN_ACTIVATIONS = {
 }
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
+_IN_PLACE_ADDS = (operator.iadd, torch.Tensor.add_)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,33 @@ class FusionSite:
     bytes_saved: int  # per forward pass, at the example inputs' shapes
     replacement: str  # the fusedkit call that replaces it
     nodes: tuple = field(default=(), compare=False, repr=False)  # the traced graph's nodes, first to last
+
+
+def _in_place_method(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+class _Proxy(fx.Proxy):
+    """fx's proxy, tracing ``x += y`` (and the other augmented assignments) as the in-place op:
+    fx's own falls back to ``x = x + y``, and a traced copy would no longer write ``x`` (the
+    caller's tensor, where ``x`` is an input)."""
+
+
+for _name_ in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
+    setattr(_Proxy, f"__i{_name_}__", _in_place_method(getattr(operator, f"i{_name_}")))
+del _name_
+
+
+def _has_hooks(m: torch.nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own (``weight_norm``'s pre-hook, a
+    user's): inlined or fused away, they would no longer run."""
+    return any(
+        getattr(m, attr, None)
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    )
 
 
 class _Tracer(fx.Tracer):
@@ -78,8 +109,12 @@ class _Tracer(fx.Tracer):
             type(m) in self.whole
             or type(m).__name__ in FOREIGN_ACTIVATIONS
             or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
+            or _has_hooks(m)
             or super().is_leaf_module(m, qualname)
         )
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def call_module(self, m, forward, args, kwargs):
         try:
@@ -94,7 +129,33 @@ class _Tracer(fx.Tracer):
 FAILED_IN = "_fusedkit_failed_in"
 
 
-def _trace(model: torch.nn.Module, whole: frozenset = frozenset()) -> tuple[fx.GraphModule, frozenset]:
+def _concrete_args(model, example_inputs) -> dict:
+    """The arguments the trace fixes: those the example call passes as None and those it
+    leaves at a default that is no tensor (``forward(x, residual=None)`` traced as called,
+    where a proxy for ``residual`` would take the ``is not None`` branch)."""
+    try:
+        params = list(
+            inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model).parameters.values()
+        )
+    except (TypeError, ValueError):
+        return {}
+    fixed = {}
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        if i < len(example_inputs):
+            if example_inputs[i] is None:
+                fixed[p.name] = None
+        elif p.default is not p.empty and not isinstance(p.default, torch.Tensor):
+            fixed[p.name] = p.default
+    return fixed
+
+
+def _title(model) -> str:
+    return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
+
+
+def _trace(model, whole: frozenset = frozenset(), concrete: dict | None = None) -> tuple[fx.GraphModule, frozenset]:
     """The traced model, and the classes of the submodules kept whole. A submodule fx cannot
     trace through (transformers' GPT-2 attention iterates over a shape) is kept whole, a
     ``call_module`` node, with every module of its class (one retrace per class, not per
@@ -104,7 +165,7 @@ def _trace(model: torch.nn.Module, whole: frozenset = frozenset()) -> tuple[fx.G
     while True:
         tracer = _Tracer(frozenset(whole))
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete or None)
             break
         except Exception as exc:  # data-dependent control flow, unsupported Python: fx's own errors
             failed = getattr(exc, FAILED_IN, None)
@@ -112,16 +173,16 @@ def _trace(model: torch.nn.Module, whole: frozenset = frozenset()) -> tuple[fx.G
                 whole.add(type(failed))
                 continue
             raise TracingError(
-                f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: "
+                f"torch.fx cannot trace {_title(model)}: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
                 "graph; pass a submodule that traces, e.g. the MLP)"
             ) from exc
-    return fx.GraphModule(tracer.root, graph, type(model).__name__), frozenset(whole)
+    return fx.GraphModule(tracer.root, graph, _title(model)), frozenset(whole)
 
 
 def _warn_kept_whole(model: torch.nn.Module, whole: frozenset) -> None:
     """Tell the caller of advise or fuse (two frames up) which submodules were kept whole."""
-    if not whole:
+    if not whole or not isinstance(model, torch.nn.Module):
         return
     counts = sorted((cls.__name__, sum(type(m) is cls for m in model.modules())) for cls in whole)
     names = ", ".join(f"{name} ({n} module{'s' if n > 1 else ''})" for name, n in counts)
@@ -174,10 +235,13 @@ def _fresh(value, node: fx.Node) -> bool:
 def _add_operands(node: fx.Node):
     """``(x, y, alpha)`` of an elementwise add node, or None. An in-place add qualifies when
     its target is a fresh intermediate (the fused result replaces it)."""
-    if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
+    if node.op == "call_function" and node.target in (*_ADD_FUNCTIONS, *_IN_PLACE_ADDS):
         if set(node.kwargs) - {"other", "alpha"} or len(node.args) + len(node.kwargs) < 2:
             return None
-        return _arg(node, 0, "input"), _arg(node, 1, "other"), node.kwargs.get("alpha", 1)
+        x = _arg(node, 0, "input")
+        if node.target in _IN_PLACE_ADDS and not _fresh(x, node):
+            return None  # (``x += r`` on an input or a tensor used again: the fused call would not write it)
+        return x, _arg(node, 1, "other"), node.kwargs.get("alpha", 1)
     if node.op == "call_method" and node.target in ("add", "add_") and not set(node.kwargs) - {"other", "alpha"}:
         x, y = node.args[0], _arg(node, 1, "other")
         if y is None or (node.target == "add_" and not _fresh(x, node)):
@@ -197,7 +261,8 @@ def _linear_operands(node: fx.Node, modules: dict):
     ``nn.Linear`` (its weight is read transposed), ``F.linear`` or a plain ``torch.addmm``."""
     if node.op == "call_module" and type(modules[node.target]) is torch.nn.Linear:
         m = modules[node.target]
-        return node.args[0], f"{node.target}.weight", f"{node.target}.bias" if m.bias is not None else None, True
+        x = _arg(node, 0, "input")  # (``self.lin(input=x)``)
+        return x, f"{node.target}.weight", f"{node.target}.bias" if m.bias is not None else None, True
     if node.op == "call_function" and node.target is F.linear:
         x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
         ws, bs = _shape(w), _shape(b)
@@ -265,9 +330,37 @@ def _name(arg) -> str:
     return arg.name if isinstance(arg, fx.Node) else arg if isinstance(arg, str) else repr(arg)
 
 
-def _find(gm: fx.GraphModule) -> list[FusionSite]:
+def _dtype(value):
+    meta = value.meta.get("tensor_meta") if isinstance(value, fx.Node) else None
+    return getattr(meta, "dtype", None)
+
+
+def _refusal(pattern: str, call: str, operands: tuple, last: fx.Node, modules: dict, nodes: tuple) -> str | None:
+    """Why the fused call would not take this site, or None: a module fused away that has
+    hooks (they would stop firing), or operand dtypes the call refuses (advise lists only
+    what fuse rewrites)."""
+    for n in nodes:
+        if n.op == "call_module" and _has_hooks(modules[n.target]):
+            return f"{n.target} has hooks, which would no longer run"
+    if pattern.startswith("linear"):
+        dtype = _dtype(nodes[0])
+        return None if dtype is None or dtype in MATMUL_DTYPES else f"fusedkit.matmul does not take {dtype}"
+    for value in operands:
+        dtype = _dtype(value)
+        if dtype is not None and dtype not in OPERAND_DTYPES:
+            return f"fusedkit.{call} does not take a {dtype} operand"
+    result = _dtype(last)
+    if result is not None and result not in get(call).dtypes:
+        return f"fusedkit.{call} does not give {result} results"
+    return None
+
+
+def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
+    """The sites of ``gm``; those fusedkit's call would not take go to ``declined`` as
+    (pattern, module, why)."""
     modules = dict(gm.named_modules())
     sites, used = [], set()
+    declined = [] if declined is None else declined
     for node in gm.graph.nodes:
         if node in used:
             continue
@@ -290,6 +383,7 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
                 f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
                 f"{_name(b)}, activation={act!r}){then}",
             )
+            call, operands = "matmul", (x,)
         elif middle:
             continue
         elif add is not None and act in ("relu", "gelu", "gelu_tanh"):
@@ -298,6 +392,8 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
             extra = "" if act != "gelu_tanh" else ", approximate='tanh'"
             extra = (f", alpha={alpha!r}" if alpha != 1 else "") + extra
             site = (f"add -> {act}", f"fusedkit.{call}({_name(x)}, {_name(y)}{extra})")
+            call = call if act != "gelu_tanh" else "add_gelu_tanh"
+            operands = (x, y)
         elif act is None and _activation(node, modules) in ("silu", "gelu", "gelu_tanh") and _is_mul(user):
             gate = _activation(node, modules)
             other = user.args[1] if user.args[0] is node else user.args[0]
@@ -306,9 +402,19 @@ def _find(gm: fx.GraphModule) -> list[FusionSite]:
             call = "silu_mul" if gate == "silu" else "gelu_mul"
             extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
             site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
+            call = f"{gate}_mul"
+            operands = (node.args[0], other)
+        elif linear is None and act is not None and node.op == "call_module":
+            if isinstance(modules[node.target], torch.nn.Linear):  # (a parametrized one's class is a subclass)
+                declined.append((f"linear -> {act}", _common_module(node, last), f"{node.target} is parametrized"))
+            continue
         if site is None:
             continue
         nodes = (node, *middle, last)
+        why = _refusal(site[0], call, operands, last, modules, nodes)
+        if why is not None:
+            declined.append((site[0], _common_module(node, last), why))
+            continue
         used.update(nodes)
         kept = last if site[0].endswith("* mul") else node
         sites.append(FusionSite(site[0], _common_module(node, last), _bytes_saved(nodes, kept), site[1], nodes))
@@ -341,7 +447,11 @@ def _is_mul(node: fx.Node | None) -> bool:
 
 @contextlib.contextmanager
 def _mode(model: torch.nn.Module, training: bool):
-    """``model`` in train or eval mode for a while; every submodule's own mode restored after."""
+    """``model`` in train or eval mode for a while; every submodule's own mode restored after
+    (a function: nothing to set)."""
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     try:
@@ -363,18 +473,32 @@ def _traced(
     """The traced model, its sites and the classes kept whole (``whole`` from the start);
     shapes are learnt by one run in eval mode without gradients, on copies of the inputs
     (batch statistics, the random stream and the inputs stay as they were)."""
-    gm, whole = _trace(model, whole)
+    gm, whole = _trace(model, whole, _concrete_args(model, example_inputs))
     with _mode(model, False), torch.no_grad():
         _Propagate(gm).propagate(*_copies(example_inputs))
-    return gm, _find(gm), whole
+    declined = []
+    sites = _find(gm, declined)
+    gm.meta["declined"] = declined
+    return gm, sites, whole
+
+
+def _warn_declined(model, gm: fx.GraphModule) -> None:
+    """Tell the caller of advise or fuse (two frames up) which chains stay as they are, and why."""
+    declined = gm.meta.get("declined")
+    if declined:
+        listed = "; ".join(f"{pattern} in {module or '(model)'}: {why}" for pattern, module, why in declined)
+        warnings.warn(f"fusedkit leaves these chains of {_title(model)} unfused: {listed}", stacklevel=3)
 
 
 def advise(model: torch.nn.Module, *example_inputs) -> list[FusionSite]:
     """The chains of ``model`` that fusedkit runs as one kernel (see the module's docstring),
     in the order they run, with the bytes each saves at the example inputs' shapes. Runs the
     model once on ``example_inputs`` (under ``torch.no_grad``) to learn them."""
-    _, sites, whole = _traced(model, example_inputs)
+    if not callable(model):
+        raise SignatureError(f"advise() takes a module or a function, got {type(model).__name__}")
+    gm, sites, whole = _traced(model, example_inputs)
     _warn_kept_whole(model, whole)
+    _warn_declined(model, gm)
     return sites
 
 
@@ -431,24 +555,37 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
     the submodules the trace inlined, are not on it; inputs are positional. Before it is
     returned, its outputs on copies of ``example_inputs`` are checked against ``model``'s
     (both in eval mode, without gradients; ``FUSE_TOLERANCE``, autocast's dtype where it is
-    on): a difference raises ``FusedkitError``. A forward that reads ``self.training`` itself
-    raises ``TracingError``."""
+    on; NaN where the model gives NaN): a difference raises ``FusedkitError``. A forward
+    that reads ``self.training`` itself raises ``TracingError``. Arguments the example call
+    passes as None or leaves at a default are fixed in the copy (fx asserts them). Chains
+    it leaves unfused (hooks that would stop running, dtypes the call refuses) are named in
+    one warning."""
+    if not isinstance(model, torch.nn.Module):
+        raise SignatureError(
+            f"fuse() takes an nn.Module, got {type(model).__name__} (advise takes a function; "
+            "fusedkit's ops can be called from it directly)"
+        )
     gm, sites, whole = _traced(model, example_inputs)
+    concrete = _concrete_args(model, example_inputs)
     with _mode(model, not model.training):
-        other, both = _trace(model, whole)
+        other, both = _trace(model, whole, concrete)
     if both != whole:
         # (a submodule that traces in one mode only: the tracer's limit, not a forward
         # reading self.training; kept whole in both)
         gm, sites, whole = _traced(model, example_inputs, both)
         with _mode(model, not model.training):
-            other, _ = _trace(model, whole)
+            other, _ = _trace(model, whole, concrete)
     _warn_kept_whole(model, whole)
+    _warn_declined(model, gm)
     if other.code != gm.code:
         raise TracingError(
             f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
             "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
             "the parts that do not"
         )
+    # The loosest tolerance of any float dtype the graph computes in (a float16 gate whose
+    # result a float32 operand promotes rounds as float16 does).
+    least = max((FUSE_TOLERANCE.get(_dtype(n), 0) for n in gm.graph.nodes), default=0)
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()
@@ -457,9 +594,9 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
         want, got = model(*_copies(example_inputs)), gm(*_copies(example_inputs))
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
         if isinstance(w, torch.Tensor) and w.is_floating_point():
-            tol = _tolerance(w)
+            tol = max(_tolerance(w), least)
             try:
-                torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol, equal_nan=True)
             except AssertionError as err:
                 raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
     gm.fusion_sites = [dataclasses.replace(site, nodes=()) for site in sites]

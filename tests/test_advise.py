@@ -343,3 +343,133 @@ def test_the_report_gives_the_gpu_busy_time_saved():
     assert row[6:9] == ["0.250", "0.100", "0.250"]  # predicted, saved, GPU saved
     older = {k: v for k, v in timing.items() if "gpu" not in k}  # a record written before the busy times
     assert format_advice([], [older], {}).splitlines()[-1].split()[8] == "-"
+
+
+# What a user's model does, the fused one does too (issue 46's hostile pass).
+
+
+def test_optional_arguments_keyword_calls_and_functions():
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, x, residual=None, scale=1.0):
+            if residual is not None:
+                x = x + residual
+            return torch.relu(self.lin(input=x)) * scale  # a submodule called by keyword
+
+    model, x = Optional().to(DEVICE), rand((4, 6), torch.float32, DEVICE)
+    (site,) = fusedkit.advise(model, x)
+    assert site.pattern == "linear -> relu"
+    torch.testing.assert_close(fusedkit.fuse(model, x)(x), model(x))
+
+    def function(x, y):
+        return F.relu(x + y)
+
+    assert [s.pattern for s in fusedkit.advise(function, x, x)] == ["add -> relu"]
+    with pytest.raises(fusedkit.FusedkitError, match="fuse\\(\\) takes an nn.Module") as err:
+        fusedkit.fuse(function, x, x)
+    assert isinstance(err.value, TypeError)
+
+
+def test_sites_the_op_would_refuse_are_left_and_named():
+    class Masks(nn.Module):
+        def forward(self, a, mask, u, v):
+            return F.silu(a) * mask, torch.relu(u + v)  # a bool gate (fusedkit takes it); uint8 (it does not)
+
+    a, mask = rand((4, 6), torch.float32, DEVICE), rand((4, 6), torch.float32, DEVICE) > 0
+    u = torch.randint(0, 100, (4, 6), dtype=torch.uint8, device=DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sites = fusedkit.advise(Masks(), a, mask, u, u)
+    assert [s.pattern for s in sites] == ["silu * mul"]
+    (w,) = [w for w in caught if "unfused" in str(w.message)]
+    assert "add -> relu" in str(w.message) and "torch.uint8" in str(w.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fusedkit.fuse(Masks(), a, mask, u, u)
+    for got, want in zip(fused(a, mask, u, u), Masks()(a, mask, u, u)):
+        torch.testing.assert_close(got, want)
+
+
+def test_nan_outputs_and_a_half_precision_gate_in_a_float32_model():
+    class Gate(nn.Module):
+        def forward(self, a, b):
+            return F.silu(a) * b  # float16 silu, promoted to float32 by b
+
+    a = rand((64, 33), torch.float16, DEVICE) * 4
+    b = rand((64, 33), torch.float32, DEVICE)
+    b[0, 0] = float("nan")
+    fused = fusedkit.fuse(Gate(), a, b)
+    assert [s.pattern for s in fused.fusion_sites] == ["silu * mul"]
+    torch.testing.assert_close(fused(a, b), Gate()(a, b), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+class _Join(nn.Module):
+    def forward(self, x, r):
+        x += r  # writes the caller's x, as torchvision's join writes its own intermediate
+        return torch.relu(x)
+
+
+def test_an_in_place_add_on_an_input_still_writes_it():
+    x, r = rand((4, 5), torch.float32, DEVICE), rand((4, 5), torch.float32, DEVICE)
+    assert fusedkit.advise(_Join(), x, r) == []  # the fused call would not write x
+    fused = fusedkit.fuse(_Join(), x, r)
+    mine, theirs = x.clone(), x.clone()
+    torch.testing.assert_close(fused(mine, r), _Join()(theirs, r))
+    torch.testing.assert_close(mine, theirs)  # the caller's x written in both
+
+
+def test_hooks_and_weight_norm_keep_their_module():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.normed = torch.nn.utils.weight_norm(nn.Linear(6, 5))  # a forward pre-hook sets .weight
+            self.hooked = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return torch.relu(self.normed(x)) + F.gelu(self.hooked(x))
+
+    torch.manual_seed(0)
+    model, x = Head().to(DEVICE), rand((4, 6), torch.float32, DEVICE)
+    fired = []
+    model.hooked.register_forward_hook(lambda *args: fired.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = fusedkit.fuse(model, x)
+    assert fused.fusion_sites == []
+    message = " ".join(str(w.message) for w in caught)
+    assert "normed has hooks" in message and "hooked has hooks" in message
+    fired.clear()
+    with torch.no_grad():
+        model.normed.weight_g.mul_(2)  # the pre-hook makes the weight from this on every call
+    fused(x).sum().backward()
+    assert fired == [1] and model.normed.weight_g.grad is not None
+    torch.testing.assert_close(fused(x), model(x))
+
+
+def test_a_parametrized_linear_is_left_and_named():
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).t()
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 5)
+            parametrize.register_parametrization(self.lin, "weight", Symmetric())
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    model, x = Head().to(DEVICE), rand((4, 5), torch.float32, DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = fusedkit.fuse(model, x)
+    assert fused.fusion_sites == [] and any("lin is parametrized" in str(w.message) for w in caught)
+    with torch.no_grad():
+        model.lin.parametrizations.weight.original.add_(1)
+    torch.testing.assert_close(fused(x), model(x))
