@@ -28,7 +28,7 @@ from .errors import (
     TracingError,
     UnknownKernelError,
 )
-from .fusion import FusionSite, advise, fuse
+from .fusion import FusionSite, advise, fuse, unfuse
 from .library import register_gate
 from .memory import MemoryCounterMode
 from .ops import add, add_gelu, add_relu, elementwise, gelu_mul, linear_relu, matmul, matmul_relu, silu_mul
@@ -88,6 +88,7 @@ __all__ = [
     "MemoryCounterMode",
     "advise",
     "fuse",
+    "unfuse",
     "FusionSite",
     "settings",
     "set_fp32_precision",

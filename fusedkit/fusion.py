@@ -22,10 +22,13 @@ each of their round trips.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import operator
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -41,7 +44,7 @@ from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
 from .registry import OPERAND_DTYPES, get
 from .runtime.matmul import MATMUL_DTYPES
 
-__all__ = ["FusionSite", "advise", "fuse"]
+__all__ = ["FusionSite", "advise", "fuse", "unfuse"]
 
 #: Activation modules of other libraries kept whole by the tracer, by class name, and the
 #: activation each computes (transformers' GPT-2 ``gelu_new`` is ``NewGELUActivation``).
@@ -490,18 +493,6 @@ def _warn_declined(model, gm: fx.GraphModule) -> None:
         warnings.warn(f"fusedkit leaves these chains of {_title(model)} unfused: {listed}", stacklevel=3)
 
 
-def advise(model: torch.nn.Module, *example_inputs) -> list[FusionSite]:
-    """The chains of ``model`` that fusedkit runs as one kernel (see the module's docstring),
-    in the order they run, with the bytes each saves at the example inputs' shapes. Runs the
-    model once on ``example_inputs`` (under ``torch.no_grad``) to learn them."""
-    if not callable(model):
-        raise SignatureError(f"advise() takes a module or a function, got {type(model).__name__}")
-    gm, sites, whole = _traced(model, example_inputs)
-    _warn_kept_whole(model, whole)
-    _warn_declined(model, gm)
-    return sites
-
-
 def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
     first, *middle, last = site.nodes
     modules = dict(gm.named_modules())
@@ -547,24 +538,10 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
 FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-10}
 
 
-def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
-    """``model`` with every :func:`advise` site rewritten to its fusedkit call: a
-    ``torch.fx.GraphModule`` (its ``fusion_sites`` lists them) that shares ``model``'s
-    parameters and submodules (training one trains the other). It is a traced copy of
-    ``forward`` only: the model's other methods and attributes, and hooks on the model or on
-    the submodules the trace inlined, are not on it; inputs are positional. Before it is
-    returned, its outputs on copies of ``example_inputs`` are checked against ``model``'s
-    (both in eval mode, without gradients; ``FUSE_TOLERANCE``, autocast's dtype where it is
-    on; NaN where the model gives NaN): a difference raises ``FusedkitError``. A forward
-    that reads ``self.training`` itself raises ``TracingError``. Arguments the example call
-    passes as None or leaves at a default are fixed in the copy (fx asserts them). Chains
-    it leaves unfused (hooks that would stop running, dtypes the call refuses) are named in
-    one warning."""
-    if not isinstance(model, torch.nn.Module):
-        raise SignatureError(
-            f"fuse() takes an nn.Module, got {type(model).__name__} (advise takes a function; "
-            "fusedkit's ops can be called from it directly)"
-        )
+def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list, list]:
+    """``model`` traced in both modes, its sites rewritten: (graph, sites, notes), notes
+    saying what it keeps whole and leaves unfused. ``TracingError`` where it does not trace,
+    or where its forward reads ``self.training`` itself (a traced copy would keep one mode)."""
     gm, sites, whole = _traced(model, example_inputs)
     concrete = _concrete_args(model, example_inputs)
     with _mode(model, not model.training):
@@ -575,32 +552,206 @@ def fuse(model: torch.nn.Module, *example_inputs) -> torch.nn.Module:
         gm, sites, whole = _traced(model, example_inputs, both)
         with _mode(model, not model.training):
             other, _ = _trace(model, whole, concrete)
-    _warn_kept_whole(model, whole)
-    _warn_declined(model, gm)
     if other.code != gm.code:
         raise TracingError(
-            f"fuse(): {type(model).__name__}'s forward reads self.training outside a module "
-            "(functional dropout or batch statistics): a traced copy would keep one mode; fuse "
-            "the parts that do not"
+            f"{type(model).__name__}'s forward reads self.training outside a module (functional "
+            "dropout or batch statistics): a traced copy would keep one mode"
         )
-    # The loosest tolerance of any float dtype the graph computes in (a float16 gate whose
-    # result a float32 operand promotes rounds as float16 does).
-    least = max((FUSE_TOLERANCE.get(_dtype(n), 0) for n in gm.graph.nodes), default=0)
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()
     gm.recompile()
+    notes = [f"{pattern} in {module or '(its forward)'}: {why}" for pattern, module, why in gm.meta["declined"]]
+    notes += [f"{cls.__name__} kept whole (torch.fx cannot trace through it)" for cls in sorted(whole, key=str)]
+    return gm, sites, notes
+
+
+def _plain_call(model: torch.nn.Module, call) -> bool:
+    """Whether a recorded call passes tensors alone, by position, every other parameter left
+    at a default that is no tensor: the calls a traced forward takes (any other call runs the
+    module's own forward)."""
+    args, kwargs = call
+    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        return False
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
+        return False
+    return all(p.default is not p.empty and not isinstance(p.default, torch.Tensor) for p in params[len(args) :])
+
+
+def _record_calls(model: torch.nn.Module, args, kwargs) -> tuple[dict, object]:
+    """The first call of every module in one run of ``model`` (eval mode, no gradients, copies
+    of the inputs), and the model's output."""
+    calls = {}
+
+    def hook(module, a, k):
+        calls.setdefault(module, (a, k))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+    try:
+        with _mode(model, False), torch.no_grad():
+            out = model(*_copies(args), **dict(zip(kwargs, _copies(tuple(kwargs.values())))))
+    finally:
+        for h in handles:
+            h.remove()
+    return calls, out
+
+
+def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list, list, object]:
+    """Where fusedkit fuses ``model``: (plans: (qualified name, module, graph, sites) of the
+    outermost modules that trace and have sites, notes: what stays unfused and why, the
+    model's output on the example). A module that does not trace (the model included) is
+    looked into: its children are planned from their own calls in the example run."""
+    calls, out = _record_calls(model, example_inputs, example_kwargs)
+    plans, notes = [], []
+    leaf = _Tracer()
+
+    def visit(name: str, m: torch.nn.Module) -> None:
+        containers = (torch.nn.ModuleList, torch.nn.ModuleDict)  # (never called: their items are)
+        if m is not model and leaf.is_leaf_module(m, name) and not isinstance(m, containers):
+            return  # (torch.nn's own layers, activations: nothing inside to fuse)
+        call = calls.get(m)
+        if call is not None and _plain_call(m, call):
+            try:
+                gm, sites, kept = _fused_graph(m, call[0])
+            except TracingError as exc:
+                why = str(exc).removeprefix("torch.fx cannot trace ").split(" (advise and fuse")[0]
+                notes.append((type(m).__name__, why.removeprefix(f"{type(m).__name__}: ")))
+            else:
+                notes.extend((type(m).__name__, note) for note in kept)
+                if sites:
+                    plans.append((name, m, gm, sites))
+                return
+        elif call is not None:
+            notes.append((type(m).__name__, "called with keywords or arguments other than tensors"))
+        for child, sub in m.named_children():
+            visit(f"{name}.{child}" if name else child, sub)
+
+    visit("", model)
+    return plans, notes, out
+
+
+def _qualified(name: str, site: FusionSite) -> FusionSite:
+    module = ".".join(p for p in (name, site.module) if p)
+    return dataclasses.replace(site, module=module, nodes=())
+
+
+def _warn_unfused(model, notes: list) -> None:
+    """One warning: for each class, what fusedkit could not fuse in its forward and why (its
+    submodules were looked into), with how many modules it concerns."""
+    if notes:
+        counts = collections.Counter(notes)
+        listed = "; ".join(f"{cls} ({n}x): {why}" if n > 1 else f"{cls}: {why}" for (cls, why), n in counts.items())
+        warnings.warn(f"fusedkit left parts of {_title(model)} unfused: {listed}", stacklevel=3)
+
+
+def advise(model, *example_inputs, **example_kwargs) -> list[FusionSite]:
+    """The chains of ``model`` that fusedkit runs as one kernel (see the module's docstring),
+    with the bytes each saves at the example inputs' shapes, module by module in the order
+    the modules are planned, each module's in the order they run. Runs the model once on the
+    example (under ``torch.no_grad``) to learn them. Where a module does not trace (the
+    model included), its submodules are looked into, as :func:`fuse` does; one warning says
+    what stays unfused and why. ``model`` may be a function."""
+    if not callable(model):
+        raise SignatureError(f"advise() takes a module or a function, got {type(model).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        gm, sites, _ = _traced(model, example_inputs)
+        _warn_declined(model, gm)
+        return sites
+    plans, notes, _ = _plan(model, example_inputs, example_kwargs)
+    _warn_unfused(model, notes)
+    return [_qualified(name, site) for name, _, _, sites in plans for site in sites]
+
+
+def _fused_forward(self, *args, **kwargs):
+    # The traced calls (tensors by position, as many as traced) run the fused code on this
+    # module itself: parameters, parametrizations and buffers are read where they live now.
+    code, n = self.__dict__["_fusedkit_fused"]
+    if not kwargs and len(args) == n and all(isinstance(a, torch.Tensor) for a in args):
+        return code(self, *args)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _install(m: torch.nn.Module, gm: fx.GraphModule, n_args: int) -> None:
+    """Run ``gm``'s code as ``m``'s forward, on ``m``: ``m`` keeps its class, hooks and state
+    dict keys. Constants fx made attributes of the traced copy become attributes of ``m``."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and not _resolves(m, node.target):
+            name = f"_fusedkit_constant_{node.target.replace('.', '_')}"
+            object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), gm))
+            node.target = name
+    gm.recompile()
+    m.__dict__["_fusedkit_fused"] = (type(gm).forward, n_args)
+    m.__dict__["forward"] = types.MethodType(_fused_forward, m)
+
+
+def _resolves(m: torch.nn.Module, target: str) -> bool:
+    try:
+        functools.reduce(getattr, target.split("."), m)
+    except AttributeError:
+        return False
+    return True
+
+
+def fused_code(m: torch.nn.Module) -> str | None:
+    """The fused forward :func:`fuse` gave module ``m``, as Python source, or None."""
+    fused = m.__dict__.get("_fusedkit_fused")
+    return None if fused is None else inspect.getsource(fused[0])
+
+
+def unfuse(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as it was before :func:`fuse`: every module's own forward again."""
+    for m in model.modules():
+        forward = m.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is _fused_forward:
+            del m.__dict__["forward"]
+        for key in [k for k in m.__dict__ if k == "_fusedkit_fused" or k.startswith("_fusedkit_constant_")]:
+            del m.__dict__[key]
+    model.__dict__.pop("fusion_sites", None)
+    return model
+
+
+def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.Module:
+    """``model`` itself, with every :func:`advise` site run by its fusedkit call: each
+    outermost module that traces (``torch.fx``) and holds sites runs its fused code as its
+    forward, on its own parameters, so the model keeps its class, methods (``generate``),
+    attributes, state dict keys, hooks and modes; ``model.fusion_sites`` lists the sites.
+    Where a module does not trace (a transformers model's top level, its attention), its
+    submodules are looked into; one warning says what stays unfused and why. A fused forward
+    takes the calls it was traced from (tensors by position); any other call runs the
+    module's own forward. Before it returns, the model's outputs on copies of the example
+    are checked against those it gave before (eval mode, without gradients;
+    ``FUSE_TOLERANCE`` of the loosest float dtype computed, autocast's where it is on; NaN
+    where it gave NaN): a difference undoes the fusion and raises ``FusedkitError``.
+    :func:`unfuse` undoes it."""
+    if not isinstance(model, torch.nn.Module):
+        raise SignatureError(
+            f"fuse() takes an nn.Module, got {type(model).__name__} (advise takes a function; "
+            "fusedkit's ops can be called from it directly)"
+        )
+    unfuse(model)
+    plans, notes, want = _plan(model, example_inputs, example_kwargs)
+    _warn_unfused(model, notes)
+    least = 0.0
+    for _, m, gm, _ in plans:
+        n_args = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        _install(m, gm, n_args)
+        least = max([least, *(FUSE_TOLERANCE.get(_dtype(n), 0) for n in gm.graph.nodes)])
     with _mode(model, False), torch.no_grad():
-        want, got = model(*_copies(example_inputs)), gm(*_copies(example_inputs))
+        got = model(*_copies(example_inputs), **dict(zip(example_kwargs, _copies(tuple(example_kwargs.values())))))
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
         if isinstance(w, torch.Tensor) and w.is_floating_point():
             tol = max(_tolerance(w), least)
             try:
                 torch.testing.assert_close(g, w, rtol=tol, atol=tol, equal_nan=True)
             except AssertionError as err:
+                unfuse(model)
                 raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
-    gm.fusion_sites = [dataclasses.replace(site, nodes=()) for site in sites]
-    return gm
+    model.__dict__["fusion_sites"] = [_qualified(name, site) for name, _, _, sites in plans for site in sites]
+    return model
 
 
 def _tolerance(t: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ a check of the harness). A model ``torch.fx`` cannot trace is named with the rea
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import torch
@@ -73,7 +74,7 @@ def _advise_case(case, device, small):
     model, _ = M.variant_model(case, "eager", stock, device)
     x, target = train
     with M.autocast_for(device):
-        fused = fusedkit.fuse(model, x)
+        fused = fusedkit.fuse(copy.deepcopy(model), x)  # (fuse fuses the model it is given, in place)
     found = fused.fusion_sites
     rows = [
         {
