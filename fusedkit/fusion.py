@@ -137,9 +137,9 @@ def _concrete_args(model, example_inputs) -> dict:
     leaves at a default that is no tensor (``forward(x, residual=None)`` traced as called,
     where a proxy for ``residual`` would take the ``is not None`` branch)."""
     try:
-        params = list(
-            inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model).parameters.values()
-        )
+        module = isinstance(model, torch.nn.Module)
+        forward = type(model).forward if module else model  # (the class's: fx traces it)
+        params = list(inspect.signature(forward).parameters.values())[module:]
     except (TypeError, ValueError):
         return {}
     fixed = {}
@@ -538,9 +538,9 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
 FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-10}
 
 
-def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list, list]:
-    """``model`` traced in both modes, its sites rewritten: (graph, sites, notes), notes
-    saying what it keeps whole and leaves unfused. ``TracingError`` where it does not trace,
+def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list, list, frozenset]:
+    """``model`` traced in both modes, its sites rewritten: (graph, sites, notes, the classes
+    kept whole), notes saying what it keeps whole and leaves unfused. ``TracingError`` where it does not trace,
     or where its forward reads ``self.training`` itself (a traced copy would keep one mode)."""
     gm, sites, whole = _traced(model, example_inputs)
     concrete = _concrete_args(model, example_inputs)
@@ -563,7 +563,7 @@ def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule
     gm.recompile()
     notes = [f"{pattern} in {module or '(its forward)'}: {why}" for pattern, module, why in gm.meta["declined"]]
     notes += [f"{cls.__name__} kept whole (torch.fx cannot trace through it)" for cls in sorted(whole, key=str)]
-    return gm, sites, notes
+    return gm, sites, notes, whole
 
 
 def _plain_call(model: torch.nn.Module, call) -> bool:
@@ -574,7 +574,7 @@ def _plain_call(model: torch.nn.Module, call) -> bool:
     if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
         return False
     try:
-        params = list(inspect.signature(model.forward).parameters.values())
+        params = list(inspect.signature(type(model).forward).parameters.values())[1:]  # (the class's: fx traces it)
     except (TypeError, ValueError):
         return False
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
@@ -616,7 +616,7 @@ def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list,
         call = calls.get(m)
         if call is not None and _plain_call(m, call):
             try:
-                gm, sites, kept = _fused_graph(m, call[0])
+                gm, sites, kept, whole = _fused_graph(m, call[0])
             except TracingError as exc:
                 why = str(exc).removeprefix("torch.fx cannot trace ").split(" (advise and fuse")[0]
                 notes.append((type(m).__name__, why.removeprefix(f"{type(m).__name__}: ")))
@@ -624,6 +624,11 @@ def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list,
                 notes.extend((type(m).__name__, note) for note in kept)
                 if sites:
                     plans.append((name, m, gm, sites))
+                # the modules it kept whole run their own forwards: look into them (the outermost)
+                inside = [(n, sub) for n, sub in m.named_modules() if type(sub) in whole and sub is not m]
+                for n, sub in inside:
+                    if not any(n.startswith(f"{other}.") for other, _ in inside):
+                        visit(f"{name}.{n}" if name else n, sub)
                 return
         elif call is not None:
             notes.append((type(m).__name__, "called with keywords or arguments other than tensors"))

@@ -558,3 +558,14 @@ def test_fuse_on_a_whole_transformers_model_returns_it(name, tmp_path):
         for p in twin.parameters():
             p.zero_()
         assert not torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def test_a_fused_model_compiles_whole():
+    # The fused forward is plain Python over the module: dynamo traces it without a break.
+    net, images = _net()
+    net.eval()
+    want = net(images)
+    fusedkit.fuse(net, images)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(images), want, rtol=1e-5, atol=1e-6)
