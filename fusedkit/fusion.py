@@ -132,18 +132,22 @@ class _Tracer(fx.Tracer):
 FAILED_IN = "_fusedkit_failed_in"
 
 
+def _forward_params(model) -> list | None:
+    """The parameters of the forward fx traces (the class's, without ``self``; a function's
+    own), or None where Python cannot tell them."""
+    module = isinstance(model, torch.nn.Module)
+    try:
+        return list(inspect.signature(type(model).forward if module else model).parameters.values())[module:]
+    except (TypeError, ValueError):
+        return None
+
+
 def _concrete_args(model, example_inputs) -> dict:
     """The arguments the trace fixes: those the example call passes as None and those it
     leaves at a default that is no tensor (``forward(x, residual=None)`` traced as called,
     where a proxy for ``residual`` would take the ``is not None`` branch)."""
-    try:
-        module = isinstance(model, torch.nn.Module)
-        forward = type(model).forward if module else model  # (the class's: fx traces it)
-        params = list(inspect.signature(forward).parameters.values())[module:]
-    except (TypeError, ValueError):
-        return {}
     fixed = {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(_forward_params(model) or ()):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             break
         if i < len(example_inputs):
@@ -162,7 +166,7 @@ def _trace(model, whole: frozenset = frozenset(), concrete: dict | None = None) 
     """The traced model, and the classes of the submodules kept whole. A submodule fx cannot
     trace through (transformers' GPT-2 attention iterates over a shape) is kept whole, a
     ``call_module`` node, with every module of its class (one retrace per class, not per
-    layer), and traced around: their ops are not searched (:func:`_warn_kept_whole` says so).
+    layer), and traced around: their ops are not searched (the warning of :func:`advise` and :func:`fuse` says so).
     ``whole``: classes to keep whole from the start."""
     whole = set(whole)
     while True:
@@ -181,19 +185,6 @@ def _trace(model, whole: frozenset = frozenset(), concrete: dict | None = None) 
                 "graph; pass a submodule that traces, e.g. the MLP)"
             ) from exc
     return fx.GraphModule(tracer.root, graph, _title(model)), frozenset(whole)
-
-
-def _warn_kept_whole(model: torch.nn.Module, whole: frozenset) -> None:
-    """Tell the caller of advise or fuse (two frames up) which submodules were kept whole."""
-    if not whole or not isinstance(model, torch.nn.Module):
-        return
-    counts = sorted((cls.__name__, sum(type(m) is cls for m in model.modules())) for cls in whole)
-    names = ", ".join(f"{name} ({n} module{'s' if n > 1 else ''})" for name, n in counts)
-    warnings.warn(
-        f"torch.fx cannot trace through {names} of {type(model).__name__}: kept whole, so fusedkit does "
-        "not look for sites inside",
-        stacklevel=3,
-    )
 
 
 def _activation(node: fx.Node, modules: dict) -> str | None:
@@ -338,10 +329,10 @@ def _dtype(value):
     return getattr(meta, "dtype", None)
 
 
-def _refusal(pattern: str, call: str, operands: tuple, last: fx.Node, modules: dict, nodes: tuple) -> str | None:
-    """Why the fused call would not take this site, or None: a module fused away that has
-    hooks (they would stop firing), or operand dtypes the call refuses (advise lists only
-    what fuse rewrites)."""
+def _refusal(pattern, call: str, kernel: str | None, operands, last: fx.Node, modules: dict, nodes) -> str | None:
+    """Why ``fusedkit.<call>`` (the registry's ``kernel``; the matmul: None) would not take
+    this site, or None: a module fused away that has hooks (they would stop firing), or
+    operand dtypes the call refuses (advise lists only what fuse rewrites)."""
     for n in nodes:
         if n.op == "call_module" and _has_hooks(modules[n.target]):
             return f"{n.target} has hooks, which would no longer run"
@@ -353,17 +344,16 @@ def _refusal(pattern: str, call: str, operands: tuple, last: fx.Node, modules: d
         if dtype is not None and dtype not in OPERAND_DTYPES:
             return f"fusedkit.{call} does not take a {dtype} operand"
     result = _dtype(last)
-    if result is not None and result not in get(call).dtypes:
+    if result is not None and result not in get(kernel).dtypes:
         return f"fusedkit.{call} does not give {result} results"
     return None
 
 
-def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
+def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
     """The sites of ``gm``; those fusedkit's call would not take go to ``declined`` as
     (pattern, module, why)."""
     modules = dict(gm.named_modules())
     sites, used = [], set()
-    declined = [] if declined is None else declined
     for node in gm.graph.nodes:
         if node in used:
             continue
@@ -386,7 +376,7 @@ def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
                 f"fusedkit.matmul({_name(x)}, {_name(w)}{'.t()' if transposed else ''}, "
                 f"{_name(b)}, activation={act!r}){then}",
             )
-            call, operands = "matmul", (x,)
+            call, kernel, operands = "matmul", None, (x,)
         elif middle:
             continue
         elif add is not None and act in ("relu", "gelu", "gelu_tanh"):
@@ -395,7 +385,7 @@ def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
             extra = "" if act != "gelu_tanh" else ", approximate='tanh'"
             extra = (f", alpha={alpha!r}" if alpha != 1 else "") + extra
             site = (f"add -> {act}", f"fusedkit.{call}({_name(x)}, {_name(y)}{extra})")
-            call = call if act != "gelu_tanh" else "add_gelu_tanh"
+            kernel = f"add_{act}" if act != "relu" else call  # (the registry's entry)
             operands = (x, y)
         elif act is None and _activation(node, modules) in ("silu", "gelu", "gelu_tanh") and _is_mul(user):
             gate = _activation(node, modules)
@@ -405,7 +395,7 @@ def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
             call = "silu_mul" if gate == "silu" else "gelu_mul"
             extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
             site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
-            call = f"{gate}_mul"
+            kernel = f"{gate}_mul"  # (the registry's entry)
             operands = (node.args[0], other)
         elif linear is None and act is not None and node.op == "call_module":
             if isinstance(modules[node.target], torch.nn.Linear):  # (a parametrized one's class is a subclass)
@@ -414,7 +404,7 @@ def _find(gm: fx.GraphModule, declined: list | None = None) -> list[FusionSite]:
         if site is None:
             continue
         nodes = (node, *middle, last)
-        why = _refusal(site[0], call, operands, last, modules, nodes)
+        why = _refusal(site[0], call, kernel, operands, last, modules, nodes)
         if why is not None:
             declined.append((site[0], _common_module(node, last), why))
             continue
@@ -464,10 +454,16 @@ def _mode(model: torch.nn.Module, training: bool):
             m.train(was)
 
 
-def _copies(inputs) -> tuple:
-    """The example inputs, tensors cloned: a model that writes its inputs in place leaves the
-    caller's as they were, and every run sees the same values."""
-    return tuple(torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs))
+def _copies(inputs):
+    """The example inputs (a tuple or a dict), tensors cloned: a model that writes its inputs
+    in place leaves the caller's as they were, and every run sees the same values."""
+    return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs)
+
+
+def _run(model: torch.nn.Module, args, kwargs):
+    """``model``'s output on copies of the example, in eval mode without gradients."""
+    with _mode(model, False), torch.no_grad():
+        return model(*_copies(args), **_copies(kwargs))
 
 
 def _traced(
@@ -485,12 +481,9 @@ def _traced(
     return gm, sites, whole
 
 
-def _warn_declined(model, gm: fx.GraphModule) -> None:
-    """Tell the caller of advise or fuse (two frames up) which chains stay as they are, and why."""
-    declined = gm.meta.get("declined")
-    if declined:
-        listed = "; ".join(f"{pattern} in {module or '(model)'}: {why}" for pattern, module, why in declined)
-        warnings.warn(f"fusedkit leaves these chains of {_title(model)} unfused: {listed}", stacklevel=3)
+def _declined(gm: fx.GraphModule) -> list[str]:
+    """The chains :func:`_find` left in ``gm``, and why, as the warning lists them."""
+    return [f"{pattern} in {module or '(its forward)'}: {why}" for pattern, module, why in gm.meta["declined"]]
 
 
 def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
@@ -540,8 +533,9 @@ FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4
 
 def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list, list, frozenset]:
     """``model`` traced in both modes, its sites rewritten: (graph, sites, notes, the classes
-    kept whole), notes saying what it keeps whole and leaves unfused. ``TracingError`` where it does not trace,
-    or where its forward reads ``self.training`` itself (a traced copy would keep one mode)."""
+    kept whole), notes saying what it keeps whole and leaves unfused. ``TracingError`` where
+    it does not trace, or where its forward reads ``self.training`` itself (a traced copy
+    would keep one mode)."""
     gm, sites, whole = _traced(model, example_inputs)
     concrete = _concrete_args(model, example_inputs)
     with _mode(model, not model.training):
@@ -561,8 +555,9 @@ def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule
         _rewrite(gm, site)
     gm.graph.lint()
     gm.recompile()
-    notes = [f"{pattern} in {module or '(its forward)'}: {why}" for pattern, module, why in gm.meta["declined"]]
-    notes += [f"{cls.__name__} kept whole (torch.fx cannot trace through it)" for cls in sorted(whole, key=str)]
+    notes = _declined(gm) + [
+        f"{cls.__name__} kept whole (torch.fx cannot trace through it)" for cls in sorted(whole, key=str)
+    ]
     return gm, sites, notes, whole
 
 
@@ -571,11 +566,8 @@ def _plain_call(model: torch.nn.Module, call) -> bool:
     at a default that is no tensor: the calls a traced forward takes (any other call runs the
     module's own forward)."""
     args, kwargs = call
-    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-        return False
-    try:
-        params = list(inspect.signature(type(model).forward).parameters.values())[1:]  # (the class's: fx traces it)
-    except (TypeError, ValueError):
+    params = _forward_params(model)
+    if kwargs or params is None or not all(isinstance(a, torch.Tensor) for a in args):
         return False
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
         return False
@@ -592,12 +584,14 @@ def _record_calls(model: torch.nn.Module, args, kwargs) -> tuple[dict, object]:
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
     try:
-        with _mode(model, False), torch.no_grad():
-            out = model(*_copies(args), **dict(zip(kwargs, _copies(tuple(kwargs.values())))))
+        out = _run(model, args, kwargs)
     finally:
         for h in handles:
             h.remove()
     return calls, out
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # (never called: their items are)
 
 
 def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list, list, object]:
@@ -610,8 +604,7 @@ def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list,
     leaf = _Tracer()
 
     def visit(name: str, m: torch.nn.Module) -> None:
-        containers = (torch.nn.ModuleList, torch.nn.ModuleDict)  # (never called: their items are)
-        if m is not model and leaf.is_leaf_module(m, name) and not isinstance(m, containers):
+        if m is not model and leaf.is_leaf_module(m, name) and not isinstance(m, _CONTAINERS):
             return  # (torch.nn's own layers, activations: nothing inside to fuse)
         call = calls.get(m)
         if call is not None and _plain_call(m, call):
@@ -664,7 +657,7 @@ def advise(model, *example_inputs, **example_kwargs) -> list[FusionSite]:
         raise SignatureError(f"advise() takes a module or a function, got {type(model).__name__}")
     if not isinstance(model, torch.nn.Module):
         gm, sites, _ = _traced(model, example_inputs)
-        _warn_declined(model, gm)
+        _warn_unfused(model, [(_title(model), note) for note in _declined(gm)])
         return sites
     plans, notes, _ = _plan(model, example_inputs, example_kwargs)
     _warn_unfused(model, notes)
@@ -680,7 +673,7 @@ def _fused_forward(self, *args, **kwargs):
     return type(self).forward(self, *args, **kwargs)
 
 
-def _install(m: torch.nn.Module, gm: fx.GraphModule, n_args: int) -> None:
+def _install(m: torch.nn.Module, gm: fx.GraphModule) -> None:
     """Run ``gm``'s code as ``m``'s forward, on ``m``: ``m`` keeps its class, hooks and state
     dict keys. Constants fx made attributes of the traced copy become attributes of ``m``."""
     for node in gm.graph.nodes:
@@ -689,6 +682,7 @@ def _install(m: torch.nn.Module, gm: fx.GraphModule, n_args: int) -> None:
             object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), gm))
             node.target = name
     gm.recompile()
+    n_args = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     m.__dict__["_fusedkit_fused"] = (type(gm).forward, n_args)
     m.__dict__["forward"] = types.MethodType(_fused_forward, m)
 
@@ -742,11 +736,9 @@ def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.
     _warn_unfused(model, notes)
     least = 0.0
     for _, m, gm, _ in plans:
-        n_args = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-        _install(m, gm, n_args)
+        _install(m, gm)
         least = max([least, *(FUSE_TOLERANCE.get(_dtype(n), 0) for n in gm.graph.nodes)])
-    with _mode(model, False), torch.no_grad():
-        got = model(*_copies(example_inputs), **dict(zip(example_kwargs, _copies(tuple(example_kwargs.values())))))
+    got = _run(model, example_inputs, example_kwargs)
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
         if isinstance(w, torch.Tensor) and w.is_floating_point():
             tol = max(_tolerance(w), least)
