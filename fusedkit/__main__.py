@@ -216,16 +216,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", action="store_true", help="the small-tensor report instead: host time per call against torch"
     )
     models = tuple(MODELS)
+    model_groups = {
+        "whole": [n for n, c in MODELS.items() if c.whole],
+        "blocks": [n for n, c in MODELS.items() if not c.whole],
+    }
     report.add_argument(
         "--models",
-        type=_choices("model", models),
+        type=_choices("model", models, groups=model_groups),
         nargs="?",
         const=list(models),
         default=None,
         metavar="NAMES",
         help="the real-model report instead (training step, inference, memory, "
         f"loss against stock eager and torch.compile); NAMES from "
-        f"{','.join(models)} (default: all)",
+        f"{','.join(models)}, or whole (the whole models) or blocks (default: all)",
+    )
+    p.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--models only: run the report in N processes, one after another, and give each number's "
+        "median and the training step's range (default 1)",
     )
     p.add_argument(
         "--shapes",

@@ -47,6 +47,7 @@ import functools
 import importlib
 import statistics
 import time
+import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,10 @@ from .progress import bar as progress_bar
 __all__ = [
     "MODELS",
     "VARIANTS",
+    "case_variants",
+    "decode",
+    "merge_processes",
+    "run_processes",
     "ModelCase",
     "run_models",
     "run_case",
@@ -88,7 +93,8 @@ MODEL_WARMUP_MS, MODEL_REP_MS = 50, 300
 #: same stock ResNet-50 step measured 1.7x apart in two processes on the H200 host, and
 #: drifts within one.
 TIMING_ROUNDS = 3
-VARIANTS = ("eager", "eager2", "fusedkit", "compiled")
+#: Every variant's name (a case runs those :func:`case_variants` gives, and its peers).
+VARIANTS = ("eager", "eager2", "fusedkit", "compiled", "fusedkit_compiled")
 #: Training steps profiled together for the GPU busy time (one step's read 3% apart for the
 #: same stock LLaMA-7B MLP in two processes on the H200).
 GPU_BUSY_STEPS = 3
@@ -113,7 +119,7 @@ class ModelCase:
     what: str
     package: str  # the module the model comes from
     build: Callable[[bool], torch.nn.Module]  # (small) -> the stock model, float32, on the CPU
-    fuse: Callable[[torch.nn.Module], int]  # puts fusedkit in, in place; returns the sites changed
+    fuse: Callable[[torch.nn.Module, torch.Tensor], int]  # (model, example input): fusedkit in, in place; sites
     batch: Callable[[tuple, torch.Generator, bool], tuple]  # (shape, generator, small) -> (input, target)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     sizes: Sizes
@@ -123,19 +129,15 @@ class ModelCase:
     #: Other libraries' fusions of the same sites, each a variant of its own where its package
     #: imports: (variant name, package, fuse in place -> sites changed).
     peers: tuple = ()
+    #: The training step's optimizer: "sgd" (with momentum) or "adamw".
+    optimizer: str = "sgd"
+    #: A causal LM: its decode step is timed through ``generate`` (``decode1_ms``, ``decode16_ms``).
+    decode: bool = False
+    #: A whole model that ``fusedkit.fuse`` finds the sites of (the others are blocks fused by hand).
+    whole: bool = False
 
 
 # --- ResNet-50 (torchvision) ------------------------------------------------------------
-
-
-def _bottleneck_forward(self, x):
-    """torchvision's ``Bottleneck.forward`` with its join, ``out += identity; relu(out)``,
-    as one ``fusedkit.add_relu``."""
-    identity = x if self.downsample is None else self.downsample(x)
-    out = self.relu(self.bn1(self.conv1(x)))
-    out = self.relu(self.bn2(self.conv2(out)))
-    out = self.bn3(self.conv3(out))
-    return fusedkit.add_relu(out, identity)
 
 
 def _build_resnet(small: bool):
@@ -144,15 +146,6 @@ def _build_resnet(small: bool):
     if small:  # one Bottleneck a stage (a downsampling join in each), ten classes
         return resnet.ResNet(resnet.Bottleneck, [1, 1, 1, 1], num_classes=10)
     return resnet.resnet50()
-
-
-def _fuse_resnet(model) -> int:
-    from torchvision.models.resnet import Bottleneck
-
-    blocks = [m for m in model.modules() if isinstance(m, Bottleneck)]
-    for m in blocks:
-        m.forward = types.MethodType(_bottleneck_forward, m)
-    return len(blocks)
 
 
 def _image_batch(shape, gen, small):
@@ -231,7 +224,7 @@ class _HiddenStates(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _fuse_gpt2(model) -> int:
+def _fuse_gpt2(model, example=None) -> int:
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
     mlps = [m for m in model.modules() if isinstance(m, GPT2MLP)]
@@ -284,7 +277,7 @@ def _build_llama_mlp(small: bool):
     return LlamaMLP(LlamaConfig(**sizes, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4))
 
 
-def _fuse_llama(model) -> int:
+def _fuse_llama(model, example=None) -> int:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
@@ -295,7 +288,7 @@ def _fuse_llama(model) -> int:
     return len(mlps)
 
 
-def _fuse_llama_liger(model) -> int:
+def _fuse_llama_liger(model, example=None) -> int:
     """The peer: Liger-Kernel's SwiGLU MLP forward (its fused SiLU-mul) on each LlamaMLP."""
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers.models.llama.modeling_llama import LlamaMLP
@@ -312,28 +305,215 @@ def _llama_batch(shape, gen, small):
     return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
 
 
+# --- Whole models: fusedkit.fuse finds the sites ---------------------------------------
+
+
+def _fuse_whole(model, example) -> int:
+    """``fusedkit.fuse(model, example)`` as a user calls it (under the autocast the model
+    trains in): the model fused in place; the sites it found."""
+    with autocast_for(example.device):
+        fusedkit.fuse(model, example)
+    return len(model.fusion_sites)
+
+
+#: Vocabulary of the tiny (CPU) language models.
+_TINY_VOCAB = 128
+
+
+def _build_gpt2(small: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=_TINY_VOCAB) if small else {}
+    # GPT-2 small (124M); no dropout: the loss comparison runs the same steps on every variant.
+    config = GPT2Config(**tiny, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+#: A 1B-class LLaMA: hidden 2048, MLP 5632 (TinyLlama's), 16 layers, 32 heads, 4 KV heads.
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+LLAMA_TINY = dict(
+    hidden_size=32,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=_TINY_VOCAB,
+)
+
+
+def _build_llama(small: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**(LLAMA_TINY if small else LLAMA_1B))
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def _build_bert(small: bool):
+    from transformers import BertConfig, BertForMaskedLM
+
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    tiny.update(vocab_size=_TINY_VOCAB, max_position_embeddings=64)
+    # BERT-base; no dropout, as above.
+    config = BertConfig(**(tiny if small else {}), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "sdpa"
+    return BertForMaskedLM(config)
+
+
+def _build_timm(name: str, tiny: dict):
+    def build(small: bool):
+        import timm
+
+        return timm.create_model(name, **(dict(tiny, num_classes=10) if small else {}))
+
+    return build
+
+
+def _lm_batch(vocab: int):
+    def batch(shape, gen, small):
+        n, t = shape
+        v = _TINY_VOCAB if small else vocab
+        return torch.randint(0, v, (n, t), generator=gen), torch.randint(0, v, (n, t), generator=gen)
+
+    return batch
+
+
+def _lm_loss(out, target):
+    """Cross entropy of the logits against the target tokens (one batch the model fits)."""
+    return F.cross_entropy(out.logits.float().flatten(0, 1), target.flatten())
+
+
+def _fuse_llama_liger_whole(model, example=None) -> int:
+    """The peer: Liger-Kernel's ``apply_liger_kernel_to_llama`` on the model instance, its RMSNorm
+    and SwiGLU MLP (its RoPE and cross entropy left out: the first patches transformers'
+    module for every LLaMA in the process, stock ones included; the loss here is the report's).
+    transformers' classes are restored after, so that models built later are stock."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    kept = {k: getattr(modeling_llama, k) for k in ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")}
+    try:
+        apply_liger_kernel_to_llama(
+            rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True, model=model
+        )
+    finally:
+        for k, v in kept.items():
+            setattr(modeling_llama, k, v)
+    return len(model.model.layers)
+
+
 _IMAGES = Sizes(train=(64, 224), bs1=(1, 224), serve=(64, 224))
 _SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
 #: Training: 8 sequences of 1024 tokens; inference: one token of 1 and of 64 sequences (a decode
 #: step's shapes for the MLP; the block attends to that one token, with no KV cache).
 _TOKENS = Sizes(train=(8, 1024), bs1=(1, 1), serve=(64, 1))
 _SMALL_TOKENS = Sizes(train=(2, 8), bs1=(1, 1), serve=(3, 1))
+#: Whole language models: training and serving (prefill) on the training batch, batch 1 a
+#: prefill of one sequence; the decode step through ``generate`` (``DECODE_BATCHES``).
+_GPT2_TOKENS = Sizes(train=(8, 512), bs1=(1, 512), serve=(8, 512))
+_LLAMA_TOKENS = Sizes(train=(4, 512), bs1=(1, 512), serve=(4, 512))
+_BERT_TOKENS = Sizes(train=(32, 128), bs1=(1, 128), serve=(32, 128))
+_SMALL_LM_TOKENS = Sizes(train=(2, 8), bs1=(1, 8), serve=(2, 8))
 
 MODELS = {
     case.name: case
     for case in (
         ModelCase(
-            "resnet50",
-            "torchvision ResNet-50, Bottleneck joins through add_relu",
-            "torchvision",
-            _build_resnet,
-            _fuse_resnet,
+            "gpt2",
+            "transformers GPT2LMHeadModel (124M), whole, through fusedkit.fuse",
+            "transformers",
+            _build_gpt2,
+            _fuse_whole,
+            _lm_batch(50257),
+            _lm_loss,
+            _GPT2_TOKENS,
+            _SMALL_LM_TOKENS,
+            lr=1e-4,
+            optimizer="adamw",
+            decode=True,
+            whole=True,
+        ),
+        ModelCase(
+            "llama_1b",
+            "transformers LlamaForCausalLM (1B-class: 2048 / 5632, 16 layers), whole, through fusedkit.fuse",
+            "transformers",
+            _build_llama,
+            _fuse_whole,
+            _lm_batch(32000),
+            _lm_loss,
+            _LLAMA_TOKENS,
+            _SMALL_LM_TOKENS,
+            lr=1e-4,
+            optimizer="adamw",
+            decode=True,
+            whole=True,
+            peers=(("liger", "liger_kernel", _fuse_llama_liger_whole),),
+        ),
+        ModelCase(
+            "bert",
+            "transformers BertForMaskedLM (base), whole, through fusedkit.fuse",
+            "transformers",
+            _build_bert,
+            _fuse_whole,
+            _lm_batch(30522),
+            _lm_loss,
+            _BERT_TOKENS,
+            _SMALL_LM_TOKENS,
+            lr=1e-4,
+            optimizer="adamw",
+            whole=True,
+        ),
+        ModelCase(
+            "vit_b16",
+            "timm vit_base_patch16_224, whole, through fusedkit.fuse",
+            "timm",
+            _build_timm("vit_base_patch16_224", dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4)),
+            _fuse_whole,
             _image_batch,
             _cross_entropy,
             _IMAGES,
             _SMALL_IMAGES,
-            lr=0.01,
+            lr=1e-4,
+            optimizer="adamw",
+            whole=True,
+        ),
+        ModelCase(
+            "convnext_tiny",
+            "timm convnext_tiny, whole, through fusedkit.fuse",
+            "timm",
+            _build_timm("convnext_tiny", dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))),
+            _fuse_whole,
+            _image_batch,
+            _cross_entropy,
+            _IMAGES,
+            _SMALL_IMAGES,
+            lr=1e-4,
+            optimizer="adamw",
             channels_last=True,
+            whole=True,
+        ),
+        ModelCase(
+            "resnet50",
+            "torchvision ResNet-50, whole, through fusedkit.fuse (its Bottleneck joins)",
+            "torchvision",
+            _build_resnet,
+            _fuse_whole,
+            _image_batch,
+            _cross_entropy,
+            _IMAGES,
+            _SMALL_IMAGES,
+            lr=1e-4,
+            optimizer="adamw",
+            channels_last=True,
+            whole=True,
         ),
         ModelCase(
             "gpt2_mlp",
@@ -420,10 +600,13 @@ def _peer_error(case: ModelCase, fuse_peer, device) -> str | None:
     return None
 
 
-def fuse(case: ModelCase, model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` (same parameter values) with fusedkit in it."""
+def fuse(case: ModelCase, model: torch.nn.Module, example: torch.Tensor | None = None) -> torch.nn.Module:
+    """A copy of ``model`` (same parameter values) with fusedkit in it; ``example``: an input
+    on the model's device for ``fusedkit.fuse`` (default: the case's small training batch)."""
     fused = copy.deepcopy(model)
-    if case.fuse(fused) == 0:
+    if example is None:
+        example = case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True)[0]
+    if case.fuse(fused, example) == 0:
         raise RuntimeError(f"{case.name}: no site to fuse found")
     return fused
 
@@ -440,6 +623,12 @@ class Result:
     peak_mb: float | None = None
     losses: list = field(default_factory=list)
     max_loss_rel_diff: float | None = None  # against the stock eager run
+    decode1_ms: float | None = None  # a decode step (generate, KV cache), batch 1, ms a token
+    decode16_ms: float | None = None  # the same at batch 16
+    decode_equal: bool | None = None  # greedy tokens equal to stock eager's, both batches
+    sites: int | None = None  # the sites fusedkit (or a peer) fused
+    processes: int = 1  # processes the numbers are medians over
+    train_x_range: list | None = None  # (least, most) stock eager / this train step, one a process
 
 
 def autocast_for(device):
@@ -532,17 +721,68 @@ def time_ms(fn, device) -> float:
     return timer(device)(fn) / 1e3
 
 
-def variant_model(case, variant, stock, device):
+def variant_model(case, variant, stock, device, example=None):
+    """(module, run) for ``variant``: ``module`` the model on ``device`` (its parameters),
+    ``run`` what is called (``module``, or its ``torch.compile``). A whole model is fused on the
+    device with ``example`` (an input batch); a block by hand before it moves."""
     peer = next((fuse_peer for name, _, fuse_peer in case.peers if name == variant), None)
-    if variant == "fusedkit":
-        model = fuse(case, stock)
+    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
+    fused = variant in ("fusedkit", "fusedkit_compiled")
+    if fused and not case.whole:
+        model = fuse(case, stock).to(device, memory_format=fmt)
     else:
-        model = copy.deepcopy(stock)
+        model = copy.deepcopy(stock).to(device, memory_format=fmt)
+        if fused and case.fuse(model, example) == 0:
+            raise RuntimeError(f"{case.name}: no site to fuse found")
         if peer is not None and peer(model) == 0:
             raise RuntimeError(f"{case.name}: the {variant} peer found no site to fuse")
-    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
-    model = model.to(device, memory_format=fmt)
-    return model, (torch.compile(model, dynamic=False) if variant == "compiled" else model)
+    compiled = variant in ("compiled", "fusedkit_compiled")
+    return model, (torch.compile(model, dynamic=False) if compiled else model)
+
+
+def _optimizer(case: ModelCase, params):
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=case.lr)
+    return torch.optim.SGD(params, lr=case.lr, momentum=0.9)
+
+
+def case_variants(case: ModelCase, use_compile: bool = True) -> list[str]:
+    """The variants a case runs: stock eager twice, fusedkit, compiled (a whole model: also
+    compiled with fusedkit in it), then its peers (added where they import)."""
+    variants = ["eager", "eager2", "fusedkit"]
+    if use_compile:
+        variants += ["compiled", "fusedkit_compiled"] if case.whole else ["compiled"]
+    return variants
+
+
+#: New tokens a decode timing generates (greedy, KV cache) after a prompt of ``DECODE_PROMPT``.
+DECODE_TOKENS, DECODE_PROMPT = 32, 16
+#: Batches of the decode timing, and its timed calls (the median is reported).
+DECODE_BATCHES, DECODE_CALLS = (1, 16), 3
+
+
+def _generate(model, ids, tokens):
+    return model.generate(
+        ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, attention_mask=None
+    )
+
+
+def decode(model, prompt, device, tokens: int = DECODE_TOKENS, calls: int = DECODE_CALLS):
+    """(ms a new token, tokens): greedy ``generate`` of ``tokens`` tokens after ``prompt`` with
+    the KV cache, inference mode and autocast, the wall time of a call (synchronised) over
+    ``tokens``, median of ``calls`` after one warm-up call."""
+    model.eval()
+    times = []
+    with torch.inference_mode(), autocast_for(device):
+        out = _generate(model, prompt, tokens)
+        for _ in range(calls):
+            _sync(device)
+            start = time.perf_counter()
+            _generate(model, prompt, tokens)
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1e3 / tokens)
+    model.train()
+    return statistics.median(times), out
 
 
 def prepared(case: ModelCase, small: bool, device):
@@ -562,8 +802,8 @@ def training_step(case: ModelCase, variant: str, device, small: bool = False):
     """(step, check) for ``variant`` of ``case``: ``step()`` runs one training step; ``check()``
     asserts the last loss is finite (for pytest-benchmark)."""
     stock, train, _ = prepared(case, small, device)
-    module, run = variant_model(case, variant, stock, device)
-    opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
+    module, run = variant_model(case, variant, stock, device, train[0])
+    opt = _optimizer(case, module.parameters())
     last = []
 
     def step():
@@ -580,23 +820,28 @@ def timing_rounds(device, rounds: int | None = None) -> int:
     return rounds or (TIMING_ROUNDS if device.type == "cuda" else 1)
 
 
+def _sites(module) -> int | None:
+    sites = getattr(module, "fusion_sites", None)
+    return None if sites is None else len(sites)
+
+
 def run_case(
-    case: ModelCase, device, variants=VARIANTS, small: bool = False, progress=None, rounds: int | None = None
+    case: ModelCase, device, variants=None, small: bool = False, progress=None, rounds: int | None = None
 ) -> list[Result]:
-    """Every measurement of ``case`` for each of ``variants`` (``eager`` first: the others are
-    compared with it). The times are taken in ``rounds`` rounds (default ``TIMING_ROUNDS`` on
-    a GPU, 1 elsewhere), each timing every
-    variant in turn, and each is the median over rounds: a host-bound step moves with the
-    host's speed, which drifts within a process, and interleaving gives every variant the
-    same drift."""
+    """Every measurement of ``case`` for each of ``variants`` (default :func:`case_variants`;
+    ``eager`` first: the others are compared with it). The times are taken in ``rounds``
+    rounds (default ``TIMING_ROUNDS`` on a GPU, 1 elsewhere), each timing every variant in
+    turn, and each is the median over rounds: a host-bound step moves with the host's
+    speed, which drifts within a process, and interleaving gives every variant the same drift."""
+    variants = case_variants(case) if variants is None else variants
     stock, train, infer = prepared(case, small, device)
     results, live = [], []
     for variant in variants:
-        module, run = variant_model(case, variant, stock, device)
-        opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=0.9)
-        r = Result(case.name, variant)
+        module, run = variant_model(case, variant, stock, device, train[0])
+        opt = _optimizer(case, module.parameters())
+        r = Result(case.name, variant, sites=_sites(module))
         # The loss run first (from the same weights for every variant): it also warms
-        # up (and for ``compiled``, compiles) the training step.
+        # up (and for the compiled variants, compiles) the training step.
         step = functools.partial(_train_step, run, opt, case, train, device)
         r.losses = [float(step().detach()) for _ in range(LOSS_STEPS)]
         results.append(r)
@@ -622,6 +867,8 @@ def run_case(
             progress.update()
     for r, *_ in live:
         r.train_ms, r.bs1_ms, r.serve_ms = (statistics.median(samples[id(r)][k]) for k in ("train", "bs1", "serve"))
+    if case.decode:
+        _decode_rows(live, train[0], device, small)
     del live
     ref = results[0].losses
     for r in results:
@@ -629,17 +876,40 @@ def run_case(
     return results
 
 
+def _decode_rows(live, ids, device, small: bool) -> None:
+    """Each eager-run variant's decode step at ``DECODE_BATCHES`` (a compiled variant's
+    ``generate`` runs its module eagerly: left out), and whether its tokens are stock eager's."""
+    tokens = 4 if small else DECODE_TOKENS
+    prompt = ids[:1, : min(DECODE_PROMPT, ids.shape[1])]
+    reference = {}
+    for r, module, run, _step in live:
+        if run is not module:
+            continue
+        equal = True
+        for batch in DECODE_BATCHES:
+            ms, out = decode(
+                module, prompt.expand(batch, -1).contiguous(), device, tokens, 1 if small else DECODE_CALLS
+            )
+            setattr(r, f"decode{batch}_ms", ms)
+            reference.setdefault(batch, out)
+            equal = equal and torch.equal(out, reference[batch])
+        r.decode_equal = equal
+
+
 def run_models(names, device, use_compile=True, small: bool | None = None, progress=True, rounds: int | None = None):
     """Run the named cases (``rounds``: timing rounds, see :func:`run_case`); returns
-    (results, skipped: {name: reason})."""
+    (results, skipped: {name: reason}). A case that fails is skipped with its error, so
+    that the others still run."""
     small = device.type != "cuda" if small is None else small
-    variants = [v for v in VARIANTS if use_compile or v != "compiled"]
     results, skipped = [], {}
     cases = [MODELS[n] for n in names]
     rounds = timing_rounds(device, rounds)
     # A step per variant's loss run, and one per timing round.
-    bar = progress_bar(sum(len(variants) + len(c.peers) + rounds for c in cases), "models", progress)
+    bar = progress_bar(
+        sum(len(case_variants(c, use_compile)) + len(c.peers) + rounds for c in cases), "models", progress
+    )
     for case in cases:
+        variants = case_variants(case, use_compile)
         reason = unavailable(case)
         if reason is not None:
             skipped[case.name] = reason
@@ -653,28 +923,106 @@ def run_models(names, device, use_compile=True, small: bool | None = None, progr
             else:
                 skipped[f"{case.name} {name}"] = reason
                 bar.update()
-        results += run_case(case, device, variants + peers, small, bar, rounds)
+        try:
+            results += run_case(case, device, variants + peers, small, bar, rounds)
+        except Exception as exc:  # one model failing leaves the others' rows
+            traceback.print_exc()
+            skipped[case.name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         torch._dynamo.reset()
+        _free(device)
     bar.close()
     return results, skipped
+
+
+def _free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+#: Result fields that are times or sizes: a multi-process report gives their median.
+_MEASURED = ("train_ms", "gpu_ms", "host_ms", "bs1_ms", "serve_ms", "peak_mb", "decode1_ms", "decode16_ms")
+
+
+def run_processes(argv: list[str], processes: int, progress=True) -> tuple[list[dict], dict, list]:
+    """The report ``python -m fusedkit bench <argv>`` in ``processes`` processes, one after
+    another: (rows, skipped, per-process rows). Each row is a model and variant's median over
+    the processes that ran it, with ``train_x_range``, the least and most stock eager / this
+    training step of one process: one slow host cannot make or break a row."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    runs, skipped = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            path = os.path.join(tmp, f"models{i}.json")
+            cmd = [sys.executable, "-m", "fusedkit", "bench", *argv, "--no-progress", "--json", path]
+            if progress:
+                print(f"[models] process {i + 1} of {processes}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=False, stdout=sys.stderr if progress else subprocess.DEVNULL)
+            if not os.path.exists(path):
+                skipped[f"process {i + 1}"] = "it wrote no results (it failed: see its output)"
+                continue
+            with open(path) as f:
+                data = json.load(f)
+            runs.append(data["models"])
+            skipped.update(data.get("skipped") or {})
+    return merge_processes(runs), skipped, runs
+
+
+def merge_processes(runs: list[list[dict]]) -> list[dict]:
+    """One row per model and variant from several processes' rows: medians of the measured
+    fields, the training-step ratio's range, the losses and sites of the first process."""
+    merged: dict[tuple, dict] = {}
+    for rows in runs:
+        base = {r["model"]: r for r in rows if r["variant"] == "eager"}
+        for r in rows:
+            key = (r["model"], r["variant"])
+            m = merged.setdefault(key, {**r, "_samples": {k: [] for k in _MEASURED}, "_x": [], "_equal": []})
+            for k in _MEASURED:
+                if r.get(k) is not None:
+                    m["_samples"][k].append(r[k])
+            b = base.get(r["model"])
+            if b and b.get("train_ms") and r.get("train_ms"):
+                m["_x"].append(b["train_ms"] / r["train_ms"])
+            if r.get("decode_equal") is not None:
+                m["_equal"].append(r["decode_equal"])
+    out = []
+    for m in merged.values():
+        samples, ratios, equal = m.pop("_samples"), m.pop("_x"), m.pop("_equal")
+        m["decode_equal"] = all(equal) if equal else None
+        for k, v in samples.items():
+            m[k] = statistics.median(v) if v else None
+        m["processes"] = len(runs)
+        m["train_x_range"] = [min(ratios), max(ratios)] if ratios else None
+        out.append(m)
+    return out
 
 
 def _ratio(base, value):
     return "-" if base is None or value is None else f"{base / value:.2f}"
 
 
-def format_models_table(results: list[Result], skipped: dict) -> str:
-    """One row per model and variant; x = stock eager's time / this variant's (above 1: faster)."""
+def format_models_table(results, skipped: dict) -> str:
+    """One row per model and variant; x = stock eager's time / this variant's (above 1: faster).
+    ``results``: :class:`Result` objects or their dicts (a multi-process report's medians)."""
+    rows_ = [r if isinstance(r, dict) else vars(r) for r in results]
+    processes = max((r.get("processes", 1) for r in rows_), default=1)
     head = (
-        f"{'model':<14} {'variant':<9} {'train ms':>9} {'x eager':>7} {'GPU ms':>8} {'host ms':>8} "
-        f"{'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'peak MiB':>8} {'loss diff':>9}"
+        f"{'model':<14} {'variant':<17} {'sites':>5} {'train ms':>9} {'x eager':>7} {'x range':>9} {'GPU ms':>8} "
+        f"{'host ms':>8} {'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'dec1 ms':>7} {'dec16 ms':>8} "
+        f"{'x eager':>7} {'peak MiB':>8} {'loss diff':>9}"
     )
+    over = f"medians over {processes} processes; " if processes > 1 else ""
     lines = [
-        "Real models: training step, inference, peak memory, loss over "
-        f"{LOSS_STEPS} steps on one batch (ms: do_bench medians; x = stock eager time / this time; GPU ms = "
-        f"the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the host's time to issue "
-        "a step, the GPU idle; loss diff = largest relative difference from stock eager's loss; eager2 = "
-        "stock again, the nondeterminism control)",
+        f"Real models: training step, inference, decode, peak memory, loss over {LOSS_STEPS} steps on one "
+        f"batch ({over}ms: do_bench medians; x = stock eager time / this time; x range: its least and most "
+        f"in one process; GPU ms = the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the "
+        "host's time to issue a step, the GPU idle; dec ms: a decode step through generate, ms a token, at "
+        f"batch {' and '.join(map(str, DECODE_BATCHES))} (* tokens differ from stock eager's); loss diff = "
+        "largest relative difference from stock eager's loss; eager2 = stock again, the nondeterminism control)",
         head,
         "-" * len(head),
     ]
@@ -682,18 +1030,24 @@ def format_models_table(results: list[Result], skipped: dict) -> str:
     def num(v, spec):
         return "-" if v is None else format(v, spec)
 
-    by_model: dict[str, dict[str, Result]] = {}
-    for r in results:
-        by_model.setdefault(r.model, {})[r.variant] = r
+    by_model: dict[str, dict[str, dict]] = {}
+    for r in rows_:
+        by_model.setdefault(r["model"], {})[r["variant"]] = r
     for model, rows in by_model.items():
-        base = rows.get("eager")
+        base = rows.get("eager") or {}
         for r in rows.values():
+            span = r.get("train_x_range")
+            span = "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}"
+            unequal = "*" if r.get("decode_equal") is False else ""
             lines.append(
-                f"{model:<14} {r.variant:<9} {num(r.train_ms, '.3f'):>9} "
-                f"{_ratio(base.train_ms, r.train_ms):>7} {num(r.gpu_ms, '.3f'):>8} "
-                f"{num(r.host_ms, '.3f'):>8} {num(r.bs1_ms, '.3f'):>8} {_ratio(base.bs1_ms, r.bs1_ms):>7} "
-                f"{num(r.serve_ms, '.3f'):>9} {_ratio(base.serve_ms, r.serve_ms):>7} "
-                f"{num(r.peak_mb, '.0f'):>8} {num(r.max_loss_rel_diff, '.1e'):>9}"
+                f"{model:<14} {r['variant']:<17} {num(r.get('sites'), 'd'):>5} {num(r['train_ms'], '.3f'):>9} "
+                f"{_ratio(base.get('train_ms'), r['train_ms']):>7} {span:>9} {num(r['gpu_ms'], '.3f'):>8} "
+                f"{num(r['host_ms'], '.3f'):>8} {num(r['bs1_ms'], '.3f'):>8} "
+                f"{_ratio(base.get('bs1_ms'), r['bs1_ms']):>7} {num(r['serve_ms'], '.3f'):>9} "
+                f"{_ratio(base.get('serve_ms'), r['serve_ms']):>7} {num(r.get('decode1_ms'), '.2f') + unequal:>7} "
+                f"{num(r.get('decode16_ms'), '.2f') + unequal:>8} "
+                f"{_ratio(base.get('decode16_ms'), r.get('decode16_ms')):>7} {num(r['peak_mb'], '.0f'):>8} "
+                f"{num(r['max_loss_rel_diff'], '.1e'):>9}"
             )
     for name, reason in skipped.items():
         lines.append(f"{name:<24} skipped: {reason}")

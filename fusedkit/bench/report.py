@@ -461,15 +461,17 @@ def run_command(args) -> int:
         print_report(env, (format_traffic(results),), args.json, {"traffic": results})
         return 0
     if args.models:
-        from .models import format_models_table, run_models
+        from .models import format_models_table, run_models, run_processes
 
-        results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
-        print_report(
-            env,
-            (format_models_table(results, skipped),),
-            args.json,
-            {"models": [vars(r) for r in results], "skipped": skipped},
-        )
+        if args.processes > 1:  # the same report in that many processes, one after another
+            child = ["--models", ",".join(args.models)] + (["--no-compile"] if args.no_compile else [])
+            rows, skipped, runs = run_processes(child, args.processes, progress)
+            payload = {"models": rows, "skipped": skipped, "processes": runs}
+        else:
+            results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
+            rows = [vars(r) for r in results]
+            payload = {"models": rows, "skipped": skipped}
+        print_report(env, (format_models_table(rows, skipped),), args.json, payload)
         return 0
     if args.latency:
         from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
