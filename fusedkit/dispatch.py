@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autograd, sharding
+from . import autograd, settings, sharding
 from .errors import FusedkitError, NotDifferentiableError, TracingError
 from .registry import ElementwiseKernel
 from .runtime import elementwise as ew
@@ -68,6 +68,8 @@ def observed(tensors) -> bool:
 def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Tensor | None) -> torch.Tensor:
     """Run ``kernel`` on parsed arguments (``param`` None for a kernel without one)."""
     if _is_compiling():
+        if out is None and settings.current().compiled_elementwise == "inductor":
+            return _composed(kernel, operands, param)
         return _elementwise(kernel, operands, param, out, None)
     if out is None:
         table = native.TABLE
@@ -84,6 +86,32 @@ def elementwise(kernel: ElementwiseKernel, operands: tuple, param, out: torch.Te
         with torch.profiler.record_function(f"fusedkit::{kernel.name}"):
             return _kept_or_first(kernel, operands, param, out)
     return _kept_or_first(kernel, operands, param, out)
+
+
+def _composed(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor:
+    """A call Dynamo traces, as the kernel's PyTorch composition (its registry reference),
+    validated as every call is: Inductor fuses it, forward and backward, with its neighbours
+    (``compiled_elementwise="inductor"``, the default; measured in docs/results.md)."""
+    ew.validate(kernel, operands, param, None)
+    operands = tuple(_traced_number(v) for v in operands)
+    return kernel.reference(*operands) if param is None else kernel.reference(*operands, param)
+
+
+_NUMBER_DTYPES = (
+    ((bool, torch.SymBool), torch.bool),
+    ((int, torch.SymInt), torch.int64),
+    ((float, torch.SymFloat), None),
+)
+
+
+def _traced_number(v):
+    """A number operand as the 0-d tensor it promotes as (the default dtype for a float):
+    Inductor (torch 2.13) drops ``alpha`` from ``relu(add(x, s, alpha=a))`` where Dynamo
+    traces ``s`` as a symbol; as a tensor it keeps it."""
+    for kinds, dtype in _NUMBER_DTYPES:
+        if isinstance(v, kinds):
+            return torch.scalar_tensor(v, dtype=dtype or torch.get_default_dtype())
+    return v
 
 
 def _has_tangent(tensors) -> bool:

@@ -352,10 +352,27 @@ def _out_shape_dtype(operands, out_dtype):
     return shape, out_dtype
 
 
+def _number_kind(v):
+    """A number (traced as a symbol or not) as a constant Python number of its kind: what its
+    dtype promotes as (Dynamo traces ``elementwise_dtypes`` on constants only)."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, (bool, torch.SymBool)):
+        return True
+    if isinstance(v, (int, torch.SymInt)):
+        return 1
+    if isinstance(v, (float, torch.SymFloat)):
+        return 1.0
+    return v
+
+
 def result_dtype(operands) -> torch.dtype:
     """PyTorch's result dtype for an elementwise op on ``operands`` (tensors and numbers)."""
-    if len(operands) == 2:
-        return torch.result_type(*operands)
+    if not torch.compiler.is_compiling():
+        if len(operands) == 2:
+            return torch.result_type(*operands)
+    else:  # Dynamo traces elementwise_dtypes (not result_type) on constants: a traced number's kind is enough
+        operands = tuple(_number_kind(v) for v in operands)
     return elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
 
 

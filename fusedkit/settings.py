@@ -15,11 +15,17 @@ process-wide, as ``torch.backends`` flags do; fusedkit never writes ``os.environ
 | ``matmul_kernel`` | ``"auto"``, ``"pointer"``, ``"tma"`` | ``FUSEDKIT_MATMUL_KERNEL`` |
 | ``fast_launch`` | ``True``, ``False``: keep the launches of repeated eager calls | ``FUSEDKIT_FAST_LAUNCH`` (``0``) |
 | ``native_launch`` | ``True``, ``False``: keep them in C++, autograd nodes too | ``FUSEDKIT_NATIVE_LAUNCH`` (``0``) |
+| ``compiled_elementwise`` | ``"inductor"``, ``"kernel"``: under ``torch.compile`` | ``FUSEDKIT_COMPILED_ELEMENTWISE`` |
 
 ``fp32_precision``: "tf32x3" computes each float32 product as three TF32 tensor-core
 products (fp32-sized errors, measured below torch's own fp32 matmul: see docs/matmul.md);
 "ieee" runs fp32 multiply-adds on the CUDA cores. When PyTorch allows TF32
-(``torch.backends.cuda.matmul``), TF32 itself is used. ``fast_launch`` and
+(``torch.backends.cuda.matmul``), TF32 itself is used. ``compiled_elementwise``: under
+``torch.compile`` an elementwise op is traced as its PyTorch composition ("inductor": Inductor
+fuses it, forward and backward, with the ops around it, as it fuses the unfused ops; a
+compiled model never runs slower for holding fusedkit's ops) or as fusedkit's kernel, an op
+Inductor calls as it is ("kernel"). The matmul keeps its kernel either way: Inductor does not
+fuse an epilogue into its GEMMs by default. ``fast_launch`` and
 ``native_launch`` are read when a launch is kept (the C++ table is built once and needs a C++
 compiler and ninja): ``fusedkit.clear_caches()`` drops the
 ones kept before a change. The C++ table's build lives in ``$FUSEDKIT_CACHE_DIR`` (default
@@ -45,10 +51,12 @@ __all__ = [
     "ENVIRONMENT",
     "FP32_PRECISIONS",
     "MATMUL_KERNELS",
+    "COMPILED_ELEMENTWISE",
 ]
 
 FP32_PRECISIONS = ("tf32x3", "ieee")
 MATMUL_KERNELS = ("auto", "pointer", "tma")
+COMPILED_ELEMENTWISE = ("inductor", "kernel")
 #: The environment variable that gives each setting its default.
 ENVIRONMENT = {
     "fp32_precision": "FUSEDKIT_FP32_MATMUL",
@@ -56,8 +64,13 @@ ENVIRONMENT = {
     "matmul_kernel": "FUSEDKIT_MATMUL_KERNEL",
     "fast_launch": "FUSEDKIT_FAST_LAUNCH",
     "native_launch": "FUSEDKIT_NATIVE_LAUNCH",
+    "compiled_elementwise": "FUSEDKIT_COMPILED_ELEMENTWISE",
 }
-_CHOICES = {"fp32_precision": FP32_PRECISIONS, "matmul_kernel": MATMUL_KERNELS}
+_CHOICES = {
+    "fp32_precision": FP32_PRECISIONS,
+    "matmul_kernel": MATMUL_KERNELS,
+    "compiled_elementwise": COMPILED_ELEMENTWISE,
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,6 +85,7 @@ class Settings:
     matmul_kernel: str = "auto"
     fast_launch: bool = True
     native_launch: bool = True
+    compiled_elementwise: str = "inductor"
 
     def __post_init__(self) -> None:
         for name, value in self._values().items():
