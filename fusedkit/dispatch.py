@@ -19,7 +19,7 @@ import torch
 
 from . import autograd, settings, sharding
 from .errors import FusedkitError, NotDifferentiableError, TracingError
-from .registry import ElementwiseKernel
+from .registry import ElementwiseKernel, number_kind
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
 from .runtime import native
@@ -92,7 +92,9 @@ def _composed(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor
     """A call Dynamo traces, as the kernel's PyTorch composition (its registry reference),
     validated as every call is: Inductor fuses it, forward and backward, with its neighbours
     (``compiled_elementwise="inductor"``, the default; measured in docs/results.md)."""
-    ew.validate(kernel, operands, param, None)
+    # (a number as its kind: Dynamo tells a traced one from a constant by neither isinstance
+    # nor type, so a parameter's range is not checked under compile)
+    ew.validate(kernel, operands, None if param is None else number_kind(param), None)
     operands = tuple(_traced_number(v) for v in operands)
     return kernel.reference(*operands) if param is None else kernel.reference(*operands, param)
 

@@ -352,7 +352,7 @@ def _out_shape_dtype(operands, out_dtype):
     return shape, out_dtype
 
 
-def _number_kind(v):
+def number_kind(v):
     """A number (traced as a symbol or not) as a constant Python number of its kind: what its
     dtype promotes as (Dynamo traces ``elementwise_dtypes`` on constants only)."""
     if isinstance(v, torch.Tensor):
@@ -372,7 +372,7 @@ def result_dtype(operands) -> torch.dtype:
         if len(operands) == 2:
             return torch.result_type(*operands)
     else:  # Dynamo traces elementwise_dtypes (not result_type) on constants: a traced number's kind is enough
-        operands = tuple(_number_kind(v) for v in operands)
+        operands = tuple(number_kind(v) for v in operands)
     return elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
 
 

@@ -165,6 +165,35 @@ def test_compile_fullgraph_no_breaks(dynamic):
     torch.testing.assert_close(compiled(x2, bias, r2), _model(x2, bias, r2))
 
 
+@pytest.mark.slow  # torch.compile
+@pytest.mark.parametrize("mode", ["inductor", "kernel"])
+def test_compiled_elementwise_ops_are_what_the_setting_says(mode):
+    """compiled_elementwise="inductor" (the default): Dynamo's graph holds the ops' PyTorch
+    composition, which Inductor fuses with its neighbours, forward and backward; "kernel":
+    fusedkit's op. Results and gradients as eager either way; bad input still raises fusedkit's
+    error (outside fullgraph, where Dynamo runs the call itself)."""
+    x, bias, r = (leaf(s, torch.float32) for s in ((16, 8), (8,), (16, 8)))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    with fusedkit.settings.override(compiled_elementwise=mode):
+        torch._dynamo.reset()
+        got = torch.compile(_model, fullgraph=True, backend=backend)(x, bias, r)
+        x0 = x.detach().requires_grad_()
+        want = _model(x0, bias, r)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x0)[0])
+        torch._dynamo.reset()
+        # (Dynamo wraps the error the registered op's fake raises in a TorchRuntimeError)
+        with pytest.raises(fusedkit.ShapeError if mode == "inductor" else RuntimeError, match="do not broadcast"):
+            torch.compile(lambda a, b: fusedkit.add_relu(a, b), backend=backend)(x, r[:, :3])
+    ops = set().union(*graphs)
+    assert ("fusedkit.elementwise.default" in ops) == (mode == "kernel")
+
+
 def test_compile_with_out_and_backward():
     torch._dynamo.reset()
 

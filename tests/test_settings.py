@@ -35,8 +35,10 @@ def test_defaults_come_from_the_environment_read_once():
         "FUSEDKIT_MATMUL_KERNEL": "tma",
         "FUSEDKIT_FAST_LAUNCH": "0",
         "FUSEDKIT_NATIVE_LAUNCH": "0",
+        "FUSEDKIT_COMPILED_ELEMENTWISE": "kernel",
     }
     set_ = from_environment(env)
+    assert plain.compiled_elementwise == "inductor" and set_.compiled_elementwise == "kernel"
     assert (set_.fp32_precision, set_.autotune, set_.matmul_kernel, set_.fast_launch, set_.native_launch) == (
         "ieee",
         False,
