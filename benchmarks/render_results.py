@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = (ROOT / "docs" / "results.md", ROOT / "README.md")
+TARGETS = (ROOT / "docs" / "results.md", ROOT / "docs" / "fuse.md", ROOT / "README.md")
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -416,6 +416,68 @@ def models(data: dict) -> str:
     return text + "\n\n" + footnote(data["environment"], "models")
 
 
+def whole(data: dict) -> str:
+    """Whole models through ``fusedkit.fuse``: medians over processes, the training step's range."""
+    by_model: dict[str, dict] = {}
+    for r in data["models"]:
+        by_model.setdefault(r["model"], {})[r["variant"]] = r
+
+    def ms(v, scale=1.0, spec=".2f"):
+        return "-" if v is None else format(v * scale, spec)
+
+    body = []
+    for model, rows in by_model.items():
+        base = rows["eager"]
+        for variant, r in rows.items():
+            if variant == "eager2":
+                continue
+            span = r.get("train_x_range")
+            compiled = rows.get("compiled") if variant == "fusedkit_compiled" else None
+            body.append(
+                [
+                    f"`{model}`",
+                    variant,
+                    "-" if r.get("sites") is None else r["sites"],
+                    ms(r["train_ms"]),
+                    ratio(base["train_ms"], r["train_ms"]),
+                    "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}",
+                    ratio(compiled["train_ms"], r["train_ms"]) if compiled else "-",
+                    ms(r["serve_ms"]),
+                    ratio(base["serve_ms"], r["serve_ms"]),
+                    ms(r.get("decode1_ms")) + ("*" if r.get("decode_equal") is False else ""),
+                    ratio(base.get("decode1_ms"), r.get("decode1_ms")),
+                    ms(r.get("decode16_ms")),
+                    ratio(base.get("decode16_ms"), r.get("decode16_ms")),
+                    ms(r["peak_mb"], 1, ".0f"),
+                    f"{r['max_loss_rel_diff']:.1e}",
+                    f"{rows['eager2']['max_loss_rel_diff']:.1e}" if "eager2" in rows else "-",
+                ]
+            )
+    head = [
+        "model",
+        "variant",
+        "sites",
+        "train step ms",
+        "x eager",
+        "x range",
+        "x compiled",
+        "prefill ms",
+        "x eager",
+        "decode ms/token, batch 1",
+        "x eager",
+        "batch 16",
+        "x eager",
+        "peak MiB",
+        "loss diff",
+        "control",
+    ]
+    text = table(head, body, "llrrrrrrrrrrrrrr")
+    for name, reason in (data.get("skipped") or {}).items():
+        text += f"\n\n`{name}` did not run: {reason}."
+    processes = max((r.get("processes", 1) for r in data["models"]), default=1)
+    return text + "\n\n" + footnote(data["environment"], "whole") + f" <sub>Medians over {processes} processes.</sub>"
+
+
 def _find(rows: list[dict], **want) -> dict | None:
     """The first row whose fields have the wanted values."""
     return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
@@ -512,6 +574,7 @@ def headline(reports: dict) -> str | None:
 
 
 RENDERERS = {
+    "whole": whole,
     "models": models,
     "elementwise": elementwise,
     "ncu": ncu,

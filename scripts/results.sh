@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed benchmark results of this machine's GPU and the tables built from them:
-#   bash scripts/results.sh [REPORT ...]    reports: models elementwise ncu matmul latency backward traffic advise (default: all)
+#   bash scripts/results.sh [REPORT ...]    reports: whole models elementwise ncu matmul latency backward traffic advise (default: all)
 # Each report writes benchmarks/results/<gpu>/<report>.txt (what it printed) and .json (the
 # numbers and the environment: GPU, driver, torch, triton, fusedkit version and commit, date);
 # the elementwise and matmul reports also their plots. Then docs/results.md and the README's
@@ -13,7 +13,7 @@ gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].low
   || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
-reports=${*:-models elementwise ncu matmul latency backward traffic advise}
+reports=${*:-whole models elementwise ncu matmul latency backward traffic advise}
 rc=0
 run_report() {  # run_report NAME COMMAND...: COMMAND --no-progress --json into $dir/NAME.{txt,json}
   local name=$1; shift
@@ -27,7 +27,9 @@ report() {  # report NAME ARGS...: one `python -m fusedkit bench` report (throug
   run_report "$name" bash scripts/run.sh bench "$@"
 }
 for r in $reports; do case $r in
-  models) report models --models ;;
+  # whole models in three processes (each number their median; docs/fuse.md), the blocks in one
+  whole) report whole --models whole --processes 3 ;;
+  models) report models --models blocks ;;
   # (the ops model code calls: the gradient kernels are timed in place by the backward report)
   elementwise) report elementwise --kernels ops --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
   ncu) report ncu --ncu --kernels add_relu,add --dtypes fp32,bf16 --sizes 20,26 --no-compile ;;
