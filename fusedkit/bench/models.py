@@ -3,9 +3,12 @@
 Model code that others wrote, unmodified except where fusedkit goes in, timed beside the
 same model stock, eager and under ``torch.compile``, in one process:
 
-- ``resnet50``: torchvision's ResNet-50. Each ``Bottleneck`` ends in
-  ``out += identity; out = self.relu(out)``; the fused model runs that join as
-  ``fusedkit.add_relu(out, identity)``. bf16 autocast, channels_last, 224 x 224 images.
+- Whole models, each fused by ``fusedkit.fuse(model, batch)`` as a user calls it (``whole``):
+  ``gpt2`` (transformers ``GPT2LMHeadModel``, 124M), ``llama_1b`` (``LlamaForCausalLM``,
+  hidden 2048, MLP 5632, 16 layers), ``bert`` (``BertForMaskedLM``, base), ``vit_b16`` and
+  ``convnext_tiny`` (timm), ``resnet50`` (torchvision, channels_last). AdamW under bf16
+  autocast; the language models also decode through ``generate``. Variants: also
+  ``fusedkit_compiled`` (``torch.compile`` of the fused model) and Liger-Kernel on the LLaMA.
 - ``gpt2_mlp`` / ``gpt2_mlp_relu``: transformers' ``GPT2MLP`` at GPT-2 medium's sizes
   (1024 -> 4096 -> 1024), activation ``gelu_new`` (tanh GELU) or ``relu``; the fused model
   runs the up-projection, bias and activation as one ``fusedkit.matmul`` (its epilogue).
@@ -17,7 +20,7 @@ same model stock, eager and under ``torch.compile``, in one process:
   too (``liger``).
 
 For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
-``compiled``: ``torch.compile`` of the stock model):
+``compiled``: ``torch.compile`` of the stock model; blocks train with SGD and momentum):
 
 - ``train_ms``: one training step (forward, loss, backward, SGD with momentum, grads set
   to None), ``do_bench`` median; ``gpu_ms``: the GPU's busy time a step (its kernels'
