@@ -626,7 +626,7 @@ class Result:
     peak_mb: float | None = None
     losses: list = field(default_factory=list)
     max_loss_rel_diff: float | None = None  # against the stock eager run
-    decode1_ms: float | None = None  # a decode step (generate, KV cache), batch 1, ms a token
+    decode1_ms: float | None = None  # a decode step (generate, KV cache) at batch one, per token
     decode16_ms: float | None = None  # the same at batch 16
     decode_equal: bool | None = None  # greedy tokens equal to stock eager's, both batches
     sites: int | None = None  # the sites fusedkit (or a peer) fused
@@ -850,7 +850,8 @@ def run_case(
         results.append(r)
         if progress is not None:
             progress.update()
-        if variant == "eager2":  # the control run is for the losses only
+        if variant == "eager2":  # the control run is for the losses only: its memory freed
+            del module, run, opt, step
             continue
         r.gpu_ms = gpu_busy_ms(step, device, GPU_BUSY_STEPS)
         r.host_ms = host_ms(step, device)
@@ -871,7 +872,7 @@ def run_case(
     for r, *_ in live:
         r.train_ms, r.bs1_ms, r.serve_ms = (statistics.median(samples[id(r)][k]) for k in ("train", "bs1", "serve"))
     if case.decode:
-        _decode_rows(live, train[0], device, small)
+        _decode_rows(live, stock.state_dict(), train[0], device, small)
     del live
     ref = results[0].losses
     for r in results:
@@ -879,15 +880,18 @@ def run_case(
     return results
 
 
-def _decode_rows(live, ids, device, small: bool) -> None:
+def _decode_rows(live, weights, ids, device, small: bool) -> None:
     """Each eager-run variant's decode step at ``DECODE_BATCHES`` (a compiled variant's
-    ``generate`` runs its module eagerly: left out), and whether its tokens are stock eager's."""
+    ``generate`` runs its module eagerly: left out), and whether its tokens are stock eager's.
+    Every variant decodes from the same ``weights`` (the stock state dict): the timing rounds
+    trained each a different number of steps."""
     tokens = 4 if small else DECODE_TOKENS
     prompt = ids[:1, : min(DECODE_PROMPT, ids.shape[1])]
     reference = {}
     for r, module, run, _step in live:
         if run is not module:
             continue
+        module.load_state_dict(weights)
         equal = True
         for batch in DECODE_BATCHES:
             ms, out = decode(
