@@ -19,7 +19,7 @@ import torch
 
 from . import autograd, settings, sharding
 from .errors import FusedkitError, NotDifferentiableError, TracingError
-from .registry import ElementwiseKernel, number_kind
+from .registry import ElementwiseKernel, number_kind, result_dtype
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
 from .runtime import native
@@ -95,25 +95,23 @@ def _composed(kernel: ElementwiseKernel, operands: tuple, param) -> torch.Tensor
     # (a number as its kind: Dynamo tells a traced one from a constant by neither isinstance
     # nor type, so a parameter's range is not checked under compile)
     ew.validate(kernel, operands, None if param is None else number_kind(param), None)
-    operands = tuple(_traced_number(v) for v in operands)
-    return kernel.reference(*operands) if param is None else kernel.reference(*operands, param)
+    dtype = result_dtype(operands)
+    operands = tuple(_traced_number(v, dtype) for v in operands)
+    result = kernel.reference(*operands) if param is None else kernel.reference(*operands, param)
+    return result.to(dtype)
 
 
-_NUMBER_DTYPES = (
-    ((bool, torch.SymBool), torch.bool),
-    ((int, torch.SymInt), torch.int64),
-    ((float, torch.SymFloat), None),
-)
-
-
-def _traced_number(v):
-    """A number operand as the 0-d tensor it promotes as (the default dtype for a float):
-    Inductor (torch 2.13) drops ``alpha`` from ``relu(add(x, s, alpha=a))`` where Dynamo
-    traces ``s`` as a symbol; as a tensor it keeps it."""
-    for kinds, dtype in _NUMBER_DTYPES:
-        if isinstance(v, kinds):
-            return torch.scalar_tensor(v, dtype=dtype or torch.get_default_dtype())
-    return v
+def _traced_number(v, dtype: torch.dtype):
+    """A number operand as a 0-d tensor: Inductor (torch 2.13) drops ``alpha`` from
+    ``relu(add(x, s, alpha=a))`` where Dynamo traces ``s`` as a symbol; as a tensor it keeps it.
+    The tensor holds the number as the op computes with it for a ``dtype`` result (float32 for
+    a half or float32 result, float64 for float64, else ``dtype``): a 0-d tensor can promote
+    where a number does not, so the caller casts the result to ``dtype``."""
+    if not isinstance(v, (bool, int, float, torch.SymBool, torch.SymInt, torch.SymFloat)):
+        return v
+    if dtype.is_floating_point:
+        dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.scalar_tensor(v, dtype=dtype)
 
 
 def _has_tangent(tensors) -> bool:

@@ -8,6 +8,7 @@ from conftest import DEVICE
 from helpers import one_at_a_time, rand
 
 import fusedkit
+import fusedkit.testing
 from fusedkit.autograd import elementwise_op
 
 DIFFERENTIABLE = [k for k in fusedkit.registry.kernels() if k.backward is not None]
@@ -192,6 +193,34 @@ def test_compiled_elementwise_ops_are_what_the_setting_says(mode):
             torch.compile(lambda a, b: fusedkit.add_relu(a, b), backend=backend)(x, r[:, :3])
     ops = set().union(*graphs)
     assert ("fusedkit.elementwise.default" in ops) == (mode == "kernel")
+
+
+NUMBER_CALLS = [
+    # all operands 0-d: a number does not promote, a float32 0-d tensor would (float32, int64)
+    (fusedkit.add_relu, lambda: torch.tensor(1.0, dtype=torch.float16), 0.1),
+    (fusedkit.add_relu, lambda: torch.tensor(3, dtype=torch.int32), 5),
+    # float64 keeps the number's every bit; an int beyond int64 is a float operand's number
+    (fusedkit.add_relu, lambda: rand((5,), torch.float64, DEVICE), 0.1),
+    (fusedkit.add_relu, lambda: rand((5,), torch.float32, DEVICE), 2**63),
+    # a gate's number a, to a float64 and a half b
+    (fusedkit.silu_mul, 0.7, lambda: rand((5,), torch.float64, DEVICE)),
+    (fusedkit.silu_mul, -0.7, lambda: rand((5,), torch.bfloat16, DEVICE)),
+]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["constant", "symbolic"])
+@pytest.mark.parametrize("call", NUMBER_CALLS, ids=range(len(NUMBER_CALLS)))
+def test_compiled_number_operands_promote_and_round_as_eager(call, dynamic):
+    """Under compile a number operand goes in as a 0-d tensor (see dispatch._traced_number):
+    its result has eager's dtype and value, as a constant and as a traced symbol."""
+    op, *args = call
+    args = [a() if callable(a) else a for a in args]
+    want = op(*args)
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: op(a, b), backend="eager", fullgraph=True, dynamic=dynamic)(*args)
+    assert got.dtype == want.dtype
+    tol = fusedkit.testing.tolerance(want.dtype)
+    torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
 
 
 def test_compile_with_out_and_backward():
