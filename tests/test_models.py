@@ -159,3 +159,22 @@ def test_gpu_busy_time_leaves_annotated_ranges_out():
         event("Optimizer.step#SGD.step", 0, 120, DeviceType.CPU),
     ]
     assert models.kernel_time_us(events) == 70
+
+
+def test_processes_merge_to_medians_with_each_rows_own_count():
+    """A row's numbers are medians over the processes that gave it; a case that failed in one
+    process counts the others only; the range is stock eager / the variant's step per process."""
+
+    def row(model, variant, train, equal=None):
+        return {"model": model, "variant": variant, "train_ms": train, "decode_equal": equal}
+
+    runs = [
+        [row("a", "eager", 10.0), row("a", "fusedkit", 5.0, True), row("b", "eager", 4.0)],
+        [row("a", "eager", 12.0), row("a", "fusedkit", 8.0, False)],
+        [row("a", "eager", 9.0), row("a", "fusedkit", 9.0, True)],
+    ]
+    merged = {(m["model"], m["variant"]): m for m in models.merge_processes(runs)}
+    fused = merged[("a", "fusedkit")]
+    assert (fused["train_ms"], fused["processes"], fused["decode_equal"]) == (8.0, 3, False)
+    assert fused["train_x_range"] == [1.0, 2.0]
+    assert (merged[("b", "eager")]["processes"], merged[("b", "eager")]["train_ms"]) == (1, 4.0)

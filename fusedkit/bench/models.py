@@ -987,7 +987,8 @@ def merge_processes(runs: list[list[dict]]) -> list[dict]:
         base = {r["model"]: r for r in rows if r["variant"] == "eager"}
         for r in rows:
             key = (r["model"], r["variant"])
-            m = merged.setdefault(key, {**r, "_samples": {k: [] for k in _MEASURED}, "_x": [], "_equal": []})
+            m = merged.setdefault(key, {**r, "_samples": {k: [] for k in _MEASURED}, "_x": [], "_equal": [], "_n": 0})
+            m["_n"] += 1
             for k in _MEASURED:
                 if r.get(k) is not None:
                     m["_samples"][k].append(r[k])
@@ -1002,7 +1003,7 @@ def merge_processes(runs: list[list[dict]]) -> list[dict]:
         m["decode_equal"] = all(equal) if equal else None
         for k, v in samples.items():
             m[k] = statistics.median(v) if v else None
-        m["processes"] = len(runs)
+        m["processes"] = m.pop("_n")  # the processes that gave this row (a failed case leaves some out)
         m["train_x_range"] = [min(ratios), max(ratios)] if ratios else None
         out.append(m)
     return out

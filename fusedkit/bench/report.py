@@ -464,7 +464,8 @@ def run_command(args) -> int:
         from .models import format_models_table, run_models, run_processes
 
         if args.processes > 1:  # the same report in that many processes, one after another
-            child = ["--models", ",".join(args.models)] + (["--no-compile"] if args.no_compile else [])
+            child = ["--models", ",".join(args.models)]
+            child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
             rows, skipped, runs = run_processes(child, args.processes, progress)
             payload = {"models": rows, "skipped": skipped, "processes": runs}
         else:
