@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -39,6 +40,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import nn as fnn
 from .errors import FusedkitError, SignatureError, TracingError
+from .fusion_call import CallSpec
 from .memory import MemoryCounterMode
 from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
 from .registry import OPERAND_DTYPES, get
@@ -89,6 +91,19 @@ for _name_ in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", 
 del _name_
 
 
+class _ObjectProxy(_Proxy):
+    """A traced input that is no tensor (transformers' KV cache): ``isinstance`` sees the
+    class of the call's object, so a branch on it goes the way the call went."""
+
+    def __init__(self, node: fx.Node, tracer, cls: type):
+        super().__init__(node, tracer)
+        self._cls = cls
+
+    @property
+    def __class__(self):  # (isinstance reads it where the proxy's own type does not match)
+        return self._cls
+
+
 def _has_hooks(m: torch.nn.Module) -> bool:
     """Whether ``m`` has forward or backward hooks of its own (``weight_norm``'s pre-hook, a
     user's): inlined or fused away, they would no longer run."""
@@ -101,11 +116,30 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 class _Tracer(fx.Tracer):
     """``torch.fx``'s tracer, keeping activation modules (ours and transformers') whole, and
     the submodules of the classes in ``whole``. An error raised inside a submodule's forward
-    carries that submodule (``FAILED_IN``), the innermost one it passed through."""
+    carries that submodule (``FAILED_IN``), the innermost one it passed through. With a
+    ``call``, the root's forward is traced as that call made it (its inputs the
+    placeholders, its fixed values as they were)."""
 
-    def __init__(self, whole: frozenset = frozenset()):
+    def __init__(self, whole: frozenset = frozenset(), call: CallSpec | None = None):
         super().__init__()
         self.whole = whole
+        self.call = call
+        self.takers: dict[type, str] = {}  # classes kept whole as they take an object: its class
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        if self.call is None or not is_module:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        call = self.call
+        inputs = []
+        for name, cls in zip(call.names, call.classes):
+            node = self.create_node("placeholder", name, (), {})
+            inputs.append(self.proxy(node) if cls is torch.Tensor else _ObjectProxy(node, self, cls))
+
+        def forward(root, *inputs):
+            args, kwargs = call.rebuild(inputs)
+            return root_fn(root, *args, **kwargs)
+
+        return forward, [self.root, *inputs]
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return (
@@ -120,12 +154,24 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def call_module(self, m, forward, args, kwargs):
+        taken = _objects_in((args, kwargs))
+        if taken:
+            # an object argument (a KV cache) is handed on to a submodule that runs its own
+            # forward: kept whole, as a module fx cannot trace through is
+            self.takers[type(m)] = taken[0]
+            return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as exc:
             if not hasattr(exc, FAILED_IN):  # (the innermost module sees the error first)
                 setattr(exc, FAILED_IN, m)
             raise
+
+
+def _objects_in(values) -> list[str]:
+    """The classes of the object inputs (:class:`_ObjectProxy`) among ``values``."""
+    leaves = torch.utils._pytree.tree_leaves(values)
+    return [v.__class__.__name__ for v in leaves if isinstance(v, _ObjectProxy)]
 
 
 #: The attribute of a tracing error naming the submodule it was raised in.
@@ -162,15 +208,17 @@ def _title(model) -> str:
     return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
 
 
-def _trace(model, whole: frozenset = frozenset(), concrete: dict | None = None) -> tuple[fx.GraphModule, frozenset]:
+def _trace(
+    model, whole: frozenset = frozenset(), concrete: dict | None = None, call: CallSpec | None = None
+) -> tuple[fx.GraphModule, frozenset]:
     """The traced model, and the classes of the submodules kept whole. A submodule fx cannot
     trace through (transformers' GPT-2 attention iterates over a shape) is kept whole, a
     ``call_module`` node, with every module of its class (one retrace per class, not per
     layer), and traced around: their ops are not searched (the warning of :func:`advise` and :func:`fuse` says so).
-    ``whole``: classes to keep whole from the start."""
+    ``whole``: classes to keep whole from the start; ``call``: the call traced (a module's)."""
     whole = set(whole)
     while True:
-        tracer = _Tracer(frozenset(whole))
+        tracer = _Tracer(frozenset(whole), call)
         try:
             graph = tracer.trace(model, concrete or None)
             break
@@ -184,7 +232,9 @@ def _trace(model, whole: frozenset = frozenset(), concrete: dict | None = None) 
                 f"{str(exc).splitlines()[0] if str(exc) else ''} (advise and fuse read the traced "
                 "graph; pass a submodule that traces, e.g. the MLP)"
             ) from exc
-    return fx.GraphModule(tracer.root, graph, _title(model)), frozenset(whole)
+    gm = fx.GraphModule(tracer.root, graph, _title(model))
+    gm.meta["takers"] = tracer.takers
+    return gm, frozenset(whole | set(tracer.takers))
 
 
 def _activation(node: fx.Node, modules: dict) -> str | None:
@@ -467,18 +517,58 @@ def _run(model: torch.nn.Module, args, kwargs):
 
 
 def _traced(
-    model: torch.nn.Module, example_inputs, whole: frozenset = frozenset()
+    model: torch.nn.Module, example_inputs, whole: frozenset = frozenset(), call: CallSpec | None = None
 ) -> tuple[fx.GraphModule, list[FusionSite], frozenset]:
     """The traced model, its sites and the classes kept whole (``whole`` from the start);
     shapes are learnt by one run in eval mode without gradients, on copies of the inputs
-    (batch statistics, the random stream and the inputs stay as they were)."""
-    gm, whole = _trace(model, whole, _concrete_args(model, example_inputs))
+    (batch statistics, the random stream and the inputs stay as they were). A module is
+    traced from ``call``, a function from ``example_inputs``; ``gm.meta["output"]`` is the
+    structure of what the traced code returns."""
+    if call is None:
+        gm, whole = _trace(model, whole, _concrete_args(model, example_inputs))
+        inputs = _copies(example_inputs)
+    else:
+        gm, whole = _trace(model, whole, call=call)
+        inputs = _call_inputs(model, gm, call)
     with _mode(model, False), torch.no_grad():
-        _Propagate(gm).propagate(*_copies(example_inputs))
+        gm.meta["output"] = _structure(_Propagate(gm).propagate(*inputs))
     declined = []
     sites = _find(gm, declined)
     gm.meta["declined"] = declined
     return gm, sites, whole
+
+
+def _call_inputs(model, gm: fx.GraphModule, call: CallSpec) -> list:
+    """Copies of ``call``'s inputs to run ``gm`` on (the objects deep copies: the attention
+    updates a cache). ``TracingError`` where the traced code uses an object itself (a method
+    call, an attribute: only a submodule kept whole may take it) or it cannot be copied."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, cls, value in zip(placeholders, call.classes, call.example):
+        if cls is torch.Tensor:
+            inputs.append(value.clone())
+            continue
+        if any(user.op != "call_module" for user in node.users):
+            raise TracingError(
+                f"{_title(model)}: its forward uses its {cls.__name__} argument {node.target!r} itself "
+                "(fusedkit passes such an argument on to a submodule it keeps whole, and no further)"
+            )
+        try:
+            inputs.append(copy.deepcopy(value))
+        except Exception as exc:
+            raise TracingError(f"{_title(model)}: its {cls.__name__} argument cannot be copied: {exc}") from None
+    return inputs
+
+
+def _structure(value):
+    """The containers, their classes and keys, and the tensors' places in a returned value."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return type(value), tuple((k, _structure(v)) for k, v in value.items())
+    return type(value)
 
 
 def _declined(gm: fx.GraphModule) -> list[str]:
@@ -531,21 +621,24 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
 FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-10}
 
 
-def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule, list, list, frozenset]:
-    """``model`` traced in both modes, its sites rewritten: (graph, sites, notes, the classes
-    kept whole), notes saying what it keeps whole and leaves unfused. ``TracingError`` where
-    it does not trace, or where its forward reads ``self.training`` itself (a traced copy
-    would keep one mode)."""
-    gm, sites, whole = _traced(model, example_inputs)
-    concrete = _concrete_args(model, example_inputs)
+def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.GraphModule, list, list, frozenset]:
+    """``model`` traced from ``call`` in both modes, its sites rewritten: (graph, sites, notes,
+    the classes kept whole), notes saying what it keeps whole and leaves unfused.
+    ``TracingError`` where it does not trace, where the traced code returns other than the
+    module did (``returned``, by :func:`_structure`: fx makes a ``ModelOutput`` a dict), or
+    where its forward reads ``self.training`` itself (a traced copy would keep one mode)."""
+    gm, sites, whole = _traced(model, None, call=call)
     with _mode(model, not model.training):
-        other, both = _trace(model, whole, concrete)
+        other, both = _trace(model, whole, call=call)
     if both != whole:
         # (a submodule that traces in one mode only: the tracer's limit, not a forward
         # reading self.training; kept whole in both)
-        gm, sites, whole = _traced(model, example_inputs, both)
+        gm, sites, whole = _traced(model, None, both, call)
         with _mode(model, not model.training):
-            other, _ = _trace(model, whole, concrete)
+            other, _ = _trace(model, whole, call=call)
+    if gm.meta["output"] != returned:
+        got, want = _kind(gm.meta["output"]), _kind(returned)
+        raise TracingError(f"{_title(model)}: its traced forward returns {got} where it returned {want}")
     if other.code != gm.code:
         raise TracingError(
             f"{type(model).__name__}'s forward reads self.training outside a module (functional "
@@ -555,51 +648,51 @@ def _fused_graph(model: torch.nn.Module, example_inputs) -> tuple[fx.GraphModule
         _rewrite(gm, site)
     gm.graph.lint()
     gm.recompile()
+    takers = gm.meta["takers"]
     notes = _declined(gm) + [
-        f"{cls.__name__} kept whole (torch.fx cannot trace through it)" for cls in sorted(whole, key=str)
+        f"{cls.__name__} kept whole ("
+        + (f"it takes the {takers[cls]} argument" if cls in takers else "torch.fx cannot trace through it")
+        + ")"
+        for cls in sorted(whole, key=str)
     ]
     return gm, sites, notes, whole
 
 
-def _plain_call(model: torch.nn.Module, call) -> bool:
-    """Whether a recorded call passes tensors alone, by position, every other parameter left
-    at a default that is no tensor: the calls a traced forward takes (any other call runs the
-    module's own forward)."""
-    args, kwargs = call
-    params = _forward_params(model)
-    if kwargs or params is None or not all(isinstance(a, torch.Tensor) for a in args):
-        return False
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or len(args) > len(params):
-        return False
-    return all(p.default is not p.empty and not isinstance(p.default, torch.Tensor) for p in params[len(args) :])
+def _kind(structure) -> str:
+    cls = structure[0] if isinstance(structure, tuple) else structure
+    return "a dict" if cls is fx.immutable_collections.immutable_dict else cls.__name__
 
 
-def _record_calls(model: torch.nn.Module, args, kwargs) -> tuple[dict, object]:
+def _record_calls(model: torch.nn.Module, args, kwargs) -> tuple[dict, dict, object]:
     """The first call of every module in one run of ``model`` (eval mode, no gradients, copies
-    of the inputs), and the model's output."""
-    calls = {}
+    of the inputs), the structure of what each returned, and the model's output."""
+    calls, returned = {}, {}
 
-    def hook(module, a, k):
+    def before(module, a, k):
         calls.setdefault(module, (a, k))
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+    def after(module, a, out):
+        returned.setdefault(module, _structure(out))
+
+    handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(after) for m in model.modules()]
     try:
         out = _run(model, args, kwargs)
     finally:
         for h in handles:
             h.remove()
-    return calls, out
+    return calls, returned, out
 
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # (never called: their items are)
 
 
 def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list, list, object]:
-    """Where fusedkit fuses ``model``: (plans: (qualified name, module, graph, sites) of the
+    """Where fusedkit fuses ``model``: (plans: (qualified name, module, graph, sites, call) of the
     outermost modules that trace and have sites, notes: what stays unfused and why, the
     model's output on the example). A module that does not trace (the model included) is
     looked into: its children are planned from their own calls in the example run."""
-    calls, out = _record_calls(model, example_inputs, example_kwargs)
+    calls, returned, out = _record_calls(model, example_inputs, example_kwargs)
     plans, notes = [], []
     leaf = _Tracer()
 
@@ -607,24 +700,23 @@ def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list,
         if m is not model and leaf.is_leaf_module(m, name) and not isinstance(m, _CONTAINERS):
             return  # (torch.nn's own layers, activations: nothing inside to fuse)
         call = calls.get(m)
-        if call is not None and _plain_call(m, call):
+        if call is not None:
+            spec = CallSpec.of(m, *call)
             try:
-                gm, sites, kept, whole = _fused_graph(m, call[0])
+                gm, sites, kept, whole = _fused_graph(m, spec, returned.get(m))
             except TracingError as exc:
                 why = str(exc).removeprefix("torch.fx cannot trace ").split(" (advise and fuse")[0]
                 notes.append((type(m).__name__, why.removeprefix(f"{type(m).__name__}: ")))
             else:
                 notes.extend((type(m).__name__, note) for note in kept)
                 if sites:
-                    plans.append((name, m, gm, sites))
+                    plans.append((name, m, gm, sites, spec))
                 # the modules it kept whole run their own forwards: look into them (the outermost)
                 inside = [(n, sub) for n, sub in m.named_modules() if type(sub) in whole and sub is not m]
                 for n, sub in inside:
                     if not any(n.startswith(f"{other}.") for other, _ in inside):
                         visit(f"{name}.{n}" if name else n, sub)
                 return
-        elif call is not None:
-            notes.append((type(m).__name__, "called with keywords or arguments other than tensors"))
         for child, sub in m.named_children():
             visit(f"{name}.{child}" if name else child, sub)
 
@@ -661,29 +753,30 @@ def advise(model, *example_inputs, **example_kwargs) -> list[FusionSite]:
         return sites
     plans, notes, _ = _plan(model, example_inputs, example_kwargs)
     _warn_unfused(model, notes)
-    return [_qualified(name, site) for name, _, _, sites in plans for site in sites]
+    return [_qualified(name, site) for name, _, _, sites, _ in plans for site in sites]
 
 
 def _fused_forward(self, *args, **kwargs):
-    # The traced calls (tensors by position, as many as traced) run the fused code on this
+    # A call of the traced call's shape (fusion_call.CallSpec) runs the fused code on this
     # module itself: parameters, parametrizations and buffers are read where they live now.
-    code, n = self.__dict__["_fusedkit_fused"]
-    if not kwargs and len(args) == n and all(isinstance(a, torch.Tensor) for a in args):
-        return code(self, *args)
+    code, traced_inputs = self.__dict__["_fusedkit_fused"]
+    inputs = traced_inputs(args, kwargs)
+    if inputs is not None:
+        return code(self, *inputs)
     return type(self).forward(self, *args, **kwargs)
 
 
-def _install(m: torch.nn.Module, gm: fx.GraphModule) -> None:
-    """Run ``gm``'s code as ``m``'s forward, on ``m``: ``m`` keeps its class, hooks and state
-    dict keys. Constants fx made attributes of the traced copy become attributes of ``m``."""
+def _install(m: torch.nn.Module, gm: fx.GraphModule, call: CallSpec) -> None:
+    """Run ``gm``'s code as ``m``'s forward for calls of ``call``'s shape, on ``m``: ``m``
+    keeps its class, hooks and state dict keys. Constants fx made attributes of the traced
+    copy become attributes of ``m``."""
     for node in gm.graph.nodes:
         if node.op == "get_attr" and not _resolves(m, node.target):
             name = f"_fusedkit_constant_{node.target.replace('.', '_')}"
             object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), gm))
             node.target = name
     gm.recompile()
-    n_args = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
-    m.__dict__["_fusedkit_fused"] = (type(gm).forward, n_args)
+    m.__dict__["_fusedkit_fused"] = (type(gm).forward, call.inputs)
     m.__dict__["forward"] = types.MethodType(_fused_forward, m)
 
 
@@ -735,8 +828,8 @@ def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.
     plans, notes, want = _plan(model, example_inputs, example_kwargs)
     _warn_unfused(model, notes)
     least = 0.0
-    for _, m, gm, _ in plans:
-        _install(m, gm)
+    for _, m, gm, _, call in plans:
+        _install(m, gm, call)
         least = max([least, *(FUSE_TOLERANCE.get(_dtype(n), 0) for n in gm.graph.nodes)])
     got = _run(model, example_inputs, example_kwargs)
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
@@ -747,7 +840,7 @@ def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.
             except AssertionError as err:
                 unfuse(model)
                 raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
-    model.__dict__["fusion_sites"] = [_qualified(name, site) for name, _, _, sites in plans for site in sites]
+    model.__dict__["fusion_sites"] = [_qualified(name, site) for name, _, _, sites, _ in plans for site in sites]
     return model
 
 

@@ -383,6 +383,105 @@ def test_optional_arguments_keyword_calls_and_functions():
     assert isinstance(err.value, TypeError)
 
 
+class _Cache:  # a KV cache's stand-in: an object the attention updates
+    def __init__(self):
+        self.seen = 0
+
+
+class _CachedAttention(nn.Module):  # does not trace (updates the cache): kept whole
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cache=None, use_cache=False):
+        if use_cache:
+            cache.seen += x.shape[0]
+        return self.proj(x)
+
+
+class _Layer(nn.Module):  # a decoder layer as transformers calls it: keywords, a pair, a cache
+    def __init__(self, reads_cache=False):
+        super().__init__()
+        self.attn, self.up, self.reads_cache = _CachedAttention(), nn.Linear(8, 16), reads_cache
+
+    def forward(self, h, mask=None, *, pair, cache=None, use_cache=False):
+        if isinstance(cache, _Cache):  # (a branch on the object's class goes as the call went)
+            h = h * 2
+        if self.reads_cache:
+            h = h + cache.seen
+        h = h + self.attn(h, cache=cache, use_cache=use_cache) * pair[0]
+        if mask is not None:
+            h = h * mask
+        return F.gelu(self.up(h + pair[1]))
+
+
+class _Model(nn.Module):
+    def __init__(self, reads_cache=False):
+        super().__init__()
+        self.layer = _Layer(reads_cache)
+
+    def forward(self, x, cache):
+        return self.layer(x, pair=(x, -x), cache=cache, use_cache=True), cache.seen
+
+
+def test_a_module_called_with_keywords_and_objects_is_fused_for_calls_like_it():
+    """Tensors (in tuples too) are traced inputs, None and numbers fixed, an object handed on
+    to a submodule kept whole an input: the layer is fused, and only a call of that shape runs
+    the fused code; any other runs the layer's own forward."""
+    model, x = _Model().to(DEVICE), rand((4, 8), torch.float32, DEVICE)
+    with pytest.warns(UserWarning, match="_CachedAttention kept whole \\(it takes the _Cache argument\\)"):
+        fusedkit.fuse(model, x, _Cache())
+    assert [(s.pattern, s.module) for s in model.fusion_sites] == [("linear -> gelu", "layer")]
+    assert "fusedkit_ops_matmul" in fusion.fused_code(model.layer).replace(".", "_")
+    layer, calls = model.layer, []
+    layer.register_forward_pre_hook(
+        lambda m, a, k: calls.append(m._fusedkit_fused[1](a, k) is not None), with_kwargs=True
+    )
+    got, seen = model(x, _Cache())
+    torch.testing.assert_close(got, _Layer.forward(layer, x, pair=(x, -x), cache=_Cache(), use_cache=True))
+    assert seen == 4 and calls == [True]  # (the cache updated by the attention the fused code calls)
+    mask = torch.ones_like(x)
+    for args, kwargs in [
+        ((x,), {"pair": (x, -x), "cache": _Cache(), "use_cache": False}),  # another fixed value
+        ((x, mask), {"pair": (x, -x), "cache": _Cache(), "use_cache": True}),  # a tensor for None
+        ((x,), {"pair": (x, -x, x), "cache": _Cache(), "use_cache": True}),  # a longer tuple
+        ((x,), {"pair": (x, -x), "cache": object(), "use_cache": False}),  # another class
+        ((x,), {"pair": (x, -x)}),  # keywords left out
+    ]:
+        calls.clear()
+        torch.testing.assert_close(layer(*args, **kwargs), _Layer.forward(layer, *args, **kwargs))
+        assert calls == [False]
+
+
+def test_a_layer_using_an_object_argument_itself_or_returning_a_changed_class_is_left():
+    """The traced code may only hand an object on to a submodule kept whole; and fx returns a
+    dict subclass (transformers' ModelOutput) as a dict: either leaves the module unfused,
+    named in the warning, its submodules looked into."""
+
+    class Output(dict):
+        pass
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+        def forward(self, x):
+            return Output(y=self.mlp(x))
+
+    x = rand((4, 8), torch.float32, DEVICE)
+    for model, why in [
+        (_Model(reads_cache=True), "_Layer: its forward uses its _Cache argument 'cache' itself"),
+        (Returns(), "Returns: its traced forward returns a dict where it returned Output"),
+    ]:
+        model = model.to(DEVICE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sites = fusedkit.advise(model, x, *([_Cache()] if isinstance(model, _Model) else []))
+        assert any(why in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert [s.pattern for s in sites] == ([] if isinstance(model, _Model) else ["linear -> relu"])
+
+
 def test_sites_the_op_would_refuse_are_left_and_named():
     class Masks(nn.Module):
         def forward(self, a, mask, u, v):

@@ -20,7 +20,7 @@ LAYERS = (
     ("fusedkit.library",),
     ("fusedkit.ops",),
     ("fusedkit.nn",),
-    ("fusedkit.testing", "fusedkit.memory", "fusedkit.fusion"),
+    ("fusedkit.testing", "fusedkit.memory", "fusedkit.fusion", "fusedkit.fusion_call"),
     ("fusedkit",),  # the package's __init__: the public names
     ("fusedkit.bench", "fusedkit.__main__"),
 )
