@@ -31,7 +31,21 @@ from .errors import (
 from .fusion import FusionSite, advise, fuse, unfuse
 from .library import register_gate
 from .memory import MemoryCounterMode
-from .ops import add, add_gelu, add_relu, elementwise, gelu_mul, linear_relu, matmul, matmul_relu, silu_mul
+from .ops import (
+    add,
+    add_gelu,
+    add_layer_norm,
+    add_relu,
+    add_rms_norm,
+    elementwise,
+    gelu_mul,
+    layer_norm,
+    linear_relu,
+    matmul,
+    matmul_relu,
+    rms_norm,
+    silu_mul,
+)
 from .runtime.elementwise import BACKENDS, backend_for
 from .runtime.launch import clear_caches
 
@@ -83,6 +97,10 @@ __all__ = [
     "matmul",
     "matmul_relu",
     "linear_relu",
+    "rms_norm",
+    "layer_norm",
+    "add_rms_norm",
+    "add_layer_norm",
     "nn",
     "registry",
     "MemoryCounterMode",

@@ -25,6 +25,7 @@ import torch
 from .errors import ArgumentError, NotDifferentiableError, SignatureError, UnknownKernelError
 from .registry import get, result_dtype
 from .runtime import elementwise, matmul, native
+from .runtime import norm as row_norm
 
 __all__ = [
     "EagerElementwise",
@@ -32,6 +33,7 @@ __all__ = [
     "EagerMatmul",
     "FuncElementwise",
     "FuncMatmul",
+    "Norm",
     "PAIRS",
     "call_autograd",
     "call_functorch",
@@ -690,3 +692,69 @@ def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:
 def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:
     """A 2-D matmul under a ``torch.func`` transform."""
     return FuncMatmul.apply(a2, b, bias, activation, activation in matmul.NEEDS_PRE)[0]
+
+
+class Norm(torch.autograd.Function):
+    """An eager normalisation (RMSNorm or LayerNorm over rows, an optional residual added
+    first) that needs a gradient. Keeps the normalised rows (the input, or ``h``: an output the
+    caller holds anyway), the weight and the per-row statistics, nothing of the output's
+    size; the backward is one kernel over the rows. A gradient of the gradient recomputes
+    the forward as PyTorch's composition and differentiates that."""
+
+    @staticmethod
+    def forward(ctx, x2, residual2, weight, bias, eps, alpha, rms, y_dtype, h_dtype):
+        y, h, mean, rstd = row_norm.forward(x2, residual2, weight, bias, eps, alpha, rms, y_dtype, h_dtype, True)
+        ctx.set_materialize_grads(False)
+        ctx.eps, ctx.alpha, ctx.rms, ctx.has_bias = eps, alpha, rms, bias is not None
+        ctx.dtypes = (x2.dtype, None if residual2 is None else residual2.dtype)
+        ctx.save_for_backward(x2 if h is None else h, weight, bias, mean, rstd, x2, residual2)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        rows, weight, bias, mean, rstd, x2, residual2 = ctx.saved_tensors
+        n_grads = (None,) * 5
+        if torch.is_grad_enabled():  # create_graph: differentiate PyTorch's composition
+            return (*_norm_double_backward(ctx, dy, dh_out, x2, residual2, weight, bias), *n_grads)
+        n = rows.shape[1]
+        # (the gradients as rows with unit column stride: a sum's gradient arrives expanded)
+        dy = torch.zeros_like(rows) if dy is None else row_norm.rows_of(dy, rows.shape[0], n)
+        dh_out = None if dh_out is None else row_norm.rows_of(dh_out, rows.shape[0], n)
+        dx, dw, db = row_norm.backward(
+            dy,
+            rows,
+            weight,
+            mean,
+            rstd,
+            dh_out,
+            ctx.rms,
+            ctx.has_bias,
+            rows.dtype,
+            weight is not None and ctx.needs_input_grad[2],
+        )
+        x_dtype, r_dtype = ctx.dtypes
+        dr = None
+        if residual2 is not None and ctx.needs_input_grad[1]:
+            dr = (dx if ctx.alpha == 1 else dx * ctx.alpha).to(r_dtype)
+        dx = dx.to(x_dtype) if ctx.needs_input_grad[0] else None
+        if db is not None and bias is not None:
+            db = db.to(bias.dtype)
+        return dx, dr, dw, db, *n_grads
+
+
+def _norm_double_backward(ctx, dy, dh_out, x2, residual2, weight, bias):
+    """The first gradients as differentiable PyTorch ops on the saved inputs, recomputing the
+    forward as PyTorch's composition (a gradient of the gradient is recorded through them)."""
+    inputs = (x2, residual2, weight, bias)
+    need = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        y, h = row_norm.reference(x2, residual2, weight, bias, ctx.eps, ctx.alpha, ctx.rms, (x2.shape[-1],))
+        outs, grads = [y], [dy if dy is not None else torch.zeros_like(y)]
+        if h is not None and dh_out is not None:
+            outs.append(h)
+            grads.append(dh_out)
+        got = torch.autograd.grad(outs, [inputs[i] for i in need], grads, create_graph=True, allow_unused=True)
+    result = [None] * 4
+    for i, g in zip(need, got):
+        result[i] = g
+    return tuple(result)

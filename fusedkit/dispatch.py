@@ -15,16 +15,20 @@ For an elementwise call (:func:`elementwise`) and a matmul (:func:`matmul`), in 
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from . import autograd, settings, sharding
-from .errors import FusedkitError, NotDifferentiableError, TracingError
+from .errors import ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, TracingError
 from .registry import ElementwiseKernel, number_kind, result_dtype
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
 from .runtime import native
+from .runtime import norm as rn
 
-__all__ = ["elementwise", "matmul", "observed", "tracing"]
+__all__ = ["elementwise", "matmul", "norm", "observed", "tracing"]
 
 _is_compiling = torch.compiler.is_compiling
 #: ``torch.jit.trace`` recording: calls go through the registered op, which it records.
@@ -281,3 +285,54 @@ def _matmul_2d(a2, b, bias, activation, needs_grad: bool, forward_ad: bool = Fal
     if needs_grad:
         return autograd.record_matmul(a2, b, bias, activation)
     return mm.forward(a2, b, bias, activation, store_pre=False)[0]
+
+
+def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms: bool):
+    """RMSNorm (``rms``) or LayerNorm of ``x`` (plus ``alpha * residual`` first) over
+    ``normalized_shape``: ``y``, or ``(y, h)`` with a residual (see :func:`fusedkit.rms_norm`).
+    Checked before anything runs. Traced, transformed, float64 and DTensor calls run
+    PyTorch's composition (Inductor fuses it under ``torch.compile``); eager calls the kernels."""
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(f"{name}(): input must be a tensor, got {type(x).__name__}")
+    shape, n = rn.normalized_size(x, normalized_shape, name)
+    rn.validate(name, x, residual, weight, bias, shape, eps)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
+    _no_jit_trace(name)
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y_dtype = h_dtype
+    if x.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+        y_dtype = _autocast_norm_dtype(x.device.type, torch.get_autocast_dtype(x.device.type), h_dtype, rms)
+    if eps is None:  # (torch: the epsilon of the dtype the norm computes in, autocast's included)
+        eps = torch.finfo(y_dtype).eps if rms else 1e-5
+    tensors = (x, residual, weight, bias)
+    if (
+        tracing(tensors)
+        or _has_tangent(tensors)
+        or any(t is not None and t.dtype not in rn.KERNEL_DTYPES for t in tensors)
+        or ew.backend_for(x.device) == "torch"
+    ):
+        y, h = rn.reference(x, residual, weight, bias, eps, alpha, rms, shape)
+        return y if residual is None else (y, h)
+    lead = x.shape[: x.dim() - len(shape)]
+    x2 = rn.rows_of(x, lead.numel(), n)
+    r2 = None if residual is None else rn.rows_of(residual, lead.numel(), n)
+    w1 = None if weight is None else weight.reshape(n)
+    b1 = None if bias is None else bias.reshape(n)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        out = autograd.Norm.apply(x2, r2, w1, b1, eps, alpha, rms, y_dtype, h_dtype)
+        y, h = out if residual is not None else (out, None)
+    else:
+        y, h, _, _ = rn.forward(x2, r2, w1, b1, eps, alpha, rms, y_dtype, h_dtype, False)
+    y = y.view(*lead, *shape)
+    return y if residual is None else (y, h.view(*lead, *shape))
+
+
+@functools.cache
+def _autocast_norm_dtype(device_type: str, autocast_dtype: torch.dtype, dtype: torch.dtype, rms: bool) -> torch.dtype:
+    """The dtype torch's norm returns under autocast for an input of ``dtype`` (CUDA's policy
+    runs norms in float32): learnt once from torch itself, on a two-element tensor."""
+    probe = torch.ones(1, 2, dtype=dtype, device=device_type)
+    with torch.autocast(device_type, dtype=autocast_dtype):
+        out = F.rms_norm(probe, (2,)) if rms else F.layer_norm(probe, (2,))
+    return out.dtype

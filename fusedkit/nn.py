@@ -7,10 +7,10 @@ import numbers
 import torch
 from torch import nn
 
-from .ops import add_relu, linear_relu, silu_mul
+from .ops import add_relu, layer_norm, linear_relu, rms_norm, silu_mul
 from .runtime.layout import broadcast_shape
 
-__all__ = ["LinearReLU", "AddReLU", "SwiGLU"]
+__all__ = ["LinearReLU", "AddReLU", "SwiGLU", "RMSNorm", "LayerNorm"]
 
 
 class LinearReLU(nn.Linear):
@@ -116,3 +116,22 @@ class SwiGLU(nn.Module):
             f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "
             f"bias={self.gate.bias is not None}"
         )
+
+
+class RMSNorm(nn.RMSNorm):
+    """Drop-in for ``torch.nn.RMSNorm`` running :func:`fusedkit.rms_norm`: the same
+    constructor, parameter (``weight``), state-dict keys and defaults, so it loads a
+    ``torch.nn.RMSNorm`` or transformers ``LlamaRMSNorm`` state dict. (LlamaRMSNorm's output
+    has the weight's and input's promoted dtype; this one, as ``torch.nn.RMSNorm``, the
+    input's.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in for ``torch.nn.LayerNorm`` running :func:`fusedkit.layer_norm`: the same
+    constructor (``elementwise_affine``, ``bias=False``), parameters and state-dict keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

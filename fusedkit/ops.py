@@ -18,7 +18,21 @@ from .registry import ElementwiseKernel, get
 from .runtime import matmul as mm
 from .runtime.layout import broadcast_shape
 
-__all__ = ["add", "add_gelu", "add_relu", "elementwise", "gelu_mul", "linear_relu", "matmul", "matmul_relu", "silu_mul"]
+__all__ = [
+    "add",
+    "add_gelu",
+    "add_layer_norm",
+    "add_relu",
+    "add_rms_norm",
+    "elementwise",
+    "gelu_mul",
+    "layer_norm",
+    "linear_relu",
+    "matmul",
+    "matmul_relu",
+    "rms_norm",
+    "silu_mul",
+]
 
 #: What an operand may be: a tensor, or a host number standing for a scalar.
 Operand = torch.Tensor | float | int
@@ -232,3 +246,80 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return dispatch.elementwise(ADD_RELU, (y, 0), 1, None)
     out = dispatch.elementwise(ADD_RELU, (y, bias), 1, None)
     return out if out.shape == y.shape else out.reshape(y.shape)
+
+
+# --- Normalisation over rows: RMSNorm and LayerNorm, with a residual add first -------------
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``F.rms_norm`` in one kernel: ``input / sqrt(mean(input^2) + eps) * weight`` over the
+    trailing ``normalized_shape`` dims, computed in float32 and rounded once.
+
+    Arguments, result dtype (the input's; float32 under CUDA autocast, as torch's norms run)
+    and ``eps`` (None: the machine epsilon of that dtype) as ``torch.nn.functional.rms_norm``.
+    Rows at any one stride (a slice of a wider buffer) are read in place; float16, bfloat16
+    and float32 run the kernels, float64 PyTorch's composition. Autograd keeps the input and
+    one float32 per row (its inverse RMS), nothing of the output's size; the backward is one
+    kernel, the weight's gradient summed in a fixed order (the same bits run to run).
+
+    Raises:
+        ShapeError: ``normalized_shape`` not the input's trailing dims; a weight of another shape.
+        DTypeError: a non-floating (or complex) tensor; an input that is not a tensor.
+        DeviceError: tensors on different devices.
+        ArgumentError: a negative or non-numeric ``eps``.
+    """
+    return dispatch.norm("rms_norm", input, None, normalized_shape, weight, None, eps, 1, True)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm`` in one kernel: ``(input - mean) / sqrt(var + eps) * weight + bias``
+    over the trailing ``normalized_shape`` dims (biased variance), in float32, rounded once.
+    Arguments, dtypes, memory and errors as :func:`rms_norm`; autograd keeps the input and
+    two float32 per row (mean and inverse standard deviation)."""
+    return dispatch.norm("layer_norm", input, None, normalized_shape, weight, bias, eps, 1, False)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float | None = None,
+    *,
+    alpha: float = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + alpha * residual; y = rms_norm(h, weight.shape, weight, eps)`` in one pass over
+    the rows: returns ``(y, h)``, ``h`` the new residual stream (``torch.result_type(x,
+    residual)``, rounded as the eager add rounds it; y normalises that rounded ``h``, as the
+    eager composition does). Reads x and residual once and writes y and h, where the eager
+    composition also reads h back for the statistics and again for the output. With
+    ``weight=None`` the last dim is normalised. Its backward is one kernel: the gradient
+    reaching ``h`` itself (the residual stream's) is added to the norm's, and x and residual
+    get it (times ``alpha``). Errors as :func:`rms_norm`; residual has x's shape."""
+    shape = x.shape[-1:] if weight is None else weight.shape
+    return dispatch.norm("add_rms_norm", x, residual, shape, weight, None, eps, alpha, True)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    alpha: float = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + alpha * residual; y = layer_norm(h, ...)`` in one pass: ``(y, h)``, as
+    :func:`add_rms_norm` (the normalised shape: the weight's, else the bias's, else the last dim)."""
+    shape = x.shape[-1:] if weight is None and bias is None else (weight if weight is not None else bias).shape
+    return dispatch.norm("add_layer_norm", x, residual, shape, weight, bias, eps, alpha, False)

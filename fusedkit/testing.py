@@ -17,6 +17,7 @@ from .runtime.matmul import tf32_enabled
 __all__ = [
     "Tolerance",
     "TOLERANCES",
+    "NORM_TOLERANCES",
     "tolerance",
     "reference_result",
     "assert_matches_reference",
@@ -45,6 +46,18 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(atol=1e-12, rtol=1e-12),
     torch.int32: Tolerance(atol=0, rtol=0),
     torch.int64: Tolerance(atol=0, rtol=0),
+}
+
+
+#: Bounds per result dtype for a row normalisation (RMSNorm, LayerNorm) against a float64
+#: reference: float32 statistics over the row, then one rounding of each output, whose
+#: values reach several units (a weight of a few units times a normalised value): fp16 and
+#: bf16 allow one ulp of the largest, fp32 a relative 1e-5 of it.
+NORM_TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float16: Tolerance(atol=4e-3, rtol=2e-3),
+    torch.bfloat16: Tolerance(atol=3e-2, rtol=1.6e-2),
+    torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
+    torch.float64: Tolerance(atol=1e-12, rtol=1e-12),
 }
 
 

@@ -1,0 +1,221 @@
+"""The normalisation family on the host: checks, the rows view, launches.
+
+A normalisation over ``normalized_shape`` (the trailing dims) sees its input as ``rows``
+rows of ``n = prod(normalized_shape)`` columns with unit stride, each row at one stride
+(a row slice, a padded or batched buffer: read in place). An input whose rows no single
+stride reaches (a transposed last dim) is copied once; float64 runs PyTorch's composition
+(the reference path), as the kernels compute in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ..errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from ..kernels.helpers import INTERPRETED
+from ..kernels.norm import CHUNK, MAX_ONE_PASS, norm_backward_kernel, norm_forward_kernel
+from . import launch
+
+#: The input dtypes the kernels take (float64 runs the reference composition).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NORM_DTYPES = (*KERNEL_DTYPES, torch.float64)
+
+
+def normalized_size(x: torch.Tensor, normalized_shape, name: str) -> tuple[tuple, int]:
+    """``normalized_shape`` as a tuple and its element count, checked against ``x``'s
+    trailing dims (``ShapeError``) as torch checks them."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise ShapeError(f"{name}(): normalized_shape must be ints, got {normalized_shape!r}")
+    if not shape or tuple(x.shape[x.dim() - len(shape) :]) != shape or len(shape) > x.dim():
+        raise ShapeError(
+            f"{name}(): normalized_shape {list(shape)} is not the trailing dims of the input's shape {list(x.shape)}"
+        )
+    return shape, math.prod(shape)
+
+
+def validate(name: str, x, residual, weight, bias, shape: tuple, eps) -> None:
+    """Every check before a launch: tensors, float dtypes, one device, shapes (``residual``
+    as ``x``, ``weight`` and ``bias`` as ``normalized_shape``), a finite non-negative ``eps``."""
+    for arg, value in (("input", x), ("residual", residual), ("weight", weight), ("bias", bias)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"{name}(): {arg} must be a tensor, got {type(value).__name__}")
+        if value.dtype not in NORM_DTYPES:
+            raise DTypeError(f"{name}(): {arg} has dtype {value.dtype}; takes {', '.join(map(str, NORM_DTYPES))}")
+        if value.device != x.device:
+            raise DeviceError(f"{name}(): {arg} is on {value.device}, the input on {x.device}")
+    if residual is not None and residual.shape != x.shape:
+        raise ShapeError(f"{name}(): residual has shape {list(residual.shape)}, the input {list(x.shape)}")
+    for arg, value in (("weight", weight), ("bias", bias)):
+        if value is not None and tuple(value.shape) != shape:
+            raise ShapeError(f"{name}(): {arg} has shape {list(value.shape)}, normalized_shape is {list(shape)}")
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
+        raise ArgumentError(f"{name}(): eps must be a number >= 0, got {eps!r}")
+
+
+def rows_of(t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """``t`` as ``(rows, n)`` with unit column stride: a view where one row stride reaches
+    every row, else a copy (made once, the launch reads it)."""
+    if n > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        view = t.view(rows, n)
+    except RuntimeError:
+        view = t.reshape(rows, n)  # (a copy: no one row stride reaches every row)
+    if n > 1 and view.stride(1) != 1:
+        view = view.contiguous()
+    return view
+
+
+@functools.cache
+def _programs_per_device(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(n: int) -> dict:
+    """Block sizes and warps: a row in one block up to ``MAX_ONE_PASS`` columns, several
+    narrow rows a program (about 4096 elements a block), wider rows in chunks."""
+    if n <= MAX_ONE_PASS:
+        block_n = triton.next_power_of_2(max(n, 1))
+        block_m = max(1, min(16, 4096 // block_n))
+        return {
+            "ONE_PASS": True,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "warps": min(16, max(1, block_m * block_n // 512)),
+        }
+    return {"ONE_PASS": False, "BLOCK_M": 1, "BLOCK_N": CHUNK, "warps": 8}
+
+
+def forward(x2, residual2, weight, bias, eps: float, alpha: float, rms: bool, y_dtype, h_dtype, stats: bool):
+    """``(y, h, mean, rstd)`` over rows of ``x2`` (and ``residual2``): ``h`` None without a
+    residual; ``mean`` None for RMS; the statistics (float32, one a row) only with ``stats``."""
+    rows, n = x2.shape
+    y = torch.empty((rows, n), dtype=y_dtype, device=x2.device)
+    h = torch.empty((rows, n), dtype=h_dtype, device=x2.device) if residual2 is not None else None
+    want_mean = stats and not rms
+    mean = torch.empty(rows, dtype=torch.float32, device=x2.device) if want_mean else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=x2.device) if stats else None
+    if rows == 0 or n == 0:
+        if rstd is not None and n == 0:  # (torch: rstd of an empty row is 1 / sqrt(eps); unused)
+            rstd.fill_(1 / math.sqrt(eps) if eps > 0 else math.inf)
+            if mean is not None:
+                mean.zero_()
+        return y, h, mean, rstd
+    cfg = _config(n)
+    any_ = y  # (a placeholder pointer for an absent operand: never read)
+    with launch.serialised():
+        norm_forward_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
+            x2,
+            residual2 if residual2 is not None else any_,
+            weight if weight is not None else any_,
+            bias if bias is not None else any_,
+            y,
+            h if h is not None else y,
+            mean if mean is not None else any_,
+            rstd if rstd is not None else any_,
+            float(eps),
+            float(alpha),
+            rows,
+            n,
+            x2.stride(0),
+            residual2.stride(0) if residual2 is not None else 0,
+            y.stride(0),
+            h.stride(0) if h is not None else 0,
+            RMS=rms,
+            RESIDUAL=residual2 is not None,
+            WEIGHT=weight is not None,
+            BIAS=bias is not None,
+            STATS=stats,
+            ONE_PASS=cfg["ONE_PASS"],
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["warps"],
+        )
+    return y, h, mean, rstd
+
+
+def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx_dtype, need_weight: bool):
+    """``(dx, dweight, dbias)`` (float32 sums cast to the parameters' dtypes) from the output's
+    gradient ``dy2``, the normalised rows ``h2`` and their statistics; ``dh_out2``: the
+    gradient that reached ``h`` itself (add + norm), added to ``dx``."""
+    rows, n = h2.shape
+    device = h2.device
+    dx = torch.empty((rows, n), dtype=dx_dtype, device=device)
+    if rows == 0 or n == 0:
+        if dh_out2 is not None:
+            dx.copy_(dh_out2)
+        dw = torch.zeros(n, dtype=weight.dtype, device=device) if weight is not None and need_weight else None
+        db = (
+            torch.zeros(n, dtype=weight.dtype if weight is not None else dy2.dtype, device=device) if has_bias else None
+        )
+        return dx, dw, db
+    cfg = _config(n)
+    per_program = triton.cdiv(rows, min(rows, _programs_per_device(device)))
+    programs = triton.cdiv(rows, per_program)
+    alloc = torch.empty if cfg["ONE_PASS"] else torch.zeros  # (chunked partials are read, added and written)
+    want_w = weight is not None and need_weight
+    dw_part = alloc((programs, n), dtype=torch.float32, device=device) if want_w else None
+    db_part = alloc((programs, n), dtype=torch.float32, device=device) if has_bias else None
+    any_ = dx
+    with launch.serialised():
+        norm_backward_kernel[(programs,)](
+            dy2,
+            h2,
+            weight if weight is not None else any_,
+            mean if mean is not None else any_,
+            rstd,
+            dh_out2 if dh_out2 is not None else any_,
+            dx,
+            dw_part if dw_part is not None else any_,
+            db_part if db_part is not None else any_,
+            rows,
+            n,
+            per_program,
+            dy2.stride(0),
+            h2.stride(0),
+            dh_out2.stride(0) if dh_out2 is not None else 0,
+            dx.stride(0),
+            RMS=rms,
+            WEIGHT=weight is not None,
+            BIAS=has_bias,
+            RESIDUAL_GRAD=dh_out2 is not None,
+            ONE_PASS=cfg["ONE_PASS"],
+            BLOCK_N=cfg["BLOCK_N"] if cfg["ONE_PASS"] else CHUNK,
+            num_warps=min(cfg["warps"], 8),
+        )
+    # (a sum over the programs' rows in a fixed order: the same bits every run)
+    dw = dw_part.sum(0).to(weight.dtype) if dw_part is not None else None
+    db = db_part.sum(0) if db_part is not None else None
+    return dx, dw, db
+
+
+def reference(x, residual, weight, bias, eps, alpha, rms: bool, normalized_shape):
+    """PyTorch's composition: ``(y, h)`` (``h`` None without a residual); float64 runs it."""
+    h = x if residual is None else torch.add(x, residual, alpha=alpha)
+    if rms:
+        y = F.rms_norm(h, normalized_shape, weight, eps)
+    else:
+        y = F.layer_norm(h, normalized_shape, weight, bias, eps)
+    return y, (None if residual is None else h)
+
+
+__all__ = [
+    "INTERPRETED",
+    "KERNEL_DTYPES",
+    "NORM_DTYPES",
+    "backward",
+    "forward",
+    "normalized_size",
+    "reference",
+    "rows_of",
+]

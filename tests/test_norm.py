@@ -1,0 +1,245 @@
+"""The row normalisations (rms_norm, layer_norm, add_rms_norm, add_layer_norm) and their
+modules against PyTorch in float64.
+
+The grid is pruned: every op at every kernel dtype at three widths (one column; a narrow row,
+several a program; a row in one block), and the widest path (rows read in chunks) once per op
+in float32 and bfloat16: the kernels' switches are the op's (RMS or LayerNorm, residual,
+weight, bias) and the width's (one pass or chunks); the dtype only changes loads and stores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand
+
+import fusedkit
+from fusedkit.kernels.norm import MAX_ONE_PASS
+from fusedkit.testing import NORM_TOLERANCES, TOLERANCES
+
+OPS = ["rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+WIDE = MAX_ONE_PASS + 808  # (rows read in chunks)
+
+
+def _call(op, x, r, w, b, eps, alpha=1.0, shape=None):
+    """``(y, h)`` of ``op`` (``h`` None for the plain norms) through fusedkit or, with
+    ``op`` prefixed ``torch:``, PyTorch's composition."""
+    shape = shape or w.shape
+    if op.startswith("torch:"):
+        op = op.removeprefix("torch:")
+        h = torch.add(x, r, alpha=alpha) if op.startswith("add_") else x
+        y = F.rms_norm(h, shape, w, eps) if "rms" in op else F.layer_norm(h, shape, w, b, eps)
+        return y, (h if op.startswith("add_") else None)
+    if op == "rms_norm":
+        return fusedkit.rms_norm(x, shape, w, eps), None
+    if op == "layer_norm":
+        return fusedkit.layer_norm(x, shape, w, b, eps), None
+    if op == "add_rms_norm":
+        return fusedkit.add_rms_norm(x, r, w, eps, alpha=alpha)
+    return fusedkit.add_layer_norm(x, r, w, b, eps, alpha=alpha)
+
+
+def _inputs(op, rows, n, dtype, grad=False):
+    x, r = rand((rows, n), dtype, DEVICE), rand((rows, n), dtype, DEVICE)
+    w = rand((n,), torch.float32, DEVICE) / 3  # (a float32 weight, as autocast training keeps it)
+    b = rand((n,), torch.float32, DEVICE) / 3 if "layer" in op else None
+    tensors = [x, r if op.startswith("add_") else None, w, b]
+    return [t.requires_grad_(grad) if t is not None else None for t in tensors]
+
+
+def _wide(t):
+    return None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+
+
+def _close(got, want, dtype, tol=None):
+    tol = tol or NORM_TOLERANCES[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want.double(), atol=tol.atol, rtol=tol.rtol, equal_nan=True)
+
+
+GRID = [(op, dtype, n) for op in OPS for dtype in DTYPES for n in (1, 96, 1000)]
+GRID += [pytest.param(op, dtype, WIDE, marks=pytest.mark.slow) for op in OPS for dtype in DTYPES[:2]]
+
+
+@pytest.mark.parametrize(("op", "dtype", "n"), GRID)
+def test_forward_matches_float64(op, dtype, n):
+    x, r, w, b = _inputs(op, 7, n, dtype)
+    (y, h), (yr, hr) = _call(op, x, r, w, b, 1e-5, 0.5), _call("torch:" + op, *map(_wide, (x, r, w, b)), 1e-5, 0.5)
+    if h is not None:
+        _close(h, hr, dtype, TOLERANCES[dtype])
+        yr = _call("torch:" + op.removeprefix("add_"), h.double(), None, w.double(), _wide(b), 1e-5)[0]
+    _close(y, yr, dtype)
+
+
+@pytest.mark.parametrize(("op", "dtype", "n"), [(op, dtype, 96) for op in OPS for dtype in DTYPES[:2]])
+def test_gradients_match_float64(op, dtype, n):
+    """Every input's gradient, both outputs' gradients flowing (the residual stream's too)."""
+    x, r, w, b = _inputs(op, 9, n, dtype, grad=True)
+    wide = list(map(_wide, (x, r, w, b)))
+    (y, h), (yr, hr) = _call(op, x, r, w, b, 1e-5, 0.5), _call("torch:" + op, *wide, 1e-5, 0.5)
+    if h is not None:  # the norm reads h as rounded to its dtype (as the eager add rounds it)
+        rounded = hr + (h.detach().double() - hr).detach()
+        yr = _call("torch:" + op.removeprefix("add_"), rounded, None, *wide[2:], 1e-5)[0]
+    gy = rand(y.shape, dtype, DEVICE)
+    outs, grads, wide_outs, wide_grads = [y], [gy], [yr], [gy.double()]
+    if h is not None:
+        gh = rand(h.shape, dtype, DEVICE)
+        outs, grads, wide_outs, wide_grads = [y, h], [gy, gh], [yr, hr], [gy.double(), gh.double()]
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    got = torch.autograd.grad(outs, leaves, grads)
+    want = torch.autograd.grad(wide_outs, [t for t in wide if t is not None], wide_grads)
+    for g, wg, leaf in zip(got, want, leaves):
+        scale = wg.abs().max().item()  # (a sum over rows: held to the rounding of its size)
+        tol = NORM_TOLERANCES[leaf.dtype]
+        torch.testing.assert_close(g.double(), wg, atol=tol.atol * max(scale, 1), rtol=tol.rtol)
+        assert g.dtype == leaf.dtype
+
+
+@pytest.mark.slow  # rows read in chunks, in the interpreter
+@pytest.mark.parametrize("op", OPS)
+def test_wide_rows_gradients(op):
+    x, r, w, b = _inputs(op, 3, WIDE, torch.float32, grad=True)
+    wide = list(map(_wide, (x, r, w, b)))
+    y, yr = _call(op, x, r, w, b, 1e-5)[0], _call("torch:" + op, *wide, 1e-5)[0]
+    gy = rand(y.shape, torch.float32, DEVICE)
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    got = torch.autograd.grad(y, leaves, gy)
+    want = torch.autograd.grad(yr, [t for t in wide if t is not None], gy.double())
+    for g, wg in zip(got, want):
+        torch.testing.assert_close(g.double(), wg, atol=1e-5 * max(wg.abs().max().item(), 1), rtol=1e-5)
+
+
+def test_views_shapes_and_special_values():
+    """Rows at a stride (a slice of a wider buffer), a transposed input, several normalised
+    dims, a batch of matrices, empty inputs; NaN and inf rows as torch gives them."""
+    big = rand((12, 40), torch.float32, DEVICE)
+    for x in (big[::2, 3:35], big[:8, :32].t().contiguous().t(), big[:32, :8].t()):
+        w = rand((x.shape[-1],), torch.float32, DEVICE)
+        _close(fusedkit.rms_norm(x, x.shape[-1:], w), F.rms_norm(x.double(), x.shape[-1:], w.double()), x.dtype)
+    x, w, b = rand((2, 3, 4, 5), torch.float32, DEVICE), rand((4, 5), torch.float32, DEVICE), None
+    _close(fusedkit.layer_norm(x, (4, 5), w, b), F.layer_norm(x.double(), (4, 5), w.double()), torch.float32)
+    for shape in ((0, 8), (3, 0)):
+        e = torch.empty(shape, device=DEVICE)
+        assert fusedkit.rms_norm(e, shape[-1:]).shape == shape
+        y, h = fusedkit.add_layer_norm(e, e, None, None)
+        assert y.shape == h.shape == shape
+    x = rand((4, 6), torch.float32, DEVICE)
+    x[1, 2], x[2, 0], x[3, :] = float("nan"), float("inf"), -0.0
+    for op in ("rms_norm", "layer_norm"):
+        got = _call(op, x, None, None, None, 1e-5, shape=(6,))[0]
+        want = _call("torch:" + op, x.double(), None, None, None, 1e-5, shape=(6,))[0]
+        _close(got, want, torch.float32)
+
+
+def test_bad_input_raises_before_anything_runs():
+    x, w = rand((4, 8), torch.float32, DEVICE), rand((8,), torch.float32, DEVICE)
+    cases = [
+        (fusedkit.ShapeError, lambda: fusedkit.rms_norm(x, (4,))),
+        (fusedkit.ShapeError, lambda: fusedkit.rms_norm(x, ())),
+        (fusedkit.ShapeError, lambda: fusedkit.rms_norm(torch.tensor(1.0, device=DEVICE), (1,))),
+        (fusedkit.ShapeError, lambda: fusedkit.layer_norm(x, (8,), w[:4])),
+        (fusedkit.ShapeError, lambda: fusedkit.add_rms_norm(x, x[:2], w)),
+        (fusedkit.DTypeError, lambda: fusedkit.rms_norm(x.int(), (8,))),
+        (fusedkit.DTypeError, lambda: fusedkit.rms_norm(x.tolist(), (8,))),
+        (fusedkit.DeviceError, lambda: fusedkit.rms_norm(x, (8,), w.to("meta"))),
+        (fusedkit.ArgumentError, lambda: fusedkit.layer_norm(x, (8,), eps=-1.0)),
+        (fusedkit.ArgumentError, lambda: fusedkit.add_rms_norm(x, x, w, alpha=True)),
+    ]
+    for error, call in cases:
+        with pytest.raises(error):
+            call()
+    assert issubclass(fusedkit.ShapeError, ValueError) and issubclass(fusedkit.DTypeError, TypeError)
+
+
+def test_backward_is_deterministic_and_checks_saved_versions():
+    x, r, w, b = _inputs("add_layer_norm", 64, 96, torch.float32, grad=True)
+    grads = []
+    for _ in range(2):
+        y, h = fusedkit.add_layer_norm(x, r, w, b)
+        grads.append(torch.autograd.grad((y * y).sum() + h.sum(), (w, b, x)))
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
+    y = fusedkit.rms_norm(x, (96,), w)
+    with torch.no_grad():
+        x.mul_(2)  # the saved input changed in place: autograd refuses, as for torch's ops
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward_and_torch_func():
+    x, _, w, b = _inputs("layer_norm", 5, 12, torch.float32, grad=True)
+    xw, ww, bw = map(_wide, (x, w, b))
+    (g,) = torch.autograd.grad(fusedkit.layer_norm(x, (12,), w, b).square().sum(), x, create_graph=True)
+    (gw,) = torch.autograd.grad(F.layer_norm(xw, (12,), ww, bw).square().sum(), xw, create_graph=True)
+    torch.testing.assert_close(
+        torch.autograd.grad(g.sum(), w)[0].double(), torch.autograd.grad(gw.sum(), ww)[0], atol=1e-5, rtol=1e-5
+    )
+    f = torch.func.grad(lambda t: fusedkit.rms_norm(t, (12,), w.detach()).sum())
+    torch.testing.assert_close(
+        f(x.detach()), torch.func.grad(lambda t: F.rms_norm(t, (12,), w.detach()).sum())(x.detach())
+    )
+    batched = torch.func.vmap(lambda t: fusedkit.rms_norm(t, (12,)))(x.detach())
+    torch.testing.assert_close(batched, F.rms_norm(x.detach(), (12,)))
+
+
+def test_autocast_follows_torch():
+    """Result dtypes under autocast as torch's norms give them on this device."""
+    x = rand((4, 16), torch.bfloat16, DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        for t in (x, x.float()):
+            assert fusedkit.rms_norm(t, (16,)).dtype == F.rms_norm(t, (16,)).dtype
+            assert fusedkit.layer_norm(t, (16,)).dtype == F.layer_norm(t, (16,)).dtype
+            y, h = fusedkit.add_rms_norm(t, t, None)
+            assert (y.dtype, h.dtype) == (F.rms_norm(t + t, (16,)).dtype, t.dtype)
+
+
+@pytest.mark.slow  # torch.compile
+def test_compiles_fullgraph_as_pytorchs_composition():
+    x, r, w, b = _inputs("add_layer_norm", 6, 32, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda *a: fusedkit.add_layer_norm(*a), fullgraph=True, backend=backend)(x, r, w, b)
+    want = fusedkit.add_layer_norm(x, r, w, b)
+    for g, wnt in zip(got, want):
+        torch.testing.assert_close(g, wnt)
+    assert graphs and not any("fusedkit" in op for op in graphs[0])
+
+
+@pytest.mark.parametrize("cls", ["RMSNorm", "LayerNorm"])
+def test_modules_are_drop_ins(cls):
+    torch_cls, ours = getattr(torch.nn, cls), getattr(fusedkit.nn, cls)
+    for kwargs in ({}, {"elementwise_affine": False}, {"eps": 1e-3}) + (
+        ({"bias": False},) if cls == "LayerNorm" else ()
+    ):
+        stock, mine = torch_cls((3, 8), **kwargs).to(DEVICE), ours((3, 8), **kwargs).to(DEVICE)
+        with torch.no_grad():
+            for p in stock.parameters():
+                p.copy_(rand(p.shape, p.dtype, DEVICE))
+        mine.load_state_dict(stock.state_dict())
+        assert list(mine.state_dict()) == list(stock.state_dict())
+        x = rand((5, 3, 8), torch.float32, DEVICE).requires_grad_()
+        _close(mine(x), stock(x), torch.float32)
+        (gm,) = torch.autograd.grad(mine(x).sum(), x)
+        (gs,) = torch.autograd.grad(stock(x).sum(), x)
+        torch.testing.assert_close(gm, gs, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_loads_a_llama_rms_norm():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    stock = LlamaRMSNorm(16, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        stock.weight.copy_(rand((16,), torch.float32, DEVICE))
+    mine = fusedkit.nn.RMSNorm(16, eps=1e-6).to(DEVICE)
+    mine.load_state_dict(stock.state_dict())
+    x = rand((4, 16), torch.float32, DEVICE)
+    _close(mine(x), stock(x), torch.float32)
+    assert transformers is not None
