@@ -382,3 +382,29 @@ def test_fp32_matmul_modes_compile_as_named(mode):
         assert f["dots"] == 3 and f["tf32"] and f["split"] and f["nan_mask"], f
     else:
         assert f["dots"] == 0 and not f["tf32"] and not f["split"] and f["fma"], f
+
+
+NORMS = """
+import json, re, torch
+from fusedkit.runtime.codegen import compile_norm
+r = {}
+for n in (768, 4096, 16384):
+    x = torch.empty(4096, n, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(n, dtype=torch.float32, device="meta")
+    for name, rms, res, bias in (("add_rms", True, x, None), ("add_ln", False, x, w), ("rms", True, None, None)):
+        for backward in (False, True):
+            ptx = compile_norm(x, res, w, bias, rms, backward).asm["ptx"]
+            r[f"{name} {n} {'bwd' if backward else 'fwd'}"] = {
+                "wide_loads": len(re.findall(r"ld\\.global(\\.\\w+)*\\.v[24]", ptx)),
+                "local": ".local" in ptx,
+            }
+print(json.dumps(r))
+"""
+
+
+def test_norm_kernels_compile_with_wide_loads_and_no_local_memory():
+    # Every variant of the norm family for sm_90: one pass (768, 4096) and in chunks (16384),
+    # forward and backward; loads vectorised, and no row spilled to local memory.
+    facts = run_fresh(NORMS, **NO_DEFAULT_FMA)
+    for case, f in facts.items():
+        assert f["wide_loads"] > 0 and not f["local"], (case, f)

@@ -161,6 +161,10 @@ def test_backward_is_deterministic_and_checks_saved_versions():
         y, h = fusedkit.add_layer_norm(x, r, w, b)
         grads.append(torch.autograd.grad((y * y).sum() + h.sum(), (w, b, x)))
     assert all(torch.equal(a, c) for a, c in zip(*grads))
+    frozen = w.detach()  # (a weight without a gradient scales the input's gradient still)
+    (got,) = torch.autograd.grad(fusedkit.rms_norm(x, (96,), frozen).square().sum(), x)
+    (want,) = torch.autograd.grad(F.rms_norm(x, (96,), frozen).square().sum(), x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     y = fusedkit.rms_norm(x, (96,), w)
     with torch.no_grad():
         x.mul_(2)  # the saved input changed in place: autograd refuses, as for torch's ops

@@ -174,11 +174,12 @@ def norm_backward_kernel(
     s_dx,
     # compile-time switches
     RMS: tl.constexpr,
-    WEIGHT: tl.constexpr,  # (also: compute the weight's gradient)
+    WEIGHT: tl.constexpr,  # the output was scaled by a weight
     BIAS: tl.constexpr,  # compute the bias's gradient
     RESIDUAL_GRAD: tl.constexpr,
     ONE_PASS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr = True,  # compute the weight's gradient (with WEIGHT)
 ):
     pid = tl.program_id(0)
     first = pid * rows_per_program
@@ -206,7 +207,7 @@ def norm_backward_kernel(
             if RESIDUAL_GRAD:
                 dh += widen(tl.load(dh_out_ptr + row[:, None] * s_dh_out + cols[None, :], mask=mask), tl.float32)
             tl.store(dx_ptr + row[:, None] * s_dx + cols[None, :], convert(dh, dx_ptr.dtype.element_ty), mask=mask)
-            if WEIGHT:
+            if WEIGHT and WEIGHT_GRAD:
                 dw += dy * xhat
             if BIAS:
                 db += dy
@@ -233,14 +234,14 @@ def norm_backward_kernel(
                     dh += widen(tl.load(dh_out_ptr + row[:, None] * s_dh_out + cols[None, :], mask=mask), tl.float32)
                 tl.store(dx_ptr + row[:, None] * s_dx + cols[None, :], convert(dh, dx_ptr.dtype.element_ty), mask=mask)
                 # (this program's own partial row: read, add, written back; no other program touches it)
-                if WEIGHT:
+                if WEIGHT and WEIGHT_GRAD:
                     part = dw_ptr + pid.to(tl.int64) * n + cols[None, :]
                     tl.store(part, tl.load(part, mask=mask) + dy * xhat, mask=mask)
                 if BIAS:
                     part = db_ptr + pid.to(tl.int64) * n + cols[None, :]
                     tl.store(part, tl.load(part, mask=mask) + dy, mask=mask)
     if ONE_PASS:
-        if WEIGHT:
+        if WEIGHT and WEIGHT_GRAD:
             tl.store(dw_ptr + pid.to(tl.int64) * n + cols[None, :], dw, mask=col_mask[None, :])
         if BIAS:
             tl.store(db_ptr + pid.to(tl.int64) * n + cols[None, :], db, mask=col_mask[None, :])

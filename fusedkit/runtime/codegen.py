@@ -16,10 +16,12 @@ from ..kernels import activations
 from ..kernels.elementwise import elementwise_kernel
 from ..kernels.matmul import matmul_kernel
 from ..kernels.matmul_tma import matmul_tma_kernel
+from ..kernels.norm import norm_backward_kernel, norm_forward_kernel
 from ..registry import ElementwiseKernel
 from .configs import COMPILER_OPTIONS
 from .elementwise import launch_config
 from .matmul import launch_config as matmul_config
+from .norm import backward_launch, forward_launch
 
 #: Hopper (H100, H200): compute capability 9.0, 32-thread warps.
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -42,6 +44,8 @@ def _arg_type(value) -> str:
         return "*" + _TRITON_TYPE[value.dtype]
     if isinstance(value, bool):
         return "i1"
+    if isinstance(value, float):
+        return "fp32"
     return "i32" if _I32_MIN <= value <= _I32_MAX else "i64"
 
 
@@ -166,3 +170,38 @@ def compile_elementwise(
     for name in COMPILER_OPTIONS:  # given to _compile as options, not constants
         meta.pop(name)
     return _compile(elementwise_kernel, args, meta, num_warps, target)
+
+
+def compile_norm(x2: torch.Tensor, residual2, weight, bias, rms: bool, backward: bool = False, target=HOPPER):
+    """Compile the forward (or backward) launch of a normalisation of the rows of 2-D ``x2``
+    (``residual2``: add + norm), as :mod:`fusedkit.runtime.norm` makes it; meta tensors work."""
+    rows, n = x2.shape
+
+    def like(dtype=None):
+        return torch.empty((rows, n), dtype=dtype or x2.dtype, device=x2.device)
+
+    stats = torch.empty(rows, dtype=torch.float32, device=x2.device)
+    if backward:
+        parts = torch.empty((4, n), dtype=torch.float32, device=x2.device)
+        _, args, meta = backward_launch(
+            like(),
+            like(),
+            weight,
+            None if rms else stats,
+            stats,
+            like() if residual2 is not None else None,
+            like(),
+            parts if weight is not None else None,
+            parts if bias is not None else None,
+            rms,
+            16,
+        )
+        kernel = norm_backward_kernel
+    else:
+        h = like() if residual2 is not None else None
+        _, args, meta = forward_launch(
+            x2, residual2, weight, bias, like(), h, None if rms else stats, stats, 1e-5, 1.0, rms
+        )
+        kernel = norm_forward_kernel
+    num_warps = meta.pop("num_warps")
+    return _compile(kernel, args, meta, num_warps, target)

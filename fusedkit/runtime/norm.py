@@ -20,6 +20,7 @@ from ..errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from ..kernels.helpers import INTERPRETED
 from ..kernels.norm import CHUNK, MAX_ONE_PASS, norm_backward_kernel, norm_forward_kernel
 from . import launch
+from .configs import COMPILER_OPTIONS
 
 #: The input dtypes the kernels take (float64 runs the reference composition).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -96,58 +97,83 @@ def _config(n: int) -> dict:
     return {"ONE_PASS": False, "BLOCK_M": 1, "BLOCK_N": CHUNK, "warps": 8}
 
 
+def forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps: float, alpha: float, rms: bool):
+    """``(grid, args, meta)`` of the forward kernel's launch (meta with ``num_warps``)."""
+    rows, n = x2.shape
+    cfg = _config(n)
+    any_ = y  # (a placeholder pointer for an absent operand: never read)
+    args = (
+        *(t if t is not None else any_ for t in (x2, residual2, weight, bias, y, h, mean, rstd)),
+        float(eps),
+        float(alpha),
+        rows,
+        n,
+        *(t.stride(0) if t is not None else 0 for t in (x2, residual2, y, h)),
+    )
+    meta = {
+        "RMS": rms,
+        "RESIDUAL": residual2 is not None,
+        "WEIGHT": weight is not None,
+        "BIAS": bias is not None,
+        "STATS": rstd is not None,
+        "ONE_PASS": cfg["ONE_PASS"],
+        "BLOCK_M": cfg["BLOCK_M"],
+        "BLOCK_N": cfg["BLOCK_N"],
+        "num_warps": cfg["warps"],
+    }
+    return (triton.cdiv(rows, cfg["BLOCK_M"]),), args, meta
+
+
 def forward(x2, residual2, weight, bias, eps: float, alpha: float, rms: bool, y_dtype, h_dtype, stats: bool):
     """``(y, h, mean, rstd)`` over rows of ``x2`` (and ``residual2``): ``h`` None without a
     residual; ``mean`` None for RMS; the statistics (float32, one a row) only with ``stats``."""
     rows, n = x2.shape
     y = torch.empty((rows, n), dtype=y_dtype, device=x2.device)
     h = torch.empty((rows, n), dtype=h_dtype, device=x2.device) if residual2 is not None else None
-    want_mean = stats and not rms
-    mean = torch.empty(rows, dtype=torch.float32, device=x2.device) if want_mean else None
+    mean = torch.empty(rows, dtype=torch.float32, device=x2.device) if stats and not rms else None
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device) if stats else None
     if rows == 0 or n == 0:
-        if rstd is not None and n == 0:  # (torch: rstd of an empty row is 1 / sqrt(eps); unused)
-            rstd.fill_(1 / math.sqrt(eps) if eps > 0 else math.inf)
+        if rstd is not None:  # (rows of no columns: statistics of nothing, never read)
+            rstd.fill_(math.inf)
             if mean is not None:
                 mean.zero_()
         return y, h, mean, rstd
-    cfg = _config(n)
-    any_ = y  # (a placeholder pointer for an absent operand: never read)
+    grid, args, meta = forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps, alpha, rms)
     with launch.serialised():
-        norm_forward_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
-            x2,
-            residual2 if residual2 is not None else any_,
-            weight if weight is not None else any_,
-            bias if bias is not None else any_,
-            y,
-            h if h is not None else y,
-            mean if mean is not None else any_,
-            rstd if rstd is not None else any_,
-            float(eps),
-            float(alpha),
-            rows,
-            n,
-            x2.stride(0),
-            residual2.stride(0) if residual2 is not None else 0,
-            y.stride(0),
-            h.stride(0) if h is not None else 0,
-            RMS=rms,
-            RESIDUAL=residual2 is not None,
-            WEIGHT=weight is not None,
-            BIAS=bias is not None,
-            STATS=stats,
-            ONE_PASS=cfg["ONE_PASS"],
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["warps"],
-        )
+        norm_forward_kernel[grid](*args, **meta, **COMPILER_OPTIONS)
     return y, h, mean, rstd
+
+
+def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms: bool, per_program: int):
+    """``(grid, args, meta)`` of the backward kernel's launch (meta with ``num_warps``)."""
+    rows, n = h2.shape
+    cfg = _config(n)
+    any_ = dx
+    args = (
+        *(t if t is not None else any_ for t in (dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part)),
+        rows,
+        n,
+        per_program,
+        *(t.stride(0) if t is not None else 0 for t in (dy2, h2, dh_out2, dx)),
+    )
+    meta = {
+        "RMS": rms,
+        "WEIGHT": weight is not None,
+        "BIAS": db_part is not None,
+        "RESIDUAL_GRAD": dh_out2 is not None,
+        "ONE_PASS": cfg["ONE_PASS"],
+        "BLOCK_N": cfg["BLOCK_N"],
+        "WEIGHT_GRAD": dw_part is not None,
+        "num_warps": min(cfg["warps"], 8),
+    }
+    return (triton.cdiv(rows, per_program),), args, meta
 
 
 def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx_dtype, need_weight: bool):
     """``(dx, dweight, dbias)`` (float32 sums cast to the parameters' dtypes) from the output's
     gradient ``dy2``, the normalised rows ``h2`` and their statistics; ``dh_out2``: the
-    gradient that reached ``h`` itself (add + norm), added to ``dx``."""
+    gradient that reached ``h`` itself (add + norm), added to ``dx``. The weight (when given)
+    scales the gradient; its own gradient is computed with ``need_weight``."""
     rows, n = h2.shape
     device = h2.device
     dx = torch.empty((rows, n), dtype=dx_dtype, device=device)
@@ -155,44 +181,17 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
         if dh_out2 is not None:
             dx.copy_(dh_out2)
         dw = torch.zeros(n, dtype=weight.dtype, device=device) if weight is not None and need_weight else None
-        db = (
-            torch.zeros(n, dtype=weight.dtype if weight is not None else dy2.dtype, device=device) if has_bias else None
-        )
+        db = torch.zeros(n, dtype=torch.float32, device=device) if has_bias else None
         return dx, dw, db
-    cfg = _config(n)
     per_program = triton.cdiv(rows, min(rows, _programs_per_device(device)))
     programs = triton.cdiv(rows, per_program)
-    alloc = torch.empty if cfg["ONE_PASS"] else torch.zeros  # (chunked partials are read, added and written)
-    want_w = weight is not None and need_weight
-    dw_part = alloc((programs, n), dtype=torch.float32, device=device) if want_w else None
+    # (chunked rows add into their program's partial row: it starts at zero)
+    alloc = torch.empty if n <= MAX_ONE_PASS else torch.zeros
+    dw_part = alloc((programs, n), dtype=torch.float32, device=device) if weight is not None and need_weight else None
     db_part = alloc((programs, n), dtype=torch.float32, device=device) if has_bias else None
-    any_ = dx
+    grid, args, meta = backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program)
     with launch.serialised():
-        norm_backward_kernel[(programs,)](
-            dy2,
-            h2,
-            weight if weight is not None else any_,
-            mean if mean is not None else any_,
-            rstd,
-            dh_out2 if dh_out2 is not None else any_,
-            dx,
-            dw_part if dw_part is not None else any_,
-            db_part if db_part is not None else any_,
-            rows,
-            n,
-            per_program,
-            dy2.stride(0),
-            h2.stride(0),
-            dh_out2.stride(0) if dh_out2 is not None else 0,
-            dx.stride(0),
-            RMS=rms,
-            WEIGHT=weight is not None,
-            BIAS=has_bias,
-            RESIDUAL_GRAD=dh_out2 is not None,
-            ONE_PASS=cfg["ONE_PASS"],
-            BLOCK_N=cfg["BLOCK_N"] if cfg["ONE_PASS"] else CHUNK,
-            num_warps=min(cfg["warps"], 8),
-        )
+        norm_backward_kernel[grid](*args, **meta, **COMPILER_OPTIONS)
     # (a sum over the programs' rows in a fixed order: the same bits every run)
     dw = dw_part.sum(0).to(weight.dtype) if dw_part is not None else None
     db = db_part.sum(0) if db_part is not None else None
