@@ -28,7 +28,7 @@ from .runtime import matmul as mm
 from .runtime import native
 from .runtime import norm as rn
 
-__all__ = ["elementwise", "matmul", "norm", "observed", "tracing"]
+__all__ = ["elementwise", "matmul", "norm", "norm_dtype", "observed", "tracing"]
 
 _is_compiling = torch.compiler.is_compiling
 #: ``torch.jit.trace`` recording: calls go through the registered op, which it records.
@@ -300,9 +300,7 @@ def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms
         raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
     _no_jit_trace(name)
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y_dtype = h_dtype
-    if x.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
-        y_dtype = _autocast_norm_dtype(x.device.type, torch.get_autocast_dtype(x.device.type), h_dtype, rms)
+    y_dtype = norm_dtype(h_dtype, x.device.type, rms)
     if eps is None:  # (torch: the epsilon of the dtype the norm computes in, autocast's included)
         eps = torch.finfo(y_dtype).eps if rms else 1e-5
     tensors = (x, residual, weight, bias)
@@ -326,6 +324,14 @@ def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms
         y, h, _, _ = rn.forward(x2, r2, w1, b1, eps, alpha, rms, y_dtype, h_dtype, False)
     y = y.view(*lead, *shape)
     return y if residual is None else (y, h.view(*lead, *shape))
+
+
+def norm_dtype(dtype: torch.dtype, device_type: str, rms: bool) -> torch.dtype:
+    """The dtype a norm of a ``dtype`` input returns here and now: ``dtype``, or what torch's
+    norm gives under autocast where it is on (float32 under CUDA's policy)."""
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return _autocast_norm_dtype(device_type, torch.get_autocast_dtype(device_type), dtype, rms)
+    return dtype
 
 
 @functools.cache

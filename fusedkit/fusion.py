@@ -9,9 +9,15 @@ submodule fx cannot trace through kept whole); each chain fusedkit has one kerne
   GELU or SiLU): ``fusedkit.matmul`` with the activation in its epilogue;
 - ``silu * mul`` / ``gelu * mul`` (a SwiGLU or GeGLU gate): ``fusedkit.silu_mul`` /
   ``fusedkit.gelu_mul``;
-- ``add -> gelu`` (a bias or residual before a GELU): ``fusedkit.add_gelu``.
+- ``add -> gelu`` (a bias or residual before a GELU): ``fusedkit.add_gelu``;
+- ``add -> layer_norm`` / ``add -> rms_norm`` (a residual join and the norm that reads it:
+  ``nn.LayerNorm``, ``nn.RMSNorm``, ``F.layer_norm``, ``F.rms_norm``, transformers'
+  ``LlamaRMSNorm`` family): ``fusedkit.add_layer_norm`` / ``fusedkit.add_rms_norm``, whose
+  ``h`` stands for the sum wherever else the residual stream goes;
+- ``rms_norm`` (an RMSNorm computed by several ops, ``LlamaRMSNorm``): ``fusedkit.rms_norm``.
 
-A chain qualifies when its first op's result has no other user. ``bytes_saved`` is what the
+A chain qualifies when its first op's result has no other user (a residual join's sum may
+have others: the fused call returns it). ``bytes_saved`` is what the
 fused kernel does not move in one forward pass, by :class:`fusedkit.MemoryCounterMode`'s
 model at the example inputs' shapes: every op of the chain's bytes, less those of the one op
 whose reads and writes the fused kernel makes (the linear or the add; a gate's mul). For a
@@ -28,6 +34,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import operator
 import types
 import warnings
@@ -37,12 +44,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.nn.utils import parametrize
 
 from . import nn as fnn
+from .dispatch import norm_dtype
 from .errors import FusedkitError, SignatureError, TracingError
 from .fusion_call import CallSpec
 from .memory import MemoryCounterMode
-from .ops import add_gelu, add_relu, gelu_mul, matmul, silu_mul
+from .ops import add_gelu, add_layer_norm, add_relu, add_rms_norm, gelu_mul, matmul, rms_norm, silu_mul
 from .registry import OPERAND_DTYPES, get
 from .runtime.matmul import MATMUL_DTYPES
 
@@ -57,6 +66,12 @@ FOREIGN_ACTIVATIONS = {
     "GELUActivation": "gelu",
     "SiLUActivation": "silu",
 }
+#: RMSNorm modules of other libraries kept whole by the tracer, by class name: each computes
+#: ``weight * (x.float() * rsqrt(mean(x.float() ** 2) + variance_epsilon)).to(x.dtype)``
+#: (transformers' LLaMA family; Gemma's adds one to its weight and is not among them).
+FOREIGN_RMS_NORMS = frozenset(
+    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Phi3RMSNorm"}
+)
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
 _IN_PLACE_ADDS = (operator.iadd, torch.Tensor.add_)
@@ -145,6 +160,7 @@ class _Tracer(fx.Tracer):
         return (
             type(m) in self.whole
             or type(m).__name__ in FOREIGN_ACTIVATIONS
+            or type(m).__name__ in FOREIGN_RMS_NORMS
             or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
             or _has_hooks(m)
             or super().is_leaf_module(m, qualname)
@@ -322,6 +338,65 @@ def _linear_operands(node: fx.Node, modules: dict):
     return None
 
 
+@dataclass(frozen=True)
+class _Norm:
+    """A normalisation node as fusedkit's norm takes it: ``weight`` and ``bias`` as qualified
+    attribute names (or None), ``eps`` a number or None (torch's default)."""
+
+    rms: bool
+    x: fx.Node
+    shape: tuple
+    weight: str | None
+    bias: str | None
+    eps: float | None
+    composed: bool  # computed by several ops (a module of other code): fused alone, it saves bytes
+
+
+def _norm(node: fx.Node, modules: dict) -> _Norm | None:
+    """The normalisation ``node`` computes, or None: ``nn.LayerNorm`` and ``nn.RMSNorm`` (their
+    own forwards), the RMSNorm modules of ``FOREIGN_RMS_NORMS``, ``F.layer_norm`` and
+    ``F.rms_norm`` on parameters (or none) and a constant ``eps``."""
+    if node.op == "call_module":
+        m = modules[node.target]
+        if parametrize.is_parametrized(m):
+            return None
+        x = _arg(node, 0, "input", _arg(node, 0, "hidden_states"))
+        weight = f"{node.target}.weight" if getattr(m, "weight", None) is not None else None
+        if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward:
+            bias = f"{node.target}.bias" if m.bias is not None else None
+            return _Norm(False, x, tuple(m.normalized_shape), weight, bias, m.eps, False)
+        if isinstance(m, torch.nn.RMSNorm) and type(m).forward is torch.nn.RMSNorm.forward:
+            return _Norm(True, x, tuple(m.normalized_shape), weight, None, m.eps, False)
+        if type(m).__name__ in FOREIGN_RMS_NORMS and weight is not None and m.weight.dim() == 1:
+            return _Norm(True, x, tuple(m.weight.shape), weight, None, float(m.variance_epsilon), True)
+        return None
+    if node.op == "call_function" and node.target in (F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm):
+        rms = node.target in (F.rms_norm, torch.rms_norm)
+        x, shape, weight = _arg(node, 0, "input"), _arg(node, 1, "normalized_shape"), _arg(node, 2, "weight")
+        bias = None if rms else _arg(node, 3, "bias")
+        eps = _arg(node, 3 if rms else 4, "eps", None if rms else 1e-5)
+        attrs = [
+            None if a is None else a.target if isinstance(a, fx.Node) and a.op == "get_attr" else False
+            for a in (weight, bias)
+        ]
+        if False in attrs or not isinstance(eps, (int, float, type(None))) or isinstance(shape, fx.Node):
+            return None
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return _Norm(rms, x, shape, attrs[0], attrs[1], eps, False)
+    return None
+
+
+def _norm_refusal(norm: _Norm, node: fx.Node, h_dtype) -> str | None:
+    """Why fusedkit's norm would not stand in for ``node``: an input dtype it does not take, or
+    another result dtype (a foreign RMSNorm returns its weight's and input's promoted dtype)."""
+    if h_dtype is None or h_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"fusedkit's norms do not take {h_dtype} input"
+    want, ours = _dtype(node), norm_dtype(h_dtype, node.meta.get("device", "cpu"), norm.rms)
+    if want is not None and want != ours:
+        return f"it returns {want} where fusedkit's norm gives {ours}"
+    return None
+
+
 def _in_place(node: fx.Node, modules: dict) -> bool:
     """Whether an activation node writes its input (``inplace=True``, ``relu_``)."""
     if node.op == "call_module":
@@ -359,6 +434,8 @@ class _Propagate(ShapeProp):
         with MemoryCounterMode(display=False) as counter:
             result = super().run_node(n)
         n.meta["bytes"] = counter.get_total_bytes()
+        if isinstance(result, torch.Tensor):
+            n.meta["device"] = result.device.type
         return result
 
 
@@ -406,6 +483,11 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
     sites, used = [], set()
     for node in gm.graph.nodes:
         if node in used:
+            continue
+        found = _norm_site(node, modules, used, declined)
+        if found is not None:
+            sites.append(found)
+            used.update(found.nodes)
             continue
         user = _only_user(node)
         if user is None or user in used:
@@ -462,6 +544,76 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
         kept = last if site[0].endswith("* mul") else node
         sites.append(FusionSite(site[0], _common_module(node, last), _bytes_saved(nodes, kept), site[1], nodes))
     return sites
+
+
+def _nbytes(node) -> int:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    if meta is None or not hasattr(meta, "shape"):
+        return 0
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def _attr_bytes(gm_modules: dict, name: str | None) -> int:
+    if name is None:
+        return 0
+    owner, _, attr = name.rpartition(".")
+    t = getattr(gm_modules[owner], attr, None)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> FusionSite | None:
+    """``add -> norm`` (a residual join whose sum a norm reads: the sum's other users take
+    the fused call's ``h``) or a norm computed by several ops alone (transformers' RMSNorm),
+    as a site; one fusedkit's norm would not take goes to ``declined``."""
+    add = _add_operands(node) if node.target not in (*_IN_PLACE_ADDS, "add_") else None
+    if add is not None:
+        x, y, alpha = add
+        norm_node = next((u for u in node.users if u not in used and _norm_input(u, modules) is node), None)
+        if norm_node is None or not all(isinstance(v, fx.Node) and _shape(v) == _shape(node) for v in (x, y)):
+            return None
+        nodes = (node, norm_node)
+    elif node.op == "call_module" and _norm_input(node, modules) is not None:
+        nodes = (node,)
+    else:
+        return None
+    norm = _norm(nodes[-1], modules)
+    if len(nodes) == 1 and not norm.composed:
+        return None  # (one op already: nothing to save)
+    kind = "rms_norm" if norm.rms else "layer_norm"
+    pattern = f"add -> {kind}" if add is not None else kind
+    where = _common_module(*nodes)
+    hooked = [n.target for n in nodes if n.op == "call_module" and _has_hooks(modules[n.target])]
+    why = (
+        f"{hooked[0]} has hooks, which would no longer run"
+        if hooked
+        else _norm_refusal(norm, nodes[-1], _dtype(norm.x))
+    )
+    if why is None and add is not None and any(_dtype(v) not in _FLOAT_DTYPES for v in (x, y)):
+        why = "its operands are not all floating"
+    if why is not None:
+        declined.append((pattern, where, why))
+        used.add(nodes[-1])  # (the norm alone would be declined for the same reason)
+        return None
+    params = ", ".join(p for p in (norm.weight, norm.bias if not norm.rms else None) if p) or "None"
+    eps = "" if norm.eps is None else f", eps={norm.eps!r}"
+    if add is not None:
+        extra = f", alpha={alpha!r}" if alpha != 1 else ""
+        replacement = f"fusedkit.add_{kind}({_name(x)}, {_name(y)}, {params}{eps}{extra})"
+    else:
+        replacement = f"fusedkit.rms_norm({_name(norm.x)}, {list(norm.shape)}, {params}{eps})"
+    # what the fused call does not move: the norm's reads of h and intermediates (the add's
+    # own reads and write and the norm's output and parameters stay)
+    minimal = _nbytes(nodes[-1]) + _attr_bytes(modules, norm.weight) + _attr_bytes(modules, norm.bias)
+    saved = nodes[-1].meta.get("bytes", 0) - minimal - (_nbytes(norm.x) if add is None else 0)
+    return FusionSite(pattern, where, max(saved, 0), replacement, nodes)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _norm_input(node: fx.Node, modules: dict):
+    norm = _norm(node, modules)
+    return None if norm is None else norm.x
 
 
 def _feeds_gate(act_node: fx.Node, act: str) -> bool:
@@ -576,7 +728,40 @@ def _declined(gm: fx.GraphModule) -> list[str]:
     return [f"{pattern} in {module or '(its forward)'}: {why}" for pattern, module, why in gm.meta["declined"]]
 
 
+def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
+    """An ``add -> norm`` site becomes one ``add_*_norm`` call after the add (its ``h`` for the
+    sum's other users, ``y`` for the norm's); a composed norm one ``rms_norm`` call."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    *add, norm_node = site.nodes
+    norm = _norm(norm_node, modules)
+    with graph.inserting_before(add[0].next if add else norm_node):  # (nodes in the order made)
+        weight = graph.get_attr(norm.weight) if norm.weight else None
+        bias = graph.get_attr(norm.bias) if norm.bias else None
+        eps = {} if norm.eps is None else {"eps": norm.eps}
+        if add:
+            x, y, alpha = _add_operands(add[0])
+            if norm.rms:
+                new = graph.call_function(add_rms_norm, (x, y, weight), {**eps, "alpha": alpha})
+            else:
+                new = graph.call_function(add_layer_norm, (x, y, weight, bias), {**eps, "alpha": alpha})
+            out = graph.call_function(operator.getitem, (new, 0))
+            h = graph.call_function(operator.getitem, (new, 1))
+            out.meta, h.meta = dict(norm_node.meta), dict(add[0].meta)
+        else:
+            out = graph.call_function(rms_norm, (norm.x, norm.shape, weight), eps)
+            out.meta = dict(norm_node.meta)
+    norm_node.replace_all_uses_with(out)
+    graph.erase_node(norm_node)
+    if add:
+        add[0].replace_all_uses_with(h)
+        graph.erase_node(add[0])
+
+
 def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
+    if "norm" in site.pattern:
+        _rewrite_norm(gm, site)
+        return
     first, *middle, last = site.nodes
     modules = dict(gm.named_modules())
     graph = gm.graph

@@ -482,6 +482,63 @@ def test_a_layer_using_an_object_argument_itself_or_returning_a_changed_class_is
         assert [s.pattern for s in sites] == ([] if isinstance(model, _Model) else ["linear -> relu"])
 
 
+class _PreNormBlock(nn.Module):  # a transformer block's residual joins, written three ways
+    def __init__(self, width=16):
+        super().__init__()
+        self.attn, self.mlp = nn.Linear(width, width), nn.Linear(width, width)
+        self.ln, self.rms = nn.LayerNorm(width), nn.RMSNorm(width, eps=1e-6)
+        self.w = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        h = x + self.attn(x)  # add -> nn.LayerNorm; h is the residual stream after it
+        y = self.ln(h)
+        h2 = torch.add(h, self.mlp(y), alpha=0.5)  # add -> F.rms_norm, alpha
+        z = F.rms_norm(h2, (16,), self.w, 1e-5)
+        return self.rms(z + h2) * 2 + h2  # add -> nn.RMSNorm
+
+
+def test_residual_joins_and_their_norms_fuse_with_the_stream_kept():
+    block, x = _PreNormBlock().to(DEVICE), rand((3, 5, 16), torch.float32, DEVICE).requires_grad_()
+    sites = fusedkit.advise(block, x)
+    assert [s.pattern for s in sites] == ["add -> layer_norm", "add -> rms_norm", "add -> rms_norm"]
+    assert all(s.bytes_saved > 0 for s in sites) and "alpha=0.5" in sites[1].replacement
+    want = block(x)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    fusedkit.fuse(block, x.detach())
+    assert fusion.fused_code(block).count("add_") >= 3
+    got = block(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), x)[0], want_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_fusedkit_would_change_is_left_and_named():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.norm, self.hooked = nn.Linear(8, 8), LlamaRMSNorm(8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            h = x + self.proj(x)
+            return self.norm(h), self.hooked(h + x)
+
+    layer = Layer().to(DEVICE)
+    layer.hooked.register_forward_hook(lambda *a: None)
+    x = rand((4, 8), torch.bfloat16, DEVICE)  # (a float32 weight: LlamaRMSNorm returns float32)
+    layer.proj.to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fusedkit.advise(layer, x) == []
+    message = " ".join(str(w.message) for w in caught)
+    assert (
+        "add -> rms_norm in (its forward): it returns torch.float32 where fusedkit's norm gives torch.bfloat16"
+        in message
+    )
+    assert "hooked has hooks" in message and transformers is not None
+
+
 def test_sites_the_op_would_refuse_are_left_and_named():
     class Masks(nn.Module):
         def forward(self, a, mask, u, v):
@@ -594,7 +651,7 @@ def _tiny_transformers():
                 transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32, **special)
             ),
             ids,
-            "linear -> gelu_tanh",
+            ["add -> layer_norm", "linear -> gelu_tanh"] * 2,
         ),
         "llama": (
             transformers.LlamaForCausalLM(
@@ -609,7 +666,7 @@ def _tiny_transformers():
                 )
             ),
             ids,
-            "silu * mul",
+            ["rms_norm", "add -> rms_norm", "silu * mul"] * 2,
         ),
         "bert": (
             transformers.BertForMaskedLM(
@@ -618,25 +675,27 @@ def _tiny_transformers():
                 )
             ),
             ids,
-            "linear -> gelu",
+            # (its prediction head has a linear -> gelu too)
+            ["add -> layer_norm", "linear -> gelu", "add -> layer_norm"] * 2 + ["linear -> gelu"],
         ),
     }
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_fuse_on_a_whole_transformers_model_returns_it(name, tmp_path):
-    # The top level and the attention do not trace (keywords, caches): fuse looks into them
-    # and fuses the MLPs in place; the model keeps its class, keys, generate and hooks.
+    # The top level and the attention do not trace (ModelOutput, masks from data, caches):
+    # fuse looks into them and fuses each layer whole around its attention (residual joins
+    # with their norms, a composed RMSNorm, the MLP's activation) in place; the model keeps
+    # its class, keys, generate and hooks.
     torch.manual_seed(0)
-    model, ids, pattern = _tiny_transformers()[name]
+    model, ids, patterns = _tiny_transformers()[name]
     model = model.to(DEVICE).eval()
     reference = copy.deepcopy(model)
     keys = list(model.state_dict())
     with pytest.warns(UserWarning, match="unfused"):
         fused = fusedkit.fuse(model, ids)
     assert fused is model and type(model) is type(reference) and list(model.state_dict()) == keys
-    layers = 3 if name == "bert" else 2  # (BERT's prediction head has a linear -> gelu too)
-    assert [s.pattern for s in model.fusion_sites] == [pattern] * layers
+    assert [s.pattern for s in model.fusion_sites] == patterns
     for site in model.fusion_sites:  # run by the fused code of its module or of one holding it
         parts = site.module.split(".")
         assert any(fusion.fused_code(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts) + 1))
