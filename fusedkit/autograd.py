@@ -34,6 +34,8 @@ __all__ = [
     "FuncElementwise",
     "FuncMatmul",
     "Norm",
+    "norm_backward_op",
+    "norm_op",
     "PAIRS",
     "call_autograd",
     "call_functorch",
@@ -758,3 +760,110 @@ def _norm_double_backward(ctx, dy, dh_out, x2, residual2, weight, bias):
     for i, g in zip(need, got):
         result[i] = g
     return tuple(result)
+
+
+# --- The norms as registered ops: what a dispatch mode (a byte counter) and compiled code with
+# compiled_elementwise="kernel" see: one op forward, one backward, as eager launches them.
+
+
+@torch.library.custom_op("fusedkit::norm", mutates_args=())
+def norm_op(
+    x2: torch.Tensor,
+    residual2: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    name: str,
+    eps: float,
+    alpha: float,
+    y_dtype: torch.dtype,
+    h_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``name`` (rms_norm, layer_norm, add_rms_norm, add_layer_norm) over the rows of ``x2``:
+    ``(y, h, mean, rstd)``, an absent one (h without a residual, RMS's mean) empty."""
+    x2, residual2 = (None if t is None else row_norm.rows_of(t, *x2.shape) for t in (x2, residual2))
+    y, h, mean, rstd = row_norm.forward(x2, residual2, weight, bias, eps, alpha, "rms" in name, y_dtype, h_dtype, True)
+    empty = x2.new_empty(0, dtype=torch.float32)
+    return y, x2.new_empty(0, dtype=h_dtype) if h is None else h, empty if mean is None else mean, rstd
+
+
+@norm_op.register_fake
+def _(x2, residual2, weight, bias, name, eps, alpha, y_dtype, h_dtype):
+    rows, n = x2.shape
+    return (
+        x2.new_empty((rows, n), dtype=y_dtype),
+        x2.new_empty((rows, n) if residual2 is not None else (0,), dtype=h_dtype),
+        x2.new_empty((rows,) if "layer" in name else (0,), dtype=torch.float32),
+        x2.new_empty((rows,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("fusedkit::norm_backward", mutates_args=())
+def norm_backward_op(
+    dy: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    name: str,
+    has_bias: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`norm_op`'s ``name``: ``(dx, dweight, dbias)`` (empty where none)."""
+    n = rows.shape[1]
+    dy, dh_out = (None if t is None else row_norm.rows_of(t, rows.shape[0], n) for t in (dy, dh_out))
+    dx, dw, db = row_norm.backward(
+        dy,
+        rows,
+        weight,
+        None if "rms" in name else mean,
+        rstd,
+        dh_out,
+        "rms" in name,
+        has_bias,
+        rows.dtype,
+        need_weight,
+    )
+    empty = rows.new_empty(0, dtype=torch.float32)
+    return dx, empty if dw is None else dw, empty if db is None else db
+
+
+@norm_backward_op.register_fake
+def _(dy, rows, weight, mean, rstd, dh_out, name, has_bias, need_weight):
+    n = rows.shape[1]
+    dw = rows.new_empty(
+        (n,) if weight is not None and need_weight else (0,),
+        dtype=weight.dtype if weight is not None else torch.float32,
+    )
+    return rows.new_empty(rows.shape), dw, rows.new_empty((n,) if has_bias else (0,), dtype=torch.float32)
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x2, residual2, weight, bias, name, eps, alpha, y_dtype, h_dtype = inputs
+    y, h, mean, rstd = output
+    ctx.set_materialize_grads(False)
+    ctx.name, ctx.alpha, ctx.has_bias = name, alpha, bias is not None
+    ctx.dtypes = (x2.dtype, None if residual2 is None else residual2.dtype, None if bias is None else bias.dtype)
+    ctx.save_for_backward(x2 if residual2 is None else h, weight, mean, rstd)
+
+
+def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
+    rows, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(rows)
+    need_weight = weight is not None and ctx.needs_input_grad[2]
+    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh, ctx.name, ctx.has_bias, need_weight)
+    x_dtype, r_dtype, b_dtype = ctx.dtypes
+    dr = None
+    if r_dtype is not None and ctx.needs_input_grad[1]:
+        dr = (dx if ctx.alpha == 1 else dx * ctx.alpha).to(r_dtype)
+    return (
+        dx.to(x_dtype) if ctx.needs_input_grad[0] else None,
+        dr,
+        dw if need_weight else None,
+        db.to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None,
+        *(None,) * 5,
+    )
+
+
+norm_op.register_autograd(_norm_op_backward, setup_context=_norm_setup_context)

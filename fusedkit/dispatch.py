@@ -304,6 +304,28 @@ def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms
     if eps is None:  # (torch: the epsilon of the dtype the norm computes in, autocast's included)
         eps = torch.finfo(y_dtype).eps if rms else 1e-5
     tensors = (x, residual, weight, bias)
+    kernels = all(t is None or t.dtype in rn.KERNEL_DTYPES for t in tensors) and ew.backend_for(x.device) != "torch"
+    if _is_compiling():  # (Dynamo reads neither the dispatch-mode stack nor the transforms)
+        registered = settings.current().compiled_elementwise == "kernel"
+    else:
+        registered = observed(tensors) and not _functorch() and not sharding.has_dtensor(tensors)
+    if kernels and registered:
+        # the registered op, forward and backward: what a byte counter or compiled code sees
+        lead = x.shape[: x.dim() - len(shape)]
+        rows = lead.numel()
+        y, h, _, _ = autograd.norm_op(
+            x.reshape(rows, n),
+            None if residual is None else residual.reshape(rows, n),
+            None if weight is None else weight.reshape(n),
+            None if bias is None else bias.reshape(n),
+            name,
+            float(eps),
+            float(alpha),
+            y_dtype,
+            h_dtype,
+        )
+        y = y.view(*lead, *shape)
+        return y if residual is None else (y, h.view(*lead, *shape))
     if (
         tracing(tensors)
         or _has_tangent(tensors)

@@ -158,6 +158,10 @@ def op_name(func, args) -> str:
     namespace = func.namespace
     if namespace == "fusedkit" and packet.__name__ in ("elementwise", "elementwise_out", "elementwise_pair") and args:
         return f"fusedkit.{args[1]}"  # (the kernel's name: the argument after the tensors)
+    if namespace == "fusedkit" and packet.__name__ == "norm":
+        return f"fusedkit.{args[4]}"  # (the norm's name: rms_norm, add_layer_norm...)
+    if namespace == "fusedkit" and packet.__name__ == "norm_backward":
+        return f"fusedkit.{args[6]}_grad"
     return f"{namespace}.{packet.__name__}"
 
 

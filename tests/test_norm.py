@@ -247,3 +247,47 @@ def test_rms_norm_loads_a_llama_rms_norm():
     x = rand((4, 16), torch.float32, DEVICE)
     _close(mine(x), stock(x), torch.float32)
     assert transformers is not None
+
+
+def test_a_byte_counter_sees_one_op_each_way_with_the_byte_model():
+    x, r, w, _ = _inputs("add_rms_norm", 64, 32, torch.float32, grad=True)
+    with fusedkit.MemoryCounterMode(display=False) as counter:
+        y, h = fusedkit.add_rms_norm(x, r, w)
+        torch.autograd.backward((y, h), (torch.ones_like(y), torch.ones_like(h)))
+    by_op = counter.get_bytes_by_op()
+    # x and r read, y and h written, the weight read, one float32 statistic a row written
+    assert by_op["fusedkit.add_rms_norm"] == 4 * 64 * 32 * 4 + 32 * 4 + 64 * 4
+    assert "fusedkit.add_rms_norm_grad" in by_op and not any(op.startswith("aten.pow") for op in by_op)
+    assert x.grad is not None and r.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_registered_ops_pass_opcheck(name):
+    from fusedkit.autograd import norm_backward_op, norm_op
+
+    x, r, w, b = (t.detach() if t is not None else None for t in _inputs(name, 8, 16, torch.float32))
+    args = (x, r, w, b, name, 1e-5, 0.5, torch.float32, torch.float32)
+    torch.library.opcheck(norm_op, args)
+    y, h, mean, rstd = norm_op(*args)
+    rows = h if r is not None else x
+    torch.library.opcheck(norm_backward_op, (torch.randn_like(y), rows, w, mean, rstd, None, name, b is not None, True))
+
+
+@pytest.mark.slow  # torch.compile
+def test_compiled_with_the_kernel_setting_runs_the_registered_op():
+    x, r, w, b = _inputs("add_layer_norm", 6, 32, torch.float32, grad=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    with fusedkit.settings.override(compiled_elementwise="kernel"):
+        torch._dynamo.reset()
+        y, h = torch.compile(lambda *a: fusedkit.add_layer_norm(*a), fullgraph=True, backend=backend)(x, r, w, b)
+    want_y, want_h = fusedkit.add_layer_norm(x, r, w, b)
+    torch.testing.assert_close((y, h), (want_y, want_h))
+    got = torch.autograd.grad(y.sum() + h.sum(), (x, r, w, b))
+    want = torch.autograd.grad(want_y.sum() + want_h.sum(), (x, r, w, b))
+    torch.testing.assert_close(got, want)
+    assert any("fusedkit.norm" in op for op in graphs[0])
