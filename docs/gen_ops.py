@@ -27,8 +27,10 @@ import fusedkit  # noqa: E402
 from fusedkit.registry import ElementwiseKernel  # noqa: E402
 
 MARKER = "<!-- fusedkit:op-table -->"
-#: Pages that must hold the marker: the build fails when it is gone.
-TABLE_PAGES = ("elementwise.md",)
+#: The norm family's table (``fusedkit.registry.row_kernels``), on the page that documents it.
+NORM_MARKER = "<!-- fusedkit:norm-table -->"
+#: Pages that must hold a marker: the build fails when it is gone.
+TABLE_PAGES = {"elementwise.md": MARKER, "models.md": NORM_MARKER}
 #: The committed GPU runs whose plots the docs show: ``benchmarks/results/<run>/<name>``.
 PLOTS = {"elementwise_gbps.png": "h200", "elementwise_bytes.png": "h200", "matmul_tflops.png": "h200"}
 
@@ -110,16 +112,46 @@ def ops_table(kernels=None) -> str:
     return "\n".join([HEADER, RULE, *(row(k) for k in kernels)])
 
 
+#: The norm table's shape: rows of this width, bf16 inputs and a float32 weight (a
+#: mixed-precision model's), bytes per row element.
+_NORM_WIDTH, _NORM_ROWS = 4096, 1024
+
+
+def norm_table(kernels=None) -> str:
+    """The norm family's table: one row per :class:`fusedkit.registry.RowKernel`."""
+    kernels = list(fusedkit.registry.row_kernels() if kernels is None else kernels)
+    lines = [
+        "| op | formula | dtypes | replaces (eager) | fused, bytes per element | unfused, bytes per element |",
+        "|---|---|---|---|---|---|",
+    ]
+    elements = _NORM_WIDTH * _NORM_ROWS
+    for k in kernels:
+        fused, unfused = (
+            f(_NORM_ROWS, _NORM_WIDTH, torch.bfloat16).total / elements for f in (k.bytes_fused, k.bytes_unfused)
+        )
+        cells = [
+            f"`fusedkit.{k.name}`",
+            f"`{_cell(k.formula)}`",
+            ", ".join(_SHORT[d] for d in k.dtypes) + " (fp64: PyTorch's)",
+            " then ".join(f"`{op}`" for op in k.unfused),
+            f"{fused:.2f} (bf16)",
+            f"{unfused:.2f} (bf16)",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render(markdown: str) -> str:
-    """``markdown`` with the marker line replaced by the table."""
-    return markdown.replace(MARKER, ops_table())
+    """``markdown`` with the marker lines replaced by the tables."""
+    return markdown.replace(MARKER, ops_table()).replace(NORM_MARKER, norm_table())
 
 
 def on_page_markdown(markdown, page, config, files):
-    """MkDocs hook: put the table where the marker is."""
-    if page.file.src_uri in TABLE_PAGES and MARKER not in markdown:
-        raise RuntimeError(f"docs/{page.file.src_uri} lost its op-table marker {MARKER!r}")
-    return render(markdown) if MARKER in markdown else markdown
+    """MkDocs hook: put the tables where the markers are."""
+    marker = TABLE_PAGES.get(page.file.src_uri)
+    if marker is not None and marker not in markdown:
+        raise RuntimeError(f"docs/{page.file.src_uri} lost its table marker {marker!r}")
+    return render(markdown) if MARKER in markdown or NORM_MARKER in markdown else markdown
 
 
 def on_files(files, config):
@@ -144,3 +176,5 @@ def on_page_content(html, page, config, files):
 
 if __name__ == "__main__":
     print(ops_table())
+    print()
+    print(norm_table())

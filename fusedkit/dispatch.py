@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import autograd, settings, sharding
 from .errors import ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, TracingError
-from .registry import ElementwiseKernel, number_kind, result_dtype
+from .registry import ElementwiseKernel, RowKernel, number_kind, result_dtype
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
 from .runtime import native
@@ -287,11 +287,13 @@ def _matmul_2d(a2, b, bias, activation, needs_grad: bool, forward_ad: bool = Fal
     return mm.forward(a2, b, bias, activation, store_pre=False)[0]
 
 
-def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms: bool):
-    """RMSNorm (``rms``) or LayerNorm of ``x`` (plus ``alpha * residual`` first) over
-    ``normalized_shape``: ``y``, or ``(y, h)`` with a residual (see :func:`fusedkit.rms_norm`).
-    Checked before anything runs. Traced, transformed, float64 and DTensor calls run
-    PyTorch's composition (Inductor fuses it under ``torch.compile``); eager calls the kernels."""
+def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, alpha):
+    """The norm ``kernel`` (RMSNorm or LayerNorm, a residual added first where it takes one) of
+    ``x`` over ``normalized_shape``: ``y``, or ``(y, h)`` with a residual (see
+    :func:`fusedkit.rms_norm`). Checked before anything runs. Traced, transformed, float64 and
+    DTensor calls run its PyTorch composition (Inductor fuses it under ``torch.compile``;
+    ``compiled_elementwise="kernel"``: the registered op); eager calls the kernels."""
+    name, rms = kernel.name, kernel.rms
     if not isinstance(x, torch.Tensor):
         raise DTypeError(f"{name}(): input must be a tensor, got {type(x).__name__}")
     shape, n = rn.normalized_size(x, normalized_shape, name)
@@ -332,7 +334,7 @@ def norm(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, rms
         or any(t is not None and t.dtype not in rn.KERNEL_DTYPES for t in tensors)
         or ew.backend_for(x.device) == "torch"
     ):
-        y, h = rn.reference(x, residual, weight, bias, eps, alpha, rms, shape)
+        y, h = kernel.reference(x, residual, weight, bias, eps, alpha, shape)
         return y if residual is None else (y, h)
     lead = x.shape[: x.dim() - len(shape)]
     x2 = rn.rows_of(x, lead.numel(), n)

@@ -16,15 +16,20 @@ import torch.nn.functional as F
 
 from . import autograd, dispatch
 from .kernels import activations
-from .registry import FLOAT_DTYPES, ElementwiseKernel, register, register_builtin, result_dtype
+from .registry import FLOAT_DTYPES, ElementwiseKernel, RowKernel, register, register_builtin, register_row, result_dtype
 from .runtime import elementwise as ew
+from .runtime import norm as row_norm
 from .runtime.matmul import NEEDS_PRE
 
 __all__ = [
     "ADD",
     "ADD_GELU",
     "ADD_GELU_TANH",
+    "ADD_LAYER_NORM",
     "ADD_RELU",
+    "ADD_RMS_NORM",
+    "LAYER_NORM",
+    "RMS_NORM",
     "GELU_GRAD",
     "GELU_MUL",
     "GELU_MUL_GRAD",
@@ -416,3 +421,36 @@ def matmul_jvp(ctx, tangent_a, tangent_b, tangent_bias):
 
 
 autograd.register_matmul_backward(matmul_backward, matmul_jvp)
+
+
+# --- Norms over rows: RMSNorm and LayerNorm, with a residual add first ------------------
+
+
+def _norm_reference(rms: bool):
+    def reference(x, residual, weight, bias, eps, alpha, normalized_shape):
+        return row_norm.reference(x, residual, weight, bias, eps, alpha, rms, normalized_shape)
+
+    return reference
+
+
+RMS_NORM, LAYER_NORM, ADD_RMS_NORM, ADD_LAYER_NORM = (
+    register_row(RowKernel(name, rms, residual, formula, _norm_reference(rms), unfused))
+    for name, rms, residual, formula, unfused in (
+        ("rms_norm", True, False, "x / sqrt(mean(x^2) + eps) * w", ("torch.nn.functional.rms_norm",)),
+        ("layer_norm", False, False, "(x - mean(x)) / sqrt(var(x) + eps) * w + b", ("torch.nn.functional.layer_norm",)),
+        (
+            "add_rms_norm",
+            True,
+            True,
+            "h = x + alpha * r; (h / sqrt(mean(h^2) + eps) * w, h)",
+            ("torch.add", "torch.nn.functional.rms_norm"),
+        ),
+        (
+            "add_layer_norm",
+            False,
+            True,
+            "h = x + alpha * r; ((h - mean(h)) / sqrt(var(h) + eps) * w + b, h)",
+            ("torch.add", "torch.nn.functional.layer_norm"),
+        ),
+    )
+)

@@ -13,7 +13,19 @@ import torch
 
 from . import dispatch, sharding
 from .errors import ArgumentError, DTypeError, ShapeError, SignatureError
-from .library import ADD, ADD_GELU, ADD_GELU_TANH, ADD_RELU, GELU_MUL, GELU_TANH_MUL, SILU_MUL
+from .library import (
+    ADD,
+    ADD_GELU,
+    ADD_GELU_TANH,
+    ADD_LAYER_NORM,
+    ADD_RELU,
+    ADD_RMS_NORM,
+    GELU_MUL,
+    GELU_TANH_MUL,
+    LAYER_NORM,
+    RMS_NORM,
+    SILU_MUL,
+)
 from .registry import ElementwiseKernel, get
 from .runtime import matmul as mm
 from .runtime.layout import broadcast_shape
@@ -273,7 +285,7 @@ def rms_norm(
         DeviceError: tensors on different devices.
         ArgumentError: a negative or non-numeric ``eps``.
     """
-    return dispatch.norm("rms_norm", input, None, normalized_shape, weight, None, eps, 1, True)
+    return dispatch.norm(RMS_NORM, input, None, normalized_shape, weight, None, eps, 1)
 
 
 def layer_norm(
@@ -287,7 +299,7 @@ def layer_norm(
     over the trailing ``normalized_shape`` dims (biased variance), in float32, rounded once.
     Arguments, dtypes, memory and errors as :func:`rms_norm`; autograd keeps the input and
     two float32 per row (mean and inverse standard deviation)."""
-    return dispatch.norm("layer_norm", input, None, normalized_shape, weight, bias, eps, 1, False)
+    return dispatch.norm(LAYER_NORM, input, None, normalized_shape, weight, bias, eps, 1)
 
 
 def add_rms_norm(
@@ -307,7 +319,7 @@ def add_rms_norm(
     reaching ``h`` itself (the residual stream's) is added to the norm's, and x and residual
     get it (times ``alpha``). Errors as :func:`rms_norm`; residual has x's shape."""
     shape = x.shape[-1:] if weight is None else weight.shape
-    return dispatch.norm("add_rms_norm", x, residual, shape, weight, None, eps, alpha, True)
+    return dispatch.norm(ADD_RMS_NORM, x, residual, shape, weight, None, eps, alpha)
 
 
 def add_layer_norm(
@@ -322,4 +334,4 @@ def add_layer_norm(
     """``h = x + alpha * residual; y = layer_norm(h, ...)`` in one pass: ``(y, h)``, as
     :func:`add_rms_norm` (the normalised shape: the weight's, else the bias's, else the last dim)."""
     shape = x.shape[-1:] if weight is None and bias is None else (weight if weight is not None else bias).shape
-    return dispatch.norm("add_layer_norm", x, residual, shape, weight, bias, eps, alpha, False)
+    return dispatch.norm(ADD_LAYER_NORM, x, residual, shape, weight, bias, eps, alpha)

@@ -25,6 +25,7 @@ Register your own::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math as _math
 import numbers
@@ -50,6 +51,10 @@ __all__ = [
     "kernels",
     "names",
     "on_change",
+    "RowKernel",
+    "register_row",
+    "row_kernel",
+    "row_kernels",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -453,3 +458,77 @@ def kernels() -> Iterator[ElementwiseKernel]:
 
 def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+# --- Row reductions: the norms ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowKernel:
+    """One normalisation over rows (the trailing dims), described once: fusedkit's own
+    ``rms_norm``, ``layer_norm``, ``add_rms_norm`` and ``add_layer_norm`` (one kernel
+    family, :mod:`fusedkit.kernels.norm`). Tests, benchmarks and the docs' norm table
+    enumerate :func:`row_kernels`.
+
+    Attributes:
+        name: the public op, ``fusedkit.<name>``.
+        rms: RMS statistics (no mean, no bias); else LayerNorm's.
+        residual: ``h = x + alpha * residual`` first, returned beside the output.
+        formula: for the docs.
+        reference: PyTorch's composition, ``reference(x, residual, weight, bias, eps, alpha,
+            normalized_shape) -> (y, h or None)``: float64 runs it, compiled code traces it.
+        unfused: the eager ops it replaces.
+        dtypes: input dtypes the kernels take (float64 runs ``reference``).
+    """
+
+    name: str
+    rms: bool
+    residual: bool
+    formula: str
+    reference: Callable
+    unfused: tuple[str, ...]
+    dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
+
+    def bytes_fused(self, rows: int, n: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32) -> Traffic:
+        """One forward's bytes: x (and residual) read, the output (and h) written, the
+        parameters read once, one (LayerNorm: two) float32 statistics a row written (those
+        autograd keeps)."""
+        inputs = 2 if self.residual else 1
+        params = (1 if self.rms else 2) * n * param_dtype.itemsize
+        stats = rows * (1 if self.rms else 2) * 4
+        return Traffic(inputs * rows * n * dtype.itemsize + params, inputs * rows * n * dtype.itemsize + stats)
+
+    def bytes_unfused(self, rows: int, n: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32) -> Traffic:
+        """The same in eager PyTorch: the add writes h and the norm (one kernel, torch's own)
+        reads it back."""
+        norm = dataclasses.replace(self, residual=False).bytes_fused(rows, n, dtype, param_dtype)
+        if not self.residual:
+            return norm
+        add = Traffic(2 * rows * n * dtype.itemsize, rows * n * dtype.itemsize)
+        return add + norm
+
+
+_ROWS: dict[str, RowKernel] = {}
+
+
+def register_row(kernel: RowKernel) -> RowKernel:
+    """Add one of fusedkit's own norms (built in: the family has no user extension point)."""
+    if not isinstance(kernel, RowKernel):
+        raise DTypeError(f"register_row() takes a RowKernel, got {type(kernel).__name__}")
+    if kernel.name in _ROWS:
+        raise ArgumentError(f"a row kernel named {kernel.name!r} is already registered")
+    _ROWS[kernel.name] = kernel
+    return kernel
+
+
+def row_kernel(name: str) -> RowKernel:
+    """The norm registered under ``name``."""
+    try:
+        return _ROWS[name]
+    except KeyError:
+        raise UnknownKernelError(f"no row kernel named {name!r}; known: {', '.join(_ROWS)}") from None
+
+
+def row_kernels() -> tuple[RowKernel, ...]:
+    """Every norm, in registration order."""
+    return tuple(_ROWS.values())

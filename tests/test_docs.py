@@ -189,6 +189,21 @@ def test_op_table_lists_every_registered_kernel():
         fusedkit.registry.unregister(extra.name)
 
 
+def test_norm_table_lists_every_row_kernel_with_its_byte_model():
+    gen = _gen_ops()
+    source = (DOCS / "models.md").read_text()
+    assert gen.NORM_MARKER in source, "docs/models.md lost the norm-table marker"
+    rendered, table = gen.render(source), gen.norm_table()
+    assert table in rendered and gen.NORM_MARKER not in rendered
+    names = re.findall(r"^\| `fusedkit\.(\w+)`", table, re.M)
+    assert names == [k.name for k in fusedkit.registry.row_kernels()]
+    add = fusedkit.registry.row_kernel("add_rms_norm")
+    per_element = add.bytes_unfused(gen._NORM_ROWS, gen._NORM_WIDTH, torch.bfloat16).total / (
+        gen._NORM_ROWS * gen._NORM_WIDTH
+    )
+    assert f"{per_element:.2f} (bf16)" in table.splitlines()[2 + names.index("add_rms_norm")]
+
+
 def test_op_table_byte_columns_follow_the_model():
     row = _gen_ops().row(fusedkit.registry.get("add_relu"))
     assert "2 reads + 1 write = 12 B (fp32)" in row and "3 reads + 2 writes = 20 B (fp32)" in row
