@@ -363,6 +363,32 @@ def backward(data: dict) -> str:
     return text + "\n\n" + footnote(data["environment"], "backward")
 
 
+def norms(data: dict) -> str:
+    """The norm family: fusedkit's forward against the copy roof, forward + backward against
+    eager, compiled torch and Liger-Kernel (ratios: their time over fusedkit's)."""
+    rows = data["norms"]
+    peers = [p for p in ("eager", "compiled", "liger") if any(f"{p}_fwd_bwd_us" in r for r in rows)]
+    head = ["op", "dtype", "rows x n", "fwd us", "GB/s", "of copy roof", "fwd + bwd us"]
+    head += [f"x {p}" for p in peers]
+    body = []
+    for r in rows:
+        mine = r.get("fusedkit_fwd_bwd_us")
+        share = r.get("fusedkit_roof_share")
+        body.append(
+            [
+                f"`{r['op']}`",
+                SHORT.get(r["dtype"], r["dtype"]),
+                f"{r['rows']} x {r['n']}",
+                f"{r['fusedkit_fwd_us']:.1f}" if r.get("fusedkit_fwd_us") else "-",
+                f"{r['fusedkit_fwd_gbps']:.0f}" if r.get("fusedkit_fwd_gbps") else "-",
+                "-" if share is None else f"{share:.0%}",
+                f"{mine:.1f}" if mine else "-",
+                *(ratio(r.get(f"{p}_fwd_bwd_us"), mine) for p in peers),
+            ]
+        )
+    return table(head, body, "lll" + "r" * (len(head) - 3)) + "\n\n" + footnote(data["environment"], "norms")
+
+
 def models(data: dict) -> str:
     """One row per model and variant; ratios against stock eager in the same run."""
     by_model: dict[str, dict] = {}
@@ -588,6 +614,7 @@ RENDERERS = {
     "matmul": matmul,
     "latency": latency,
     "backward": backward,
+    "norms": norms,
     "traffic": traffic,
     "advise": advise,
 }

@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         "compiled torch)",
     )
     report.add_argument(
+        "--norms",
+        action="store_true",
+        help="the norm family's report instead (rms_norm, layer_norm and their add + norm forms: forward "
+        "against the copy roof, forward + backward against eager, compiled torch and Liger-Kernel)",
+    )
+    report.add_argument(
         "--traffic",
         action="store_true",
         help="the byte counter against Nsight Compute's DRAM bytes, op by op, in a ResNet-50 "
@@ -296,7 +302,7 @@ def check_bench(parser: argparse.ArgumentParser, args) -> None:
     --json and --csv naming one file, and sizes the elementwise report's layouts cannot make."""
     if args.json and args.csv and os.path.realpath(args.json) == os.path.realpath(args.csv):
         parser.error(f"--json and --csv name the same file ({args.json}); name two")
-    if args.matmul or args.backward or args.traffic or args.latency or args.models:
+    if args.matmul or args.backward or args.norms or args.traffic or args.latency or args.models:
         return  # the other reports take contiguous sizes (any) or none
     given = args.sizes is not None
     sizes = args.sizes if given else (GPU_SIZES if torch.cuda.is_available() else CPU_SIZES)

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_run.sh [STAGE ...]    (no stage: env tests)
 # Stages: env; tests (the suite, PYTEST_ARGS: default the tests folder); results [REPORTS]
 # (scripts/results.sh into the work folder: RESULTS_REPORTS, default all: models elementwise ncu
-# matmul latency backward traffic advise); fuzz (2,000 examples an op, FUZZ_ARGS); sanitize
+# matmul latency backward norms traffic advise); fuzz (2,000 examples an op, FUZZ_ARGS); sanitize
 # (scripts/sanitize.sh); pybench (the pytest-benchmark suite); python (the latency report with
 # FUSEDKIT_NATIVE_LAUNCH=0: the Python path beside the default C++ one). <STAGE>_SECS overrides a stage's limit (e.g. PYTEST_SECS=300);
 # FUSEDKIT_SKIP_PASSED=.gpu-passed.txt (a carried pytest.txt of an earlier call) runs only

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed benchmark results of this machine's GPU and the tables built from them:
-#   bash scripts/results.sh [REPORT ...]    reports: whole models elementwise ncu matmul latency backward traffic advise (default: all)
+#   bash scripts/results.sh [REPORT ...]    reports: whole models elementwise ncu matmul latency backward norms traffic advise (default: all)
 # Each report writes benchmarks/results/<gpu>/<report>.txt (what it printed) and .json (the
 # numbers and the environment: GPU, driver, torch, triton, fusedkit version and commit, date);
 # the elementwise and matmul reports also their plots. Then docs/results.md and the README's
@@ -13,7 +13,7 @@ gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].low
   || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
-reports=${*:-whole models elementwise ncu matmul latency backward traffic advise}
+reports=${*:-whole models elementwise ncu matmul latency backward norms traffic advise}
 rc=0
 run_report() {  # run_report NAME COMMAND...: COMMAND --no-progress --json into $dir/NAME.{txt,json}
   local name=$1; shift
@@ -36,6 +36,7 @@ for r in $reports; do case $r in
   matmul) report matmul --matmul --dtypes "${MATMUL_DTYPES:-bf16,fp16}" --plots "$dir" ;;
   latency) report latency --latency ;;
   backward) report backward --backward --dtypes bf16 ;;
+  norms) report norms --norms --dtypes bf16 ;;
   traffic) report traffic --traffic ;;
   advise) run_report advise "$py" -m fusedkit advise ;;
   *) echo "unknown report $r" >&2; rc=1 ;;

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fusedkit
+
 pytestmark = pytest.mark.slow  # each test runs a report in a new process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +143,17 @@ def test_backward_report_runs(tmp_path):
     assert rows["silu_mul"]["fusedkit_saved_bytes"] == 0 < rows["silu_mul"]["eager_saved_bytes"]
     assert rows["silu_mul"]["bytes_backward"] == 5 * 4096 * 4
     assert all(r["fusedkit_us"] > 0 and r["torch_us"] > 0 for r in data["linear_relu_training"])
+
+
+def test_norms_report_runs(tmp_path):
+    # On the CPU: the report's CPU shape; on a GPU its whole set (the suite's GPU run times it).
+    stdout, data = bench_cli(tmp_path, "--norms", "--dtypes", "fp32", "--no-compile")
+    rows = {r["op"]: r for r in data["norms"]}
+    assert set(rows) == {k.name for k in fusedkit.registry.row_kernels()}
+    for r in rows.values():
+        assert r["fusedkit_fwd_us"] > 0 and r["eager_fwd_bwd_us"] > 0 and r["fusedkit_fwd_gbps"] > 0
+        assert r["fusedkit_err"] < 1e-4 and "fusedkit_error" not in r
+    assert "forward + backward" in stdout
 
 
 def test_benchmark_suite_runs_on_the_cpu():

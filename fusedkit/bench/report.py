@@ -450,6 +450,12 @@ def run_command(args) -> int:
             {"backward": brows, "linear_relu_training": lrows},
         )
         return 0
+    if args.norms:
+        from .norms import CPU_NORM_SHAPES, NORM_SHAPES, format_norms_table, run_norms
+
+        rows = run_norms(dtypes, device, NORM_SHAPES if gpu else CPU_NORM_SHAPES, use_compile=use_compile)
+        print_report(env, (format_norms_table(rows),), args.json, {"norms": rows})
+        return 0
     if args.traffic:
         from .ncu import ncu_available
         from .traffic import format_traffic, run_traffic

@@ -1,0 +1,178 @@
+"""The norm family's report: ``python -m fusedkit bench --norms``.
+
+For each norm of ``fusedkit.registry.row_kernels()`` at each (rows, width) of the report:
+
+- the forward alone, fusedkit's: time, GB/s over its byte model (``RowKernel.bytes_fused``)
+  and that as a share of the copy roof (``Tensor.copy_`` of the same bytes, measured in the
+  same process);
+- forward + backward (the output's and, for add + norm, the residual stream's gradient
+  flowing; every input's and parameter's gradient) of fusedkit, the eager composition
+  (``torch.add`` then ``F.rms_norm`` / ``F.layer_norm``, torch's own kernels), its
+  ``torch.compile`` and Liger-Kernel (``LigerFusedAddRMSNorm``, ``LigerRMSNorm``,
+  ``LigerLayerNorm`` after an eager add) where it imports, with each one's largest
+  difference from a float64 reference.
+
+Inputs in bf16 (or the dtypes asked for), weights in float32 as a mixed-precision model keeps
+them. On a CPU the harness runs at small sizes; its times are not GPU times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fusedkit
+from fusedkit import registry
+
+from .cases import timer
+from .progress import bar as progress_bar
+
+__all__ = ["CPU_NORM_SHAPES", "NORM_SHAPES", "format_norms_table", "run_norms"]
+
+#: (rows, width): LLaMA-1B and 7B widths and ViT / BERT widths at 8192-16384 rows (the
+#: speedup goals), then 2**28 elements at rows of 4096 and 8192 (the bandwidth goal).
+NORM_SHAPES = (
+    (16384, 768),
+    (16384, 1024),
+    (8192, 2048),
+    (8192, 4096),
+    (65536, 4096),
+    (32768, 8192),
+)
+CPU_NORM_SHAPES = ((8, 96),)
+
+
+def _eager(kernel):
+    def run(x, r, w, b):
+        h = torch.add(x, r) if kernel.residual else x
+        y = F.rms_norm(h, w.shape, w, 1e-6) if kernel.rms else F.layer_norm(h, w.shape, w, b, 1e-6)
+        return (y, h) if kernel.residual else (y,)
+
+    return run
+
+
+def _fusedkit(kernel):
+    op = getattr(fusedkit, kernel.name)
+
+    def run(x, r, w, b):
+        if kernel.residual:
+            return op(x, r, w, 1e-6) if kernel.rms else op(x, r, w, b, 1e-6)
+        return (op(x, w.shape, w, 1e-6) if kernel.rms else op(x, w.shape, w, b, 1e-6),)
+
+    return run
+
+
+def _liger(kernel, n: int, device):
+    """Liger-Kernel's module for ``kernel`` (sharing the report's weights), or None."""
+    try:
+        if kernel.rms and kernel.residual:
+            from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm as cls
+        elif kernel.rms:
+            from liger_kernel.transformers.rms_norm import LigerRMSNorm as cls
+        else:
+            from liger_kernel.transformers.layer_norm import LigerLayerNorm as cls
+    except ImportError:
+        return None
+    module = cls(n, eps=1e-6).to(device)
+
+    def run(x, r, w, b):
+        module.weight = torch.nn.Parameter(w) if not isinstance(w, torch.nn.Parameter) else w
+        if not kernel.rms:
+            module.bias = torch.nn.Parameter(b) if not isinstance(b, torch.nn.Parameter) else b
+        if kernel.rms and kernel.residual:
+            return tuple(module(x, r))
+        h = torch.add(x, r) if kernel.residual else x
+        return (module(h), h) if kernel.residual else (module(h),)
+
+    return run
+
+
+def run_norms(dtypes, device, shapes=NORM_SHAPES, use_compile=True, peers=True) -> list[dict]:
+    """One row per norm, dtype and shape (see the module's docstring)."""
+    time_us = timer(device)
+    rows = []
+    kernels = registry.row_kernels()
+    bar = progress_bar(len(kernels) * len(dtypes) * len(shapes), "norms")
+    for dt in dtypes:
+        for m, n in shapes:
+            x = torch.randn(m, n, device=device, dtype=dt)
+            roof = 2 * x.numel() * x.element_size() / time_us(lambda x=x: torch.empty_like(x).copy_(x)) / 1e3
+            for kernel in kernels:
+                rows.append(_row(kernel, dt, m, n, device, time_us, roof, use_compile, peers))
+                bar.update()
+    bar.close()
+    return rows
+
+
+def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
+    x, r = (torch.randn(m, n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(n, device=device)).requires_grad_()
+    b = (0.1 * torch.randn(n, device=device)).requires_grad_() if not kernel.rms else None
+    leaves = [t for t in (x, r if kernel.residual else None, w, b) if t is not None]
+    impls = {"fusedkit": _fusedkit(kernel), "eager": _eager(kernel)}
+    if use_compile:
+        impls["compiled"] = torch.compile(_eager(kernel))
+    liger = _liger(kernel, n, device) if peers and device.type == "cuda" else None
+    if liger is not None:
+        impls["liger"] = liger
+    fused_bytes = kernel.bytes_fused(m, n, dt)
+    row = {"op": kernel.name, "dtype": str(dt).removeprefix("torch."), "rows": m, "n": n, "copy_gbps": roof}
+    want = _eager(kernel)(*(None if t is None else t.detach().double() for t in (x, r, w, b)))
+    grads = [torch.randn_like(out, dtype=dt) for out in want]
+    for name, fn in impls.items():
+        try:
+            outs = fn(x, r, w, b)
+            row[f"{name}_err"] = max((o.double() - t).abs().max().item() for o, t in zip(outs, want))
+            grad = [g.to(o.dtype) for g, o in zip(grads, outs)]
+
+            def forward(fn=fn):
+                with torch.no_grad():
+                    return fn(x, r, w, b)
+
+            def step(fn=fn, grad=grad):
+                return torch.autograd.grad(fn(x, r, w, b), leaves, grad)
+
+            row[f"{name}_fwd_us"] = time_us(forward)
+            row[f"{name}_fwd_bwd_us"] = time_us(step)
+        except Exception as exc:  # a peer that refuses a shape or dtype: its cells stay empty
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    us = row.get("fusedkit_fwd_us")
+    if us:
+        row["fusedkit_fwd_gbps"] = fused_bytes.total / us / 1e3
+        row["fusedkit_roof_share"] = row["fusedkit_fwd_gbps"] / roof
+    return row
+
+
+def format_norms_table(rows: list[dict]) -> str:
+    impls = [i for i in ("fusedkit", "eager", "compiled", "liger") if any(f"{i}_fwd_bwd_us" in r for r in rows)]
+    head = (
+        f"{'op':<15} {'dtype':<9} {'rows':>6} {'n':>5} {'fwd us':>8} {'GB/s':>6} {'roof':>5} "
+        + " ".join(f"{i + ' f+b us':>16}" for i in impls)
+        + " "
+        + " ".join(f"{'x ' + i:>10}" for i in impls[1:])
+    )
+    lines = [
+        "Norms: fusedkit's forward against the copy roof; forward + backward of each (do_bench medians; "
+        "x = that one's time / fusedkit's)",
+        head,
+        "-" * len(head),
+    ]
+
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        mine = r.get("fusedkit_fwd_bwd_us")
+        cells = " ".join(f"{num(r.get(f'{i}_fwd_bwd_us'), '.1f'):>16}" for i in impls)
+        ratios = " ".join(
+            f"{num(r[f'{i}_fwd_bwd_us'] / mine if mine and r.get(f'{i}_fwd_bwd_us') else None, '.2f'):>10}"
+            for i in impls[1:]
+        )
+        fwd = f"{num(r.get('fusedkit_fwd_us'), '.1f'):>8} {num(r.get('fusedkit_fwd_gbps'), '.0f'):>6}"
+        share = num(r.get("fusedkit_roof_share"), ".0%")
+        lines.append(f"{r['op']:<15} {r['dtype']:<9} {r['rows']:>6} {r['n']:>5} {fwd} {share:>5} {cells} {ratios}")
+    for r in rows:
+        for i in impls:
+            if f"{i}_error" in r:
+                lines.append(f"{r['op']} {r['rows']}x{r['n']} {i}: {r[f'{i}_error']}")
+    return "\n".join(lines)
