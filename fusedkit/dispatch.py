@@ -309,8 +309,8 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     kernels = all(t is None or t.dtype in rn.KERNEL_DTYPES for t in tensors) and ew.backend_for(x.device) != "torch"
     if _is_compiling():  # (Dynamo reads neither the dispatch-mode stack nor the transforms)
         registered = settings.current().compiled_elementwise == "kernel"
-    else:
-        registered = observed(tensors) and not _functorch() and not sharding.has_dtensor(tensors)
+    else:  # a byte counter's eager call, or DTensors (the op's sharding rules: fusedkit.sharding)
+        registered = not _functorch() and (observed(tensors) or sharding.has_dtensor(tensors))
     if kernels and registered:
         # the registered op, forward and backward: what a byte counter or compiled code sees
         lead = x.shape[: x.dim() - len(shape)]

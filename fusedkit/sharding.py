@@ -9,6 +9,9 @@ inputs each op computes on its local shards, and what placement the result then 
   same dim of the result (a broadcast operand, size 1 or missing there, replicated). An
   ``out=`` DTensor is written as torch writes one: the result computed, then copied into it
   (:mod:`fusedkit.dispatch`), since a rule would redistribute ``out`` into a temporary.
+- ``fusedkit::norm`` and ``fusedkit::norm_backward`` (rows of ``n``): replicated, or
+  row-sharded with the parameters replicated; the backward's parameter gradients are then
+  partial sums over each rank's rows (``Partial``).
 - ``fusedkit::matmul`` (``a`` (M, K) @ ``b`` (K, N) + bias): replicated; row-sharded ``a``
   (result rows sharded); column-sharded ``b`` and bias (result columns sharded: a
   column-parallel ``LinearReLU``); and a sharded K, whose local products are partial sums
@@ -170,11 +173,33 @@ def _register() -> None:
             options.append(option(Partial(), Shard(1), Shard(0), Partial()))
         return options
 
+    @register_sharding(ops.norm.default)
+    def _norm(x2, residual2, weight, bias, name, eps, alpha, y_dtype, h_dtype):
+        def option(rows):
+            # (h without a residual and RMS's mean are empty: replicated)
+            h = rows if residual2 is not None else Replicate()
+            mean = rows if "layer" in name else Replicate()
+            params = [None if t is None else Replicate() for t in (residual2, weight, bias)]
+            params[0] = None if residual2 is None else rows
+            return [rows, h, mean, rows], [rows, *params, None, None, None, None, None]
+
+        return [option(Replicate()), option(Shard(0))]
+
+    @register_sharding(ops.norm_backward.default)
+    def _norm_backward(dy, rows, weight, mean, rstd, dh_out, name, has_bias, need_weight):
+        def option(placement, summed):
+            ins = [placement, placement, None if weight is None else Replicate()]
+            ins += [placement if "layer" in name else Replicate(), placement, None if dh_out is None else placement]
+            return [placement, summed, summed], [*ins, None, None, None]
+
+        # row-sharded: each rank's rows give a partial sum of the parameters' gradients
+        return [option(Replicate(), Replicate()), option(Shard(0), Partial())]
+
     # register_sharding keys its cache on the tensor arguments and those from the first int
     # argument on: none here, so the kernel name, the activation and store_pre, which change
     # the rule or the result's shape, would not be in the key. All arguments are (a scalar
     # operand's value too: a new value propagates again, 2.4 ms on a CPU host).
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for op in (ops.elementwise.default, ops.matmul.default):
+    for op in (ops.elementwise.default, ops.matmul.default, ops.norm.default, ops.norm_backward.default):
         propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum=0, needs_pytree=True)
     _DTensor, _Replicate = DTensor, Replicate

@@ -159,6 +159,11 @@ def add_relu_into(x, y, out):
     return got
 
 
+def _rms_weight_grad(h, w):
+    w = w.clone().requires_grad_()
+    return torch.autograd.grad(torch.nn.functional.rms_norm(h, (HIDDEN,), w, 1e-6), w, torch.ones_like(h))[0]
+
+
 def check_rules(mesh, device) -> dict:
     """Each rule on one call: ``{case: [result placements, largest difference from torch,
     {collective: count}]}`` (the collectives the call ran, from ``CommDebugMode``)."""
@@ -195,6 +200,17 @@ def check_rules(mesh, device) -> dict:
             lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(torch.full_like(h, -7.0), Shard(0))),
             add_relu_into,
             torch.relu(h + y),
+        ),
+        "add_rms_norm_rows": (
+            lambda: (spread(h, Shard(0)), spread(y, Shard(0)), spread(b, Replicate())),
+            lambda a, r, w: fusedkit.add_rms_norm(a, r, w, 1e-6)[0],
+            torch.nn.functional.rms_norm(h + y, (HIDDEN,), b, 1e-6),
+        ),
+        # the weight's gradient from row-sharded rows: each rank's partial sum
+        "rms_norm_rows_weight_grad": (
+            lambda: (spread(h, Shard(0)), spread(b, Replicate()).requires_grad_()),
+            lambda a, w: torch.autograd.grad(fusedkit.rms_norm(a, (HIDDEN,), w, 1e-6), w, torch.ones_like(a))[0],
+            _rms_weight_grad(h, b),
         ),
         # an out= placed otherwise than the result: written all the same (copied in, as torch does)
         "add_relu_out_replicated": (

@@ -33,6 +33,8 @@ RULES = {
     "silu_mul_rows": (["S(0)"], {}),
     "add_relu_out": (["S(0)"], {}),
     "add_relu_out_replicated": (["R"], {"all_gather_into_tensor": 1}),
+    "add_rms_norm_rows": (["S(0)"], {}),
+    "rms_norm_rows_weight_grad": (["P(sum)"], {}),
 }
 
 
