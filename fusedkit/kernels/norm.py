@@ -32,14 +32,21 @@ CHUNK = 4096
 
 
 @triton.jit
-def _row_input(x_ptr, r_ptr, row, cols, mask, s_x, s_r, alpha, RESIDUAL: tl.constexpr, H_DTYPE: tl.constexpr):
-    """``x + alpha * residual`` of one block of rows, rounded to ``H_DTYPE`` (as the eager
-    add rounds it) and widened back to float32."""
-    x = widen(tl.load(x_ptr + row[:, None] * s_x + cols[None, :], mask=mask), tl.float32)
+def _h_block(
+    x_ptr, r_ptr, h_ptr, row, row_mask, cols, n, s_x, s_r, s_h, alpha, RESIDUAL: tl.constexpr, STORE: tl.constexpr
+):
+    """One block of rows of ``h = x + alpha * residual`` in float32, rounded to h's dtype
+    first as the eager add rounds it (stored with ``STORE``), and the block's masks."""
+    col_mask = cols < n
+    mask = row_mask[:, None] & col_mask[None, :]
+    h = widen(tl.load(x_ptr + row[:, None] * s_x + cols[None, :], mask=mask), tl.float32)
     if RESIDUAL:
         r = widen(tl.load(r_ptr + row[:, None] * s_r + cols[None, :], mask=mask), tl.float32)
-        x = widen(convert(x + alpha * r, H_DTYPE), tl.float32)
-    return x
+        h = convert(h + alpha * r, h_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(h_ptr + row[:, None] * s_h + cols[None, :], h, mask=mask)
+        h = widen(h, tl.float32)
+    return h, mask, col_mask
 
 
 @triton.jit
@@ -89,11 +96,7 @@ def norm_forward_kernel(
     row = row.to(tl.int64)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < n
-        mask = row_mask[:, None] & col_mask[None, :]
-        h = _row_input(x_ptr, r_ptr, row, cols, mask, s_x, s_r, alpha, RESIDUAL, h_ptr.dtype.element_ty)
-        if RESIDUAL:
-            tl.store(h_ptr + row[:, None] * s_h + cols[None, :], convert(h, h_ptr.dtype.element_ty), mask=mask)
+        h, mask, col_mask = _h_block(x_ptr, r_ptr, h_ptr, row, row_mask, cols, n, s_x, s_r, s_h, alpha, RESIDUAL, True)
         if RMS:
             mean = tl.zeros([BLOCK_M], tl.float32)
             centred = h
@@ -108,11 +111,9 @@ def norm_forward_kernel(
         m2 = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, n, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n
-            mask = row_mask[:, None] & col_mask[None, :]
-            h = _row_input(x_ptr, r_ptr, row, cols, mask, s_x, s_r, alpha, RESIDUAL, h_ptr.dtype.element_ty)
-            if RESIDUAL:
-                tl.store(h_ptr + row[:, None] * s_h + cols[None, :], convert(h, h_ptr.dtype.element_ty), mask=mask)
+            h, mask, col_mask = _h_block(
+                x_ptr, r_ptr, h_ptr, row, row_mask, cols, n, s_x, s_r, s_h, alpha, RESIDUAL, True
+            )
             if RMS:
                 m2 += tl.sum(h * h, axis=1)
             else:  # Chan et al.: merge this chunk's mean and squared deviations into the row's
@@ -124,11 +125,11 @@ def norm_forward_kernel(
                 mean += delta * (count / (seen + count))
                 m2 += tl.sum(dev * dev, axis=1) + delta * delta * (seen * count / (seen + count))
         rstd = 1.0 / tl.sqrt(m2 / n + eps)
-        for start in range(0, n, BLOCK_N):
+        for start in range(0, n, BLOCK_N):  # (h again from x and residual: this pass stores only y)
             cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n
-            mask = row_mask[:, None] & col_mask[None, :]
-            h = _row_input(x_ptr, r_ptr, row, cols, mask, s_x, s_r, alpha, RESIDUAL, h_ptr.dtype.element_ty)
+            h, mask, col_mask = _h_block(
+                x_ptr, r_ptr, h_ptr, row, row_mask, cols, n, s_x, s_r, s_h, alpha, RESIDUAL, False
+            )
             y = _affine((h - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, cols, col_mask, WEIGHT, BIAS)
             tl.store(y_ptr + row[:, None] * s_y + cols[None, :], convert(y, y_ptr.dtype.element_ty), mask=mask)
     if STATS:
