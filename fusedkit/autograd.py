@@ -35,6 +35,7 @@ __all__ = [
     "FuncMatmul",
     "Norm",
     "norm_backward_op",
+    "norm_grads",
     "norm_op",
     "PAIRS",
     "call_autograd",
@@ -699,67 +700,70 @@ def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:
 class Norm(torch.autograd.Function):
     """An eager normalisation (RMSNorm or LayerNorm over rows, an optional residual added
     first) that needs a gradient. Keeps the normalised rows (the input, or ``h``: an output the
-    caller holds anyway), the weight and the per-row statistics, nothing of the output's
-    size; the backward is one kernel over the rows. A gradient of the gradient recomputes
-    the forward as PyTorch's composition and differentiates that."""
+    caller holds anyway), the parameters and the per-row statistics, nothing of the output's
+    size and not the add's operands (as the eager add keeps neither); the backward is one
+    kernel over the rows. A gradient of the gradient differentiates PyTorch's composition of
+    the norm on the kept rows (``h`` carries the add's graph back to x and residual)."""
 
     @staticmethod
     def forward(ctx, x2, residual2, weight, bias, eps, alpha, rms, y_dtype, h_dtype):
         y, h, mean, rstd = row_norm.forward(x2, residual2, weight, bias, eps, alpha, rms, y_dtype, h_dtype, True)
         ctx.set_materialize_grads(False)
-        ctx.eps, ctx.alpha, ctx.rms, ctx.has_bias = eps, alpha, rms, bias is not None
+        ctx.eps, ctx.alpha, ctx.rms = eps, alpha, rms
         ctx.dtypes = (x2.dtype, None if residual2 is None else residual2.dtype)
-        ctx.save_for_backward(x2 if h is None else h, weight, bias, mean, rstd, x2, residual2)
+        ctx.save_for_backward(x2 if h is None else h, weight, bias, mean, rstd)
         return y if h is None else (y, h)
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
-        rows, weight, bias, mean, rstd, x2, residual2 = ctx.saved_tensors
-        n_grads = (None,) * 5
-        if torch.is_grad_enabled():  # create_graph: differentiate PyTorch's composition
-            return (*_norm_double_backward(ctx, dy, dh_out, x2, residual2, weight, bias), *n_grads)
+        rows, weight, bias, mean, rstd = ctx.saved_tensors
+        return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out), *(None,) * 5)
+
+
+def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out) -> tuple:
+    """``(dx, dresidual, dweight, dbias)`` of a norm from what it kept: one backward launch,
+    or under ``create_graph`` PyTorch's composition on ``rows`` (differentiable). ``ctx``
+    holds ``eps``, ``alpha``, ``rms``, ``dtypes`` (x's and the residual's) and
+    ``needs_input_grad``."""
+    x_dtype, r_dtype = ctx.dtypes
+    needs = ctx.needs_input_grad
+    if torch.is_grad_enabled():
+        dh, dw, db = _composed_norm_grads(ctx, rows, weight, bias, dy, dh_out)
+    elif dy is None:  # only the residual stream reached the loss: the norm's parameters get none
+        dh, dw, db = dh_out, None, None
+    else:
         n = rows.shape[1]
         # (the gradients as rows with unit column stride: a sum's gradient arrives expanded)
-        dy = torch.zeros_like(rows) if dy is None else row_norm.rows_of(dy, rows.shape[0], n)
+        dy = row_norm.rows_of(dy, rows.shape[0], n)
         dh_out = None if dh_out is None else row_norm.rows_of(dh_out, rows.shape[0], n)
-        dx, dw, db = row_norm.backward(
-            dy,
-            rows,
-            weight,
-            mean,
-            rstd,
-            dh_out,
-            ctx.rms,
-            ctx.has_bias,
-            rows.dtype,
-            weight is not None and ctx.needs_input_grad[2],
+        dh, dw, db = row_norm.backward(
+            dy, rows, weight, mean, rstd, dh_out, ctx.rms, bias is not None, rows.dtype, weight is not None and needs[2]
         )
-        x_dtype, r_dtype = ctx.dtypes
-        dr = None
-        if residual2 is not None and ctx.needs_input_grad[1]:
-            dr = (dx if ctx.alpha == 1 else dx * ctx.alpha).to(r_dtype)
-        dx = dx.to(x_dtype) if ctx.needs_input_grad[0] else None
-        if db is not None and bias is not None:
-            db = db.to(bias.dtype)
-        return dx, dr, dw, db, *n_grads
+        db = None if db is None else db.to(bias.dtype)
+    dr = None
+    if r_dtype is not None and needs[1] and dh is not None:
+        dr = (dh if ctx.alpha == 1 else dh * ctx.alpha).to(r_dtype)
+    dx = dh.to(x_dtype) if needs[0] and dh is not None else None
+    return dx, dr, (dw if needs[2] else None), (db if needs[3] else None)
 
 
-def _norm_double_backward(ctx, dy, dh_out, x2, residual2, weight, bias):
-    """The first gradients as differentiable PyTorch ops on the saved inputs, recomputing the
-    forward as PyTorch's composition (a gradient of the gradient is recorded through them)."""
-    inputs = (x2, residual2, weight, bias)
-    need = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
-    with torch.enable_grad():
-        y, h = row_norm.reference(x2, residual2, weight, bias, ctx.eps, ctx.alpha, ctx.rms, (x2.shape[-1],))
-        outs, grads = [y], [dy if dy is not None else torch.zeros_like(y)]
-        if h is not None and dh_out is not None:
-            outs.append(h)
-            grads.append(dh_out)
-        got = torch.autograd.grad(outs, [inputs[i] for i in need], grads, create_graph=True, allow_unused=True)
-    result = [None] * 4
-    for i, g in zip(need, got):
-        result[i] = g
-    return tuple(result)
+def _composed_norm_grads(ctx, rows, weight, bias, dy, dh_out):
+    """The norm's input and parameter gradients as differentiable PyTorch ops on the kept rows
+    (recomputing the forward as the composition), plus the gradient that reached ``h``."""
+    params = [t for t in (weight, bias) if t is not None and t.requires_grad]
+    dh = dh_out
+    dw = db = None
+    if dy is not None:
+        with torch.enable_grad():
+            y, _ = row_norm.reference(rows, None, weight, bias, ctx.eps, 1, ctx.rms, (rows.shape[-1],))
+            leaves = [rows] + params if rows.requires_grad else params
+            got = list(torch.autograd.grad(y, leaves, dy, create_graph=True, allow_unused=True))
+        g_rows = got.pop(0) if rows.requires_grad else None
+        dh = g_rows if dh_out is None else (dh_out if g_rows is None else g_rows + dh_out)
+        named = dict(zip([id(p) for p in params], got))
+        dw = named.get(id(weight)) if weight is not None else None
+        db = named.get(id(bias)) if bias is not None else None
+    return dh, dw, db
 
 
 # --- The norms as registered ops: what a dispatch mode (a byte counter) and compiled code with
@@ -842,18 +846,18 @@ def _norm_setup_context(ctx, inputs, output):
     x2, residual2, weight, bias, name, eps, alpha, y_dtype, h_dtype = inputs
     y, h, mean, rstd = output
     ctx.set_materialize_grads(False)
-    ctx.name, ctx.alpha, ctx.has_bias = name, alpha, bias is not None
-    ctx.dtypes = (x2.dtype, None if residual2 is None else residual2.dtype, None if bias is None else bias.dtype)
-    ctx.save_for_backward(x2 if residual2 is None else h, weight, mean, rstd)
+    ctx.name, ctx.eps, ctx.alpha, ctx.rms = name, eps, alpha, "rms" in name
+    ctx.dtypes = (x2.dtype, None if residual2 is None else residual2.dtype)
+    ctx.save_for_backward(x2 if residual2 is None else h, weight, bias, mean, rstd)
 
 
 def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
-    rows, weight, mean, rstd = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(rows)
+    rows, weight, bias, mean, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled() or dy is None:  # (a gradient of the gradient: the composition)
+        return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh), *(None,) * 5)
     need_weight = weight is not None and ctx.needs_input_grad[2]
-    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh, ctx.name, ctx.has_bias, need_weight)
-    x_dtype, r_dtype, b_dtype = ctx.dtypes
+    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh, ctx.name, bias is not None, need_weight)
+    x_dtype, r_dtype = ctx.dtypes
     dr = None
     if r_dtype is not None and ctx.needs_input_grad[1]:
         dr = (dx if ctx.alpha == 1 else dx * ctx.alpha).to(r_dtype)
@@ -861,7 +865,7 @@ def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
         dx.to(x_dtype) if ctx.needs_input_grad[0] else None,
         dr,
         dw if need_weight else None,
-        db.to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None,
+        db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None,
         *(None,) * 5,
     )
 

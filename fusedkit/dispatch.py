@@ -20,8 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import autograd, settings, sharding
-from .errors import ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, TracingError
+from . import autograd, registry, settings, sharding
+from .errors import ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, ShapeError, TracingError
 from .registry import ElementwiseKernel, RowKernel, number_kind, result_dtype
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
@@ -294,8 +294,24 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     DTensor calls run its PyTorch composition (Inductor fuses it under ``torch.compile``;
     ``compiled_elementwise="kernel"``: the registered op); eager calls the kernels."""
     name, rms = kernel.name, kernel.rms
-    if not isinstance(x, torch.Tensor):
-        raise DTypeError(f"{name}(): input must be a tensor, got {type(x).__name__}")
+    for arg, value in (("input", x), ("residual", residual if kernel.residual else x)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"{name}(): {arg} must be a tensor, got {type(value).__name__}")
+    if kernel.residual and residual.shape != x.shape:
+        # a residual that broadcasts (a position embedding of one batch row): torch's add, then
+        # the norm of its result; shapes that do not broadcast raise as torch.add's would
+        try:
+            torch.broadcast_shapes(x.shape, residual.shape)
+        except RuntimeError:
+            raise ShapeError(
+                f"{name}(): residual of shape {list(residual.shape)} does not broadcast with the input's "
+                f"{list(x.shape)}"
+            ) from None
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
+        h = torch.add(x, residual, alpha=alpha)
+        plain = registry.row_kernel(name.removeprefix("add_"))
+        return norm(plain, h, None, normalized_shape, weight, bias, eps, 1), h
     shape, n = rn.normalized_size(x, normalized_shape, name)
     rn.validate(name, x, residual, weight, bias, shape, eps)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
@@ -303,8 +319,8 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     _no_jit_trace(name)
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y_dtype = norm_dtype(h_dtype, x.device.type, rms)
-    if eps is None:  # (torch: the epsilon of the dtype the norm computes in, autocast's included)
-        eps = torch.finfo(y_dtype).eps if rms else 1e-5
+    if eps is None:  # (torch: the epsilon of the dtype the norm computes in: float32 for half inputs)
+        eps = torch.finfo(torch.float64 if h_dtype == torch.float64 else torch.float32).eps if rms else 1e-5
     tensors = (x, residual, weight, bias)
     kernels = all(t is None or t.dtype in rn.KERNEL_DTYPES for t in tensors) and ew.backend_for(x.device) != "torch"
     if _is_compiling():  # (Dynamo reads neither the dispatch-mode stack nor the transforms)

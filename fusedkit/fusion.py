@@ -49,7 +49,7 @@ from torch.nn.utils import parametrize
 from . import nn as fnn
 from .dispatch import norm_dtype
 from .errors import FusedkitError, SignatureError, TracingError
-from .fusion_call import CallSpec
+from .fusion_call import FIXED_TYPES, CallSpec
 from .memory import MemoryCounterMode
 from .ops import add_gelu, add_layer_norm, add_relu, add_rms_norm, gelu_mul, matmul, rms_norm, silu_mul
 from .registry import OPERAND_DTYPES, get
@@ -350,6 +350,7 @@ class _Norm:
     bias: str | None
     eps: float | None
     composed: bool  # computed by several ops (a module of other code): fused alone, it saves bytes
+    eps_attr: str | None = None  # the module's own eps, read when the fused code runs
 
 
 def _norm(node: fx.Node, modules: dict) -> _Norm | None:
@@ -364,11 +365,12 @@ def _norm(node: fx.Node, modules: dict) -> _Norm | None:
         weight = f"{node.target}.weight" if getattr(m, "weight", None) is not None else None
         if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward:
             bias = f"{node.target}.bias" if m.bias is not None else None
-            return _Norm(False, x, tuple(m.normalized_shape), weight, bias, m.eps, False)
+            return _Norm(False, x, tuple(m.normalized_shape), weight, bias, m.eps, False, f"{node.target}.eps")
         if isinstance(m, torch.nn.RMSNorm) and type(m).forward is torch.nn.RMSNorm.forward:
-            return _Norm(True, x, tuple(m.normalized_shape), weight, None, m.eps, False)
+            return _Norm(True, x, tuple(m.normalized_shape), weight, None, m.eps, False, f"{node.target}.eps")
         if type(m).__name__ in FOREIGN_RMS_NORMS and weight is not None and m.weight.dim() == 1:
-            return _Norm(True, x, tuple(m.weight.shape), weight, None, float(m.variance_epsilon), True)
+            eps = float(m.variance_epsilon)
+            return _Norm(True, x, tuple(m.weight.shape), weight, None, eps, True, f"{node.target}.variance_epsilon")
         return None
     if node.op == "call_function" and node.target in (F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm):
         rms = node.target in (F.rms_norm, torch.rms_norm)
@@ -598,6 +600,7 @@ def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> Fusio
     eps = "" if norm.eps is None else f", eps={norm.eps!r}"
     if add is not None:
         extra = f", alpha={alpha!r}" if alpha != 1 else ""
+        extra += f", normalized_shape={list(norm.shape)}" if norm.weight is None and norm.bias is None else ""
         replacement = f"fusedkit.add_{kind}({_name(x)}, {_name(y)}, {params}{eps}{extra})"
     else:
         replacement = f"fusedkit.rms_norm({_name(norm.x)}, {list(norm.shape)}, {params}{eps})"
@@ -683,7 +686,13 @@ def _traced(
         gm, whole = _trace(model, whole, call=call)
         inputs = _call_inputs(model, gm, call)
     with _mode(model, False), torch.no_grad():
-        gm.meta["output"] = _structure(_Propagate(gm).propagate(*inputs))
+        try:
+            gm.meta["output"] = _structure(_Propagate(gm).propagate(*inputs))
+        except Exception as exc:  # (the traced code on the example: fx's own limits, not the model's)
+            raise TracingError(
+                f"{_title(model)}: its traced code failed on the example: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            ) from exc
     declined = []
     sites = _find(gm, declined)
     gm.meta["declined"] = declined
@@ -738,13 +747,15 @@ def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
     with graph.inserting_before(add[0].next if add else norm_node):  # (nodes in the order made)
         weight = graph.get_attr(norm.weight) if norm.weight else None
         bias = graph.get_attr(norm.bias) if norm.bias else None
-        eps = {} if norm.eps is None else {"eps": norm.eps}
+        # (a module's eps read as the code runs: one changed after fuse holds)
+        eps = {"eps": graph.get_attr(norm.eps_attr) if norm.eps_attr else norm.eps}
         if add:
             x, y, alpha = _add_operands(add[0])
+            kw = {**eps, "alpha": alpha, "normalized_shape": norm.shape}
             if norm.rms:
-                new = graph.call_function(add_rms_norm, (x, y, weight), {**eps, "alpha": alpha})
+                new = graph.call_function(add_rms_norm, (x, y, weight), kw)
             else:
-                new = graph.call_function(add_layer_norm, (x, y, weight, bias), {**eps, "alpha": alpha})
+                new = graph.call_function(add_layer_norm, (x, y, weight, bias), kw)
             out = graph.call_function(operator.getitem, (new, 0))
             h = graph.call_function(operator.getitem, (new, 1))
             out.meta, h.meta = dict(norm_node.meta), dict(add[0].meta)
@@ -843,6 +854,20 @@ def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.G
     return gm, sites, notes, whole
 
 
+def _snapshot(value):
+    """``value`` with its objects (neither tensors nor fixed values) deep-copied, where they copy."""
+    if isinstance(value, torch.Tensor) or type(value) in FIXED_TYPES:
+        return value
+    if type(value) in (tuple, list):
+        return type(value)(_snapshot(v) for v in value)
+    if type(value) is dict:
+        return {k: _snapshot(v) for k, v in value.items()}
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # (one that does not copy: _call_inputs says so if a trace needs it)
+        return value
+
+
 def _kind(structure) -> str:
     cls = structure[0] if isinstance(structure, tuple) else structure
     return "a dict" if cls is fx.immutable_collections.immutable_dict else cls.__name__
@@ -854,7 +879,8 @@ def _record_calls(model: torch.nn.Module, args, kwargs) -> tuple[dict, dict, obj
     calls, returned = {}, {}
 
     def before(module, a, k):
-        calls.setdefault(module, (a, k))
+        if module not in calls:  # (its objects as they are now: a KV cache fills as the run goes on)
+            calls[module] = (_snapshot(a), _snapshot(k))
 
     def after(module, a, out):
         returned.setdefault(module, _structure(out))
@@ -886,8 +912,8 @@ def _plan(model: torch.nn.Module, example_inputs, example_kwargs) -> tuple[list,
             return  # (torch.nn's own layers, activations: nothing inside to fuse)
         call = calls.get(m)
         if call is not None:
-            spec = CallSpec.of(m, *call)
             try:
+                spec = CallSpec.of(m, *call)
                 gm, sites, kept, whole = _fused_graph(m, spec, returned.get(m))
             except TracingError as exc:
                 why = str(exc).removeprefix("torch.fx cannot trace ").split(" (advise and fuse")[0]

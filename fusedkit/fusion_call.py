@@ -4,7 +4,7 @@ fusedkit traces a module from its first call in the example run, as the model ma
 transformers calls ``LlamaDecoderLayer(h, attention_mask=None, position_ids=p,
 cache=DynamicCache, use_cache=True, position_embeddings=(cos, sin))``. Of that call
 
-- tensors, in tuples, lists and dicts too, are the traced forward's inputs;
+- tensors, in tuples, lists and dicts with string keys too, are the traced forward's inputs;
 - None, numbers, strings, dtypes and devices are fixed as the call gave them (``use_cache``
   takes its branch, ``attention_mask is None`` its own);
 - any other object (the KV cache) is an input too, one the traced code may only hand on to a
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import math
 import re
 
 import torch
@@ -66,7 +67,7 @@ class CallSpec:
         self._template = (slots, kw)
         body = "".join(f"    {line}\n" for line in self._lines)
         self.source = f"def inputs(args, kwargs):\n{body}    return ({''.join(v + ', ' for v in self._returned)})\n"
-        scope = {"Tensor": torch.Tensor, "fixed": self._fixed, "classes": self.classes}
+        scope = {"Tensor": torch.Tensor, "fixed": self._fixed, "classes": self.classes, "copysign": math.copysign}
         exec(compile(self.source, "<fusedkit call spec>", "exec"), scope)
         #: ``(args, kwargs) -> tuple | None``: a call's traced inputs, or None for a call of
         #: another shape.
@@ -78,7 +79,8 @@ class CallSpec:
         var = f"v{len(self._lines)}"
         self._lines.append(f"{var} = {expr}")
         check = self._lines.extend
-        if isinstance(value, torch.Tensor) or type(value) not in (tuple, list, dict, *FIXED_TYPES):
+        container = type(value) in (tuple, list) or (type(value) is dict and all(type(k) is str for k in value))
+        if isinstance(value, torch.Tensor) or not (container or type(value) in FIXED_TYPES):
             if isinstance(value, torch.Tensor):
                 check([f"if not isinstance({var}, Tensor):", "    return None"])
             else:  # an object: one of its class
@@ -104,6 +106,8 @@ class CallSpec:
             self._fixed.append(value)
             ref = f"fixed[{len(self._fixed) - 1}]"
             check([f"if type({var}) is not type({ref}) or {var} != {ref}:", "    return None"])
+            if type(value) is float:  # (-0.0 == 0.0: the sign too)
+                check([f"if copysign(1.0, {var}) != copysign(1.0, {ref}):", "    return None"])
         return value
 
     def _placeholder(self, name: str) -> str:

@@ -309,16 +309,20 @@ def add_rms_norm(
     eps: float | None = None,
     *,
     alpha: float = 1,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + alpha * residual; y = rms_norm(h, weight.shape, weight, eps)`` in one pass over
     the rows: returns ``(y, h)``, ``h`` the new residual stream (``torch.result_type(x,
     residual)``, rounded as the eager add rounds it; y normalises that rounded ``h``, as the
     eager composition does). Reads x and residual once and writes y and h, where the eager
-    composition also reads h back for the statistics and again for the output. With
-    ``weight=None`` the last dim is normalised. Its backward is one kernel: the gradient
-    reaching ``h`` itself (the residual stream's) is added to the norm's, and x and residual
-    get it (times ``alpha``). Errors as :func:`rms_norm`; residual has x's shape."""
-    shape = x.shape[-1:] if weight is None else weight.shape
+    composition also reads h back for the statistics and again for the output. The dims
+    normalised: ``normalized_shape``, else the weight's shape, else the last dim. Its backward
+    is one kernel: the gradient reaching ``h`` itself (the residual stream's) is added to the
+    norm's, and x and residual get it (times ``alpha``); autograd keeps h and one float32 a
+    row, not x and residual (as the eager add keeps neither). A residual that broadcasts
+    with x (not of x's shape) takes torch's add, then the norm of its result. Errors as
+    :func:`rms_norm`."""
+    shape = normalized_shape if normalized_shape is not None else x.shape[-1:] if weight is None else weight.shape
     return dispatch.norm(ADD_RMS_NORM, x, residual, shape, weight, None, eps, alpha)
 
 
@@ -330,8 +334,13 @@ def add_layer_norm(
     eps: float = 1e-5,
     *,
     alpha: float = 1,
+    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + alpha * residual; y = layer_norm(h, ...)`` in one pass: ``(y, h)``, as
-    :func:`add_rms_norm` (the normalised shape: the weight's, else the bias's, else the last dim)."""
-    shape = x.shape[-1:] if weight is None and bias is None else (weight if weight is not None else bias).shape
+    :func:`add_rms_norm` (the dims normalised: ``normalized_shape``, else the weight's or the
+    bias's shape, else the last dim)."""
+    if normalized_shape is not None:
+        shape = normalized_shape
+    else:
+        shape = x.shape[-1:] if weight is None and bias is None else (weight if weight is not None else bias).shape
     return dispatch.norm(ADD_LAYER_NORM, x, residual, shape, weight, bias, eps, alpha)

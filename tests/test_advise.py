@@ -511,6 +511,55 @@ def test_residual_joins_and_their_norms_fuse_with_the_stream_kept():
     torch.testing.assert_close(torch.autograd.grad(got.square().sum(), x)[0], want_grad, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_norms_read_their_modules_eps_and_take_other_calls():
+    class Block(nn.Module):  # a norm of two dims without parameters; a position embedding of one row
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(50, 16), nn.Embedding(32, 16)
+            self.ln, self.ln2, self.f = (
+                nn.LayerNorm(16),
+                nn.LayerNorm((6, 16), elementwise_affine=False),
+                nn.Linear(16, 16),
+            )
+
+        def forward(self, ids):
+            h = self.ln(self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)[None]))
+            return self.ln2(h + self.f(h))
+
+    block, ids = Block().to(DEVICE), torch.randint(0, 50, (1, 6), device=DEVICE)
+    reference = copy.deepcopy(block)
+    fusedkit.fuse(block, ids)
+    assert [s.pattern for s in block.fusion_sites] == ["add -> layer_norm"] * 2
+    assert "normalized_shape=[6, 16]" in block.fusion_sites[1].replacement
+    other = torch.randint(0, 50, (3, 6), device=DEVICE)  # the position row now broadcasts
+    torch.testing.assert_close(block(other), reference(other), rtol=1e-5, atol=1e-5)
+    block.ln.eps = reference.ln.eps = 10.0  # a module's eps changed after fuse holds
+    torch.testing.assert_close(block(other), reference(other), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoder_with_eager_attention_fuses():
+    # The cache each layer got, as it was then (the run fills it afterwards): the attention's
+    # mask and the keys it adds agree when fuse runs the traced layer on it.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).to(DEVICE).eval()
+    reference, ids = copy.deepcopy(model), torch.randint(0, 100, (2, 7), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fusedkit.fuse(model, ids)
+    assert [s.pattern for s in model.fusion_sites] == ["rms_norm", "add -> rms_norm", "silu * mul"] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_a_norm_fusedkit_would_change_is_left_and_named():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -727,3 +776,17 @@ def test_a_fused_model_compiles_whole():
     torch._dynamo.reset()
     compiled = torch.compile(net, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(images), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_spec_tells_calls_apart_by_sign_and_keeps_odd_keys_whole():
+    from fusedkit.fusion_call import CallSpec
+
+    t = torch.ones(2)
+    spec = CallSpec((t, 0.0), {"flag": True})
+    assert spec.inputs((t, 0.0), {"flag": True}) == (t,)
+    for args, kwargs in [((t, -0.0), {"flag": True}), ((t, 0.0), {"flag": 1}), ((t, 0.0), {}), ((t,), {"flag": True})]:
+        assert spec.inputs(args, kwargs) is None, (args, kwargs)
+    # a dict keyed by other than strings is one object input (its class checked), not walked
+    keyed = CallSpec((t, {torch.float32: t, float("nan"): t}), {})
+    assert keyed.classes == [torch.Tensor, dict]
+    assert keyed.inputs((t, {1: t}), {}) is not None and keyed.inputs((t, [t]), {}) is None

@@ -9,6 +9,9 @@ weight, bias) and the width's (one pass or chunks); the dtype only changes loads
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -294,3 +297,59 @@ def test_compiled_with_the_kernel_setting_runs_the_registered_op():
     want = torch.autograd.grad(want_y.sum() + want_h.sum(), (x, r, w, b))
     torch.testing.assert_close(got, want)
     assert any("fusedkit.norm" in op for op in graphs[0])
+
+
+def test_parameters_at_a_stride_the_default_eps_and_a_broadcast_residual_as_torch():
+    x = rand((4, 16), torch.float32, DEVICE)
+    w, b = rand((32,), torch.float32, DEVICE)[::2], rand((32,), torch.float32, DEVICE)[::2]  # read at a stride
+    _close(fusedkit.layer_norm(x, (16,), w, b), F.layer_norm(x.double(), (16,), w.double(), b.double()), x.dtype)
+    expanded = torch.tensor([2.0], device=DEVICE).expand(16)
+    _close(fusedkit.rms_norm(x, (16,), expanded), F.rms_norm(x.double(), (16,), expanded.double()), x.dtype)
+    # eps=None: float32's epsilon for half inputs too, as torch computes (not bfloat16's 2**-7)
+    small = (rand((4, 64), torch.float32, DEVICE) * 0.003).bfloat16()
+    _close(
+        fusedkit.rms_norm(small, (64,)),
+        F.rms_norm(small.double(), (64,), eps=torch.finfo(torch.float32).eps),
+        small.dtype,
+    )
+    # a residual that broadcasts: torch's add, then the norm; h of the broadcast shape
+    x3, pos = rand((3, 6, 16), torch.float32, DEVICE), rand((1, 6, 16), torch.float32, DEVICE)
+    y, h = fusedkit.add_layer_norm(x3, pos, None, None)
+    torch.testing.assert_close(h, x3 + pos)
+    _close(y, F.layer_norm((x3 + pos).double(), (16,)), torch.float32)
+    y, h = fusedkit.add_rms_norm(x3, x3, None, normalized_shape=(6, 16))  # two dims without a weight
+    _close(y, F.rms_norm((2 * x3).double(), (6, 16)), torch.float32)
+    with pytest.raises(fusedkit.DTypeError):
+        fusedkit.add_rms_norm(x, None, w)
+    with pytest.raises(fusedkit.ShapeError):
+        fusedkit.add_rms_norm(x, x[:, :3], None)
+
+
+def test_add_norm_keeps_h_not_its_operands_and_differentiates_twice():
+    """Autograd keeps h (not x and residual: an in-place change of x after the call trains on,
+    as eager's add allows); a gradient of the gradient flows back to x and residual through h,
+    on the kernels' path and on the registered ops' (under a byte counter)."""
+    a, r, w, _ = _inputs("add_rms_norm", 3, 8, torch.float32, grad=True)
+    x = a * 1
+    y, h = fusedkit.add_rms_norm(x, r, w, 1e-6)
+    with torch.no_grad():
+        x.add_(1)
+    y.sum().backward()  # (no error: x is not kept)
+    wide = [t.detach().double().requires_grad_() for t in (a, r, w)]
+
+    def grads_of_grads(add_rms_norm, a, r, w):
+        y, h = add_rms_norm(a, r, w)
+        g = torch.autograd.grad(y.square().sum() + h.pow(3).sum(), (a, r, w), create_graph=True)
+        return torch.autograd.grad(sum(t.square().sum() for t in g), (a, r, w))
+
+    want = grads_of_grads(lambda a, r, w: (F.rms_norm(a + 0.5 * r, (8,), w, 1e-6), a + 0.5 * r), *wide)
+    fused = functools.partial(fusedkit.add_rms_norm, eps=1e-6, alpha=0.5)
+    for context in (contextlib.nullcontext(), fusedkit.MemoryCounterMode(display=False)):
+        with context:
+            got = grads_of_grads(fused, a, r, w)
+        for g, wg in zip(got, want):
+            torch.testing.assert_close(g.double(), wg, atol=1e-4 * max(wg.abs().max().item(), 1), rtol=1e-4)
+    w2 = w.detach().requires_grad_()
+    _, h = fusedkit.add_rms_norm(a, r, w2)
+    h.sum().backward()
+    assert w2.grad is None  # (only the residual stream reached the loss, as in torch)

@@ -50,12 +50,12 @@ def _h_block(
 
 
 @triton.jit
-def _affine(xhat, w_ptr, b_ptr, cols, col_mask, WEIGHT: tl.constexpr, BIAS: tl.constexpr):
-    """``xhat * w + b`` (each where given), in float32."""
+def _affine(xhat, w_ptr, b_ptr, cols, col_mask, s_w, s_b, WEIGHT: tl.constexpr, BIAS: tl.constexpr):
+    """``xhat * w + b`` (each where given; read at their strides), in float32."""
     if WEIGHT:
-        xhat = xhat * widen(tl.load(w_ptr + cols, mask=col_mask), tl.float32)[None, :]
+        xhat = xhat * widen(tl.load(w_ptr + cols * s_w, mask=col_mask), tl.float32)[None, :]
     if BIAS:
-        xhat = xhat + widen(tl.load(b_ptr + cols, mask=col_mask), tl.float32)[None, :]
+        xhat = xhat + widen(tl.load(b_ptr + cols * s_b, mask=col_mask), tl.float32)[None, :]
     return xhat
 
 
@@ -76,11 +76,13 @@ def norm_forward_kernel(
     # sizes
     rows,
     n,
-    # row strides (columns have stride 1)
+    # row strides (columns have stride 1), then the weight's and bias's element strides
     s_x,
     s_r,
     s_y,
     s_h,
+    s_w,
+    s_b,
     # compile-time switches
     RMS: tl.constexpr,
     RESIDUAL: tl.constexpr,
@@ -104,7 +106,7 @@ def norm_forward_kernel(
             mean = tl.sum(h, axis=1) / n
             centred = tl.where(mask, h - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / n + eps)
-        y = _affine(centred * rstd[:, None], w_ptr, b_ptr, cols, col_mask, WEIGHT, BIAS)
+        y = _affine(centred * rstd[:, None], w_ptr, b_ptr, cols, col_mask, s_w, s_b, WEIGHT, BIAS)
         tl.store(y_ptr + row[:, None] * s_y + cols[None, :], convert(y, y_ptr.dtype.element_ty), mask=mask)
     else:  # one row a program (BLOCK_M == 1), in chunks: statistics, then the output
         mean = tl.zeros([BLOCK_M], tl.float32)
@@ -130,7 +132,7 @@ def norm_forward_kernel(
             h, mask, col_mask = _h_block(
                 x_ptr, r_ptr, h_ptr, row, row_mask, cols, n, s_x, s_r, s_h, alpha, RESIDUAL, False
             )
-            y = _affine((h - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, cols, col_mask, WEIGHT, BIAS)
+            y = _affine((h - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, cols, col_mask, s_w, s_b, WEIGHT, BIAS)
             tl.store(y_ptr + row[:, None] * s_y + cols[None, :], convert(y, y_ptr.dtype.element_ty), mask=mask)
     if STATS:
         if not RMS:
@@ -139,14 +141,14 @@ def norm_forward_kernel(
 
 
 @triton.jit
-def _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, mean, rstd, WEIGHT: tl.constexpr):
+def _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT: tl.constexpr):
     """One block's ``xhat`` and ``g = dy * w`` (float32), and ``dy``."""
     dy = widen(tl.load(dy_ptr + row[:, None] * s_dy + cols[None, :], mask=mask, other=0.0), tl.float32)
     h = widen(tl.load(h_ptr + row[:, None] * s_h + cols[None, :], mask=mask, other=0.0), tl.float32)
     xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
     g = dy
     if WEIGHT:
-        g = dy * widen(tl.load(w_ptr + cols, mask=col_mask, other=0.0), tl.float32)[None, :]
+        g = dy * widen(tl.load(w_ptr + cols * s_w, mask=col_mask, other=0.0), tl.float32)[None, :]
     return xhat, g, dy
 
 
@@ -173,6 +175,7 @@ def norm_backward_kernel(
     s_h,
     s_dh_out,
     s_dx,
+    s_w,  # (the weight's element stride)
     # compile-time switches
     RMS: tl.constexpr,
     WEIGHT: tl.constexpr,  # the output was scaled by a weight
@@ -199,7 +202,9 @@ def norm_backward_kernel(
             mean = tl.load(mean_ptr + row)
         if ONE_PASS:
             mask = col_mask[None, :]
-            xhat, g, dy = _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, mean, rstd, WEIGHT)
+            xhat, g, dy = _row_grads(
+                dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+            )
             dot = tl.sum(g * xhat, axis=1) / n
             dh = g - xhat * dot[:, None]
             if not RMS:
@@ -219,14 +224,18 @@ def norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n
                 mask = col_mask[None, :]
-                xhat, g, dy = _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, mean, rstd, WEIGHT)
+                xhat, g, dy = _row_grads(
+                    dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                )
                 dot += tl.sum(g * xhat, axis=1)
                 total += tl.sum(g, axis=1)
             for start in range(0, n, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n
                 mask = col_mask[None, :]
-                xhat, g, dy = _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, mean, rstd, WEIGHT)
+                xhat, g, dy = _row_grads(
+                    dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                )
                 dh = g - xhat * (dot / n)[:, None]
                 if not RMS:
                     dh -= (total / n)[:, None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,15 @@ NORM_DTYPES = (*KERNEL_DTYPES, torch.float64)
 def normalized_size(x: torch.Tensor, normalized_shape, name: str) -> tuple[tuple, int]:
     """``normalized_shape`` as a tuple and its element count, checked against ``x``'s
     trailing dims (``ShapeError``) as torch checks them."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    try:  # (ints, and what converts to one exactly as an index does: numpy's)
+        shape = (
+            (operator.index(normalized_shape),)
+            if not hasattr(normalized_shape, "__iter__")
+            else tuple(operator.index(d) for d in normalized_shape)
+        )
+    except TypeError:
+        raise ShapeError(f"{name}(): normalized_shape must be ints, got {normalized_shape!r}") from None
+    if any(isinstance(d, bool) for d in (normalized_shape if hasattr(normalized_shape, "__iter__") else ())):
         raise ShapeError(f"{name}(): normalized_shape must be ints, got {normalized_shape!r}")
     if not shape or tuple(x.shape[x.dim() - len(shape) :]) != shape or len(shape) > x.dim():
         raise ShapeError(
@@ -108,7 +116,7 @@ def forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps: float, al
         float(alpha),
         rows,
         n,
-        *(t.stride(0) if t is not None else 0 for t in (x2, residual2, y, h)),
+        *(t.stride(0) if t is not None else 0 for t in (x2, residual2, y, h, weight, bias)),
     )
     meta = {
         "RMS": rms,
@@ -154,7 +162,7 @@ def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, 
         rows,
         n,
         per_program,
-        *(t.stride(0) if t is not None else 0 for t in (dy2, h2, dh_out2, dx)),
+        *(t.stride(0) if t is not None else 0 for t in (dy2, h2, dh_out2, dx, weight)),
     )
     meta = {
         "RMS": rms,
