@@ -318,7 +318,6 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
     _no_jit_trace(name)
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y_dtype = norm_dtype(h_dtype, x.device.type, rms)
     if eps is None:  # (torch: the epsilon of the dtype the norm computes in: float32 for half inputs)
         eps = torch.finfo(torch.float64 if h_dtype == torch.float64 else torch.float32).eps if rms else 1e-5
     tensors = (x, residual, weight, bias)
@@ -329,6 +328,7 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         registered = not _functorch() and (observed(tensors) or sharding.has_dtensor(tensors))
     if kernels and registered:
         # the registered op, forward and backward: what a byte counter or compiled code sees
+        y_dtype = norm_dtype(h_dtype, x.device.type, rms)
         lead = x.shape[: x.dim() - len(shape)]
         rows = lead.numel()
         y, h, _, _ = autograd.norm_op(
@@ -352,6 +352,8 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     ):
         y, h = kernel.reference(x, residual, weight, bias, eps, alpha, shape)
         return y if residual is None else (y, h)
+    # (the composition above follows autocast itself; the kernels write its dtype directly)
+    y_dtype = norm_dtype(h_dtype, x.device.type, rms)
     lead = x.shape[: x.dim() - len(shape)]
     x2 = rn.rows_of(x, lead.numel(), n)
     r2 = None if residual is None else rn.rows_of(residual, lead.numel(), n)

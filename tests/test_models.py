@@ -86,7 +86,10 @@ def test_fuse_keeps_the_stock_model_and_its_state_dict(name):
 def test_report_runs_end_to_end():
     """The report at tiny sizes: every variant measured, losses finite, the fused run's
     losses within float32 noise of stock's (no autocast on the CPU)."""
-    name = next((n for n in CASES if models.unavailable(models.MODELS[n]) is None), None)
+    # (a block: a whole model's 20 training steps take most of a minute in the interpreter;
+    # its fusion and decode step are tested below)
+    blocks = [n for n in CASES if not models.MODELS[n].whole]
+    name = next((n for n in blocks if models.unavailable(models.MODELS[n]) is None), None)
     if name is None:
         pytest.skip("neither torchvision nor transformers imports here")
     # Two rounds: the second times training after the first round's inference (eval mode
@@ -105,6 +108,19 @@ def test_report_runs_end_to_end():
     assert (f.host_ms is not None) == ON_GPU and (f.host_ms is None or 0 < f.host_ms < 10 * f.train_ms)
     table = models.format_models_table(results, {"other": "why"})
     assert name in table and "other" in table and "why" in table
+
+
+def test_the_decode_step_of_a_fused_lm_gives_stocks_tokens():
+    case = _case("gpt2")
+    stock, train, _ = models.prepared(case, True, DEVICE)
+    fused, _ = models.variant_model(case, "fusedkit", stock, DEVICE, train[0])
+    reference = copy.deepcopy(stock).to(DEVICE)
+    prompt = train[0][:1, :4]
+    for batch in models.DECODE_BATCHES:
+        ids = prompt.expand(batch, -1).contiguous()
+        ms, out = models.decode(fused, ids, DEVICE, tokens=2, calls=1)
+        _, want = models.decode(reference, ids, DEVICE, tokens=2, calls=1)
+        assert ms > 0 and torch.equal(out, want) and out.shape == (batch, 6)
 
 
 def test_unavailable_names_the_package():
