@@ -16,6 +16,7 @@ For an elementwise call (:func:`elementwise`) and a matmul (:func:`matmul`), in 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -294,6 +295,16 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     DTensor calls run its PyTorch composition (Inductor fuses it under ``torch.compile``;
     ``compiled_elementwise="kernel"``: the registered op); eager calls the kernels."""
     name, rms = kernel.name, kernel.rms
+    key = None
+    if _plain_eager():
+        # a repeated signature: its checks and path were settled by its first call
+        device = x.device.type if isinstance(x, torch.Tensor) else None
+        autocast = device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
+        state = (torch.is_grad_enabled(), autocast and torch.get_autocast_dtype(device))
+        key = rn.call_key(name, x, residual, normalized_shape, weight, bias, eps, alpha, state)
+        kept = rn.KEPT.get(key) if key is not None else None
+        if kept is not None:
+            return _kept_norm(kept, x, residual, weight, bias)
     for arg, value in (("input", x), ("residual", residual if kernel.residual else x)):
         if not isinstance(value, torch.Tensor):
             raise DTypeError(f"{name}(): {arg} must be a tensor, got {type(value).__name__}")
@@ -353,19 +364,40 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         y, h = kernel.reference(x, residual, weight, bias, eps, alpha, shape)
         return y if residual is None else (y, h)
     # (the composition above follows autocast itself; the kernels write its dtype directly)
-    y_dtype = norm_dtype(h_dtype, x.device.type, rms)
-    lead = x.shape[: x.dim() - len(shape)]
-    x2 = rn.rows_of(x, lead.numel(), n)
-    r2 = None if residual is None else rn.rows_of(residual, lead.numel(), n)
+    lead = tuple(x.shape[: x.dim() - len(shape)])
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    plan = rn.Kept(
+        math.prod(lead), n, lead, shape, eps, alpha, rms, norm_dtype(h_dtype, x.device.type, rms), h_dtype, grad
+    )
+    if key is not None:
+        rn.keep(key, plan)
+    return _kept_norm(plan, x, residual, weight, bias)
+
+
+def _plain_eager() -> bool:
+    """An eager call no trace, transform, dispatch mode or dual level watches (a kept plan
+    may serve it: the tensors' classes are in its key)."""
+    return not (
+        _is_compiling() or _dispatch_modes() or _functorch() or _jit_tracing() or _forward_ad._current_level >= 0
+    )
+
+
+def _kept_norm(plan, x, residual, weight, bias):
+    """An eager norm on the kernels by a settled plan: the rows views, one launch (autograd's
+    Function where a gradient is needed)."""
+    rows, n = plan.rows, plan.n
+    x2 = rn.rows_of(x, rows, n)
+    r2 = None if residual is None else rn.rows_of(residual, rows, n)
     w1 = None if weight is None else weight.reshape(n)
     b1 = None if bias is None else bias.reshape(n)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        out = autograd.Norm.apply(x2, r2, w1, b1, eps, alpha, rms, y_dtype, h_dtype)
+    args = (x2, r2, w1, b1, plan.eps, plan.alpha, plan.rms, plan.y_dtype, plan.h_dtype)
+    if plan.grad:
+        out = autograd.Norm.apply(*args)
         y, h = out if residual is not None else (out, None)
     else:
-        y, h, _, _ = rn.forward(x2, r2, w1, b1, eps, alpha, rms, y_dtype, h_dtype, False)
-    y = y.view(*lead, *shape)
-    return y if residual is None else (y, h.view(*lead, *shape))
+        y, h, _, _ = rn.forward(*args, False)
+    y = y.view(*plan.lead, *plan.shape)
+    return y if residual is None else (y, h.view(*plan.lead, *plan.shape))
 
 
 def norm_dtype(dtype: torch.dtype, device_type: str, rms: bool) -> torch.dtype:

@@ -353,3 +353,35 @@ def test_add_norm_keeps_h_not_its_operands_and_differentiates_twice():
     _, h = fusedkit.add_rms_norm(a, r, w2)
     h.sum().backward()
     assert w2.grad is None  # (only the residual stream reached the loss, as in torch)
+
+
+def test_a_repeated_call_takes_its_kept_plan_and_any_change_the_full_path(monkeypatch):
+    """The first call of a signature checks and plans; a repeat skips both (host time a
+    decoding step pays per layer); any change of what the checks read (a shape, requires_grad,
+    eps, the grad mode, autocast) plans again; fusedkit.clear_caches() empties the plans."""
+    from fusedkit.runtime import norm as rn
+
+    fusedkit.clear_caches()
+    x, r, w, _ = _inputs("add_rms_norm", 5, 32, torch.float32)
+    first = fusedkit.add_rms_norm(x, r, w, 1e-6)
+    assert len(rn.KEPT) == 1
+    checks = []
+    monkeypatch.setattr(rn, "validate", lambda *a: checks.append(a))
+    again = fusedkit.add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    assert checks == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    calls = [
+        lambda: fusedkit.add_rms_norm(x[:4], r[:4], w, 1e-6),
+        lambda: fusedkit.add_rms_norm(x, r, w, 1e-5),
+        lambda: fusedkit.add_rms_norm(x, r, w.detach().requires_grad_(), 1e-6),
+        lambda: fusedkit.add_rms_norm(x.t().contiguous().t(), r, w, 1e-6),
+    ]
+    for i, call in enumerate(calls, 1):
+        call()
+        assert len(checks) == i, i
+    with torch.no_grad():
+        fusedkit.add_rms_norm(x, r, w.detach().requires_grad_(), 1e-6)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        fusedkit.add_rms_norm(x, r, w, 1e-6)
+    assert len(checks) == len(calls) + 2
+    fusedkit.clear_caches()
+    assert len(rn.KEPT) == 0

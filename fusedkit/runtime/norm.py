@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +207,66 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     return dx, dw, db
 
 
+class Kept(NamedTuple):
+    """A repeated eager call's plan (its signature checked once): the rows view and dtypes."""
+
+    rows: int
+    n: int
+    lead: tuple
+    shape: tuple
+    eps: float
+    alpha: float
+    rms: bool
+    y_dtype: torch.dtype
+    h_dtype: torch.dtype
+    grad: bool
+
+
+#: Kept plans by call signature (:func:`call_key`), for eager calls on plain tensors.
+KEPT: dict = {}
+_KEPT_SIZE = 1024
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def call_key(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, state) -> tuple | None:
+    """Everything a norm call's checks and path depend on: the tensors' classes, shapes,
+    strides, dtypes, devices and whether they require grad, the arguments (with their types:
+    ``True`` is no alpha), and ``state`` (grad mode, autocast); None where it cannot be a key."""
+    if isinstance(normalized_shape, list):
+        normalized_shape = tuple(normalized_shape)
+    try:
+        key = (
+            name,
+            _meta(x),
+            _meta(residual),
+            _meta(weight),
+            _meta(bias),
+            normalized_shape,
+            type(normalized_shape),
+            eps,
+            type(eps),
+            alpha,
+            type(alpha),
+            state,
+        )
+        hash(key)
+    except (TypeError, AttributeError):
+        return None
+    return key
+
+
+def keep(key, plan: Kept) -> None:
+    if len(KEPT) >= _KEPT_SIZE:
+        KEPT.clear()  # rare: a process cycling through many signatures
+    KEPT[key] = plan
+
+
+launch.register_cache(KEPT.clear)
+
+
 def reference(x, residual, weight, bias, eps, alpha, rms: bool, normalized_shape):
     """PyTorch's composition: ``(y, h)`` (``h`` None without a residual); float64 runs it."""
     h = x if residual is None else torch.add(x, residual, alpha=alpha)
@@ -218,10 +279,14 @@ def reference(x, residual, weight, bias, eps, alpha, rms: bool, normalized_shape
 
 __all__ = [
     "INTERPRETED",
+    "KEPT",
     "KERNEL_DTYPES",
+    "Kept",
     "NORM_DTYPES",
     "backward",
+    "call_key",
     "forward",
+    "keep",
     "normalized_size",
     "reference",
     "rows_of",
