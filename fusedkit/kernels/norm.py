@@ -141,15 +141,17 @@ def norm_forward_kernel(
 
 
 @triton.jit
-def _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT: tl.constexpr):
-    """One block's ``xhat`` and ``g = dy * w`` (float32), and ``dy``."""
+def _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT: tl.constexpr):
+    """One block of a row: ``xhat`` and ``g = dy * w`` (float32), ``dy``, and the block's masks."""
+    col_mask = cols < n
+    mask = col_mask[None, :]
     dy = widen(tl.load(dy_ptr + row[:, None] * s_dy + cols[None, :], mask=mask, other=0.0), tl.float32)
     h = widen(tl.load(h_ptr + row[:, None] * s_h + cols[None, :], mask=mask, other=0.0), tl.float32)
     xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
     g = dy
     if WEIGHT:
         g = dy * widen(tl.load(w_ptr + cols * s_w, mask=col_mask, other=0.0), tl.float32)[None, :]
-    return xhat, g, dy
+    return xhat, g, dy, mask, col_mask
 
 
 @triton.jit
@@ -201,9 +203,8 @@ def norm_backward_kernel(
         else:
             mean = tl.load(mean_ptr + row)
         if ONE_PASS:
-            mask = col_mask[None, :]
-            xhat, g, dy = _row_grads(
-                dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+            xhat, g, dy, mask, col_mask = _row_grads(
+                dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
             )
             dot = tl.sum(g * xhat, axis=1) / n
             dh = g - xhat * dot[:, None]
@@ -222,19 +223,15 @@ def norm_backward_kernel(
             total = tl.zeros([1], tl.float32)
             for start in range(0, n, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n
-                mask = col_mask[None, :]
-                xhat, g, dy = _row_grads(
-                    dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                xhat, g, dy, mask, col_mask = _row_grads(
+                    dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
                 )
                 dot += tl.sum(g * xhat, axis=1)
                 total += tl.sum(g, axis=1)
             for start in range(0, n, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n
-                mask = col_mask[None, :]
-                xhat, g, dy = _row_grads(
-                    dy_ptr, h_ptr, w_ptr, row, cols, mask, col_mask, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                xhat, g, dy, mask, col_mask = _row_grads(
+                    dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
                 )
                 dh = g - xhat * (dot / n)[:, None]
                 if not RMS:
