@@ -739,6 +739,7 @@ def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out) -> tuple:
         dh, dw, db = row_norm.backward(
             dy, rows, weight, mean, rstd, dh_out, ctx.rms, bias is not None, rows.dtype, weight is not None and needs[2]
         )
+        dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
     dr = None
     if r_dtype is not None and needs[1] and dh is not None:
@@ -813,9 +814,11 @@ def norm_backward_op(
     has_bias: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`norm_op`'s ``name``: ``(dx, dweight, dbias)`` (empty where none)."""
+    """The gradients of :func:`norm_op`'s ``name``: ``(dx, dweight, dbias)`` (empty where none;
+    the parameters' in float32: a sharded call's partial sums are reduced before rounding)."""
     n = rows.shape[1]
-    dy, dh_out = (None if t is None else row_norm.rows_of(t, rows.shape[0], n) for t in (dy, dh_out))
+    # (rows as the forward read them: the op's input may be a view of other column strides)
+    dy, dh_out, rows = (None if t is None else row_norm.rows_of(t, rows.shape[0], n) for t in (dy, dh_out, rows))
     dx, dw, db = row_norm.backward(
         dy,
         rows,
@@ -835,10 +838,7 @@ def norm_backward_op(
 @norm_backward_op.register_fake
 def _(dy, rows, weight, mean, rstd, dh_out, name, has_bias, need_weight):
     n = rows.shape[1]
-    dw = rows.new_empty(
-        (n,) if weight is not None and need_weight else (0,),
-        dtype=weight.dtype if weight is not None else torch.float32,
-    )
+    dw = rows.new_empty((n,) if weight is not None and need_weight else (0,), dtype=torch.float32)
     return rows.new_empty(rows.shape), dw, rows.new_empty((n,) if has_bias else (0,), dtype=torch.float32)
 
 
@@ -864,7 +864,7 @@ def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
     return (
         dx.to(x_dtype) if ctx.needs_input_grad[0] else None,
         dr,
-        dw if need_weight else None,
+        dw.to(weight.dtype) if need_weight else None,
         db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None,
         *(None,) * 5,
     )

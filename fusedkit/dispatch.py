@@ -296,7 +296,7 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     ``compiled_elementwise="kernel"``: the registered op); eager calls the kernels."""
     name, rms = kernel.name, kernel.rms
     key = None
-    if _plain_eager():
+    if _plain_eager() and settings.current().fast_launch:
         # a repeated signature: its checks and path were settled by its first call
         device = x.device.type if isinstance(x, torch.Tensor) else None
         autocast = device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)

@@ -385,3 +385,75 @@ def test_a_repeated_call_takes_its_kept_plan_and_any_change_the_full_path(monkey
     assert len(checks) == len(calls) + 2
     fusedkit.clear_caches()
     assert len(rn.KEPT) == 0
+
+
+@pytest.mark.parametrize("n", [5, 1000, WIDE])
+def test_masked_out_columns_are_never_summed(monkeypatch, n):
+    """A masked load without ``other`` is undefined on a GPU (the interpreter gives zeros):
+    here masked-out lanes read 7, and every row sum must still cover the row alone."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if DEVICE.type != "cpu" or builder is None or not hasattr(builder, "create_masked_load"):
+        pytest.skip("needs Triton's interpreter (its masked load to patch)")
+    import numpy as np
+
+    original = builder.create_masked_load
+
+    def garbage(self, ptrs, mask, other, *args):
+        if other is None:
+            dtype = ptrs.get_element_ty()
+            other = interpreter.TensorHandle(np.full_like(ptrs.data, 7, dtype=interpreter._get_np_dtype(dtype)), dtype)
+        return original(self, ptrs, mask, other, *args)
+
+    monkeypatch.setattr(builder, "create_masked_load", garbage)
+    for op in OPS:
+        x, r, w, b = _inputs(op, 3, n, torch.float32, grad=True)
+        y, _ = _call(op, x, r, w, b, 1e-5)
+        _close(
+            y,
+            _call("torch:" + op, *(None if t is None else t.detach().double() for t in (x, r, w, b)), 1e-5)[0],
+            x.dtype,
+        )
+        leaves = [t for t in (x, r, w, b) if t is not None]
+        got = torch.autograd.grad(y, leaves, torch.ones_like(y))
+        wide = [t.detach().double().requires_grad_() for t in leaves]
+        it = iter(wide)
+        args = [next(it) if t is not None else None for t in (x, r, w, b)]
+        want = torch.autograd.grad(_call("torch:" + op, *args, 1e-5)[0], wide, torch.ones(y.shape, dtype=torch.float64))
+        for g, wg in zip(got, want):
+            torch.testing.assert_close(g.double(), wg, atol=1e-4 * max(wg.abs().max().item(), 1), rtol=1e-4)
+
+
+def test_the_registered_ops_read_a_transposed_input_as_the_kernels_do():
+    """Under a dispatch mode the registered ops run; a transposed input's rows are read at their
+    strides forward and backward (the backward read them as contiguous)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = rand((6, 4), torch.float32, DEVICE).t().requires_grad_()
+    w, b = (rand((6,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    with PassThrough():
+        got = torch.autograd.grad(fusedkit.layer_norm(x, (6,), w, b).square().sum(), (x, w, b))
+    want = torch.autograd.grad(F.layer_norm(x, (6,), w, b).square().sum(), (x, w, b))
+    for g, wg in zip(got, want):
+        torch.testing.assert_close(g, wg, atol=1e-4, rtol=1e-4)
+
+
+def test_plans_follow_the_settings_and_never_skip_a_check_they_would_fail():
+    from fusedkit.runtime import norm as rn
+
+    fusedkit.clear_caches()
+    x = rand((3, 6), torch.float32, DEVICE)
+    with fusedkit.settings.override(fast_launch=False):
+        fusedkit.rms_norm(x, (6,))
+        assert len(rn.KEPT) == 0
+    fusedkit.rms_norm(x, (6,))
+    assert len(rn.KEPT) == 1
+    for bad in ((6.0,), (True,)):  # (equal to (6,) and (1,) as keys)
+        with pytest.raises(fusedkit.ShapeError):
+            fusedkit.rms_norm(x, bad)
+    with pytest.raises(fusedkit.ArgumentError):
+        fusedkit.rms_norm(x, (6,), eps=float("inf"))

@@ -39,9 +39,11 @@ def _h_block(
     first as the eager add rounds it (stored with ``STORE``), and the block's masks."""
     col_mask = cols < n
     mask = row_mask[:, None] & col_mask[None, :]
-    h = widen(tl.load(x_ptr + row[:, None] * s_x + cols[None, :], mask=mask), tl.float32)
+    # (masked-out lanes read as zeros: the row sums run over the whole block, and a masked load
+    # without ``other`` leaves them undefined on a GPU)
+    h = widen(tl.load(x_ptr + row[:, None] * s_x + cols[None, :], mask=mask, other=0.0), tl.float32)
     if RESIDUAL:
-        r = widen(tl.load(r_ptr + row[:, None] * s_r + cols[None, :], mask=mask), tl.float32)
+        r = widen(tl.load(r_ptr + row[:, None] * s_r + cols[None, :], mask=mask, other=0.0), tl.float32)
         h = convert(h + alpha * r, h_ptr.dtype.element_ty)
         if STORE:
             tl.store(h_ptr + row[:, None] * s_h + cols[None, :], h, mask=mask)

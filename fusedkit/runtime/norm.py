@@ -66,8 +66,8 @@ def validate(name: str, x, residual, weight, bias, shape: tuple, eps) -> None:
     for arg, value in (("weight", weight), ("bias", bias)):
         if value is not None and tuple(value.shape) != shape:
             raise ShapeError(f"{name}(): {arg} has shape {list(value.shape)}, normalized_shape is {list(shape)}")
-    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
-        raise ArgumentError(f"{name}(): eps must be a number >= 0, got {eps!r}")
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < math.inf):
+        raise ArgumentError(f"{name}(): eps must be a finite number >= 0, got {eps!r}")
 
 
 def rows_of(t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
@@ -189,7 +189,7 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     if rows == 0 or n == 0:
         if dh_out2 is not None:
             dx.copy_(dh_out2)
-        dw = torch.zeros(n, dtype=weight.dtype, device=device) if weight is not None and need_weight else None
+        dw = torch.zeros(n, dtype=torch.float32, device=device) if weight is not None and need_weight else None
         db = torch.zeros(n, dtype=torch.float32, device=device) if has_bias else None
         return dx, dw, db
     per_program = triton.cdiv(rows, min(rows, _programs_per_device(device)))
@@ -201,8 +201,9 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     grid, args, meta = backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program)
     with launch.serialised():
         norm_backward_kernel[grid](*args, **meta, **COMPILER_OPTIONS)
-    # (a sum over the programs' rows in a fixed order: the same bits every run)
-    dw = dw_part.sum(0).to(weight.dtype) if dw_part is not None else None
+    # (a sum over the programs' rows in a fixed order: the same bits every run; float32 until
+    # the caller rounds it, after a sharded call's reduction)
+    dw = dw_part.sum(0) if dw_part is not None else None
     db = db_part.sum(0) if db_part is not None else None
     return dx, dw, db
 
@@ -235,8 +236,13 @@ def call_key(name: str, x, residual, normalized_shape, weight, bias, eps, alpha,
     """Everything a norm call's checks and path depend on: the tensors' classes, shapes,
     strides, dtypes, devices and whether they require grad, the arguments (with their types:
     ``True`` is no alpha), and ``state`` (grad mode, autocast); None where it cannot be a key."""
-    if isinstance(normalized_shape, list):
+    # (ints only: 6.0 and True equal 6 and 1 as keys, and the checks refuse them)
+    if type(normalized_shape) in (tuple, list, torch.Size):
+        if not all(type(d) is int for d in normalized_shape):
+            return None
         normalized_shape = tuple(normalized_shape)
+    elif type(normalized_shape) is not int:
+        return None
     try:
         key = (
             name,
@@ -245,7 +251,6 @@ def call_key(name: str, x, residual, normalized_shape, weight, bias, eps, alpha,
             _meta(weight),
             _meta(bias),
             normalized_shape,
-            type(normalized_shape),
             eps,
             type(eps),
             alpha,
