@@ -389,11 +389,17 @@ def norms(data: dict) -> str:
     return table(head, body, "lll" + "r" * (len(head) - 3)) + "\n\n" + footnote(data["environment"], "norms")
 
 
+def _by_model(rows: list[dict]) -> dict[str, dict]:
+    """``{model: {variant: row}}``, in the rows' order."""
+    by_model: dict[str, dict] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], {})[r["variant"]] = r
+    return by_model
+
+
 def models(data: dict) -> str:
     """One row per model and variant; ratios against stock eager in the same run."""
-    by_model: dict[str, dict] = {}
-    for r in data["models"]:
-        by_model.setdefault(r["model"], {})[r["variant"]] = r
+    by_model = _by_model(data["models"])
 
     def ms(v):
         return "-" if v is None else f"{v:.2f}"
@@ -444,9 +450,7 @@ def models(data: dict) -> str:
 
 def whole(data: dict) -> str:
     """Whole models through ``fusedkit.fuse``: medians over processes, the training step's range."""
-    by_model: dict[str, dict] = {}
-    for r in data["models"]:
-        by_model.setdefault(r["model"], {})[r["variant"]] = r
+    by_model = _by_model(data["models"])
 
     def ms(v, scale=1.0, spec=".2f"):
         return "-" if v is None else format(v * scale, spec)

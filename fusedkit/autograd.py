@@ -720,11 +720,12 @@ class Norm(torch.autograd.Function):
         return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out), *(None,) * 5)
 
 
-def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out) -> tuple:
-    """``(dx, dresidual, dweight, dbias)`` of a norm from what it kept: one backward launch,
-    or under ``create_graph`` PyTorch's composition on ``rows`` (differentiable). ``ctx``
-    holds ``eps``, ``alpha``, ``rms``, ``dtypes`` (x's and the residual's) and
-    ``needs_input_grad``."""
+def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out, launch=None) -> tuple:
+    """``(dx, dresidual, dweight, dbias)`` of a norm from what it kept: one backward launch
+    (``launch``, default :func:`_launch_norm_backward`: ``(dh, dweight, dbias)``, the
+    parameters' in float32), or under ``create_graph`` PyTorch's composition on ``rows``
+    (differentiable). ``ctx`` holds ``eps``, ``alpha``, ``rms``, ``dtypes`` (x's and the
+    residual's) and ``needs_input_grad``."""
     x_dtype, r_dtype = ctx.dtypes
     needs = ctx.needs_input_grad
     if torch.is_grad_enabled():
@@ -732,13 +733,7 @@ def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out) -> tuple:
     elif dy is None:  # only the residual stream reached the loss: the norm's parameters get none
         dh, dw, db = dh_out, None, None
     else:
-        n = rows.shape[1]
-        # (the gradients as rows with unit column stride: a sum's gradient arrives expanded)
-        dy = row_norm.rows_of(dy, rows.shape[0], n)
-        dh_out = None if dh_out is None else row_norm.rows_of(dh_out, rows.shape[0], n)
-        dh, dw, db = row_norm.backward(
-            dy, rows, weight, mean, rstd, dh_out, ctx.rms, bias is not None, rows.dtype, weight is not None and needs[2]
-        )
+        dh, dw, db = (launch or _launch_norm_backward)(ctx, rows, weight, bias, mean, rstd, dy, dh_out)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
     dr = None
@@ -746,6 +741,15 @@ def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out) -> tuple:
         dr = (dh if ctx.alpha == 1 else dh * ctx.alpha).to(r_dtype)
     dx = dh.to(x_dtype) if needs[0] and dh is not None else None
     return dx, dr, (dw if needs[2] else None), (db if needs[3] else None)
+
+
+def _launch_norm_backward(ctx, rows, weight, bias, mean, rstd, dy, dh_out):
+    n = rows.shape[1]
+    # (the gradients as rows with unit column stride: a sum's gradient arrives expanded)
+    dy = row_norm.rows_of(dy, rows.shape[0], n)
+    dh_out = None if dh_out is None else row_norm.rows_of(dh_out, rows.shape[0], n)
+    need_weight = weight is not None and ctx.needs_input_grad[2]
+    return row_norm.backward(dy, rows, weight, mean, rstd, dh_out, ctx.rms, bias is not None, rows.dtype, need_weight)
 
 
 def _composed_norm_grads(ctx, rows, weight, bias, dy, dh_out):
@@ -853,21 +857,14 @@ def _norm_setup_context(ctx, inputs, output):
 
 def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
     rows, weight, bias, mean, rstd = ctx.saved_tensors
-    if torch.is_grad_enabled() or dy is None:  # (a gradient of the gradient: the composition)
-        return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh), *(None,) * 5)
+    return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh, _launch_norm_backward_op), *(None,) * 5)
+
+
+def _launch_norm_backward_op(ctx, rows, weight, bias, mean, rstd, dy, dh_out):
+    """The backward as the registered op (what a dispatch mode sees); its empty tensors as None."""
     need_weight = weight is not None and ctx.needs_input_grad[2]
-    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh, ctx.name, bias is not None, need_weight)
-    x_dtype, r_dtype = ctx.dtypes
-    dr = None
-    if r_dtype is not None and ctx.needs_input_grad[1]:
-        dr = (dx if ctx.alpha == 1 else dx * ctx.alpha).to(r_dtype)
-    return (
-        dx.to(x_dtype) if ctx.needs_input_grad[0] else None,
-        dr,
-        dw.to(weight.dtype) if need_weight else None,
-        db.to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None,
-        *(None,) * 5,
-    )
+    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh_out, ctx.name, bias is not None, need_weight)
+    return dx, dw if need_weight else None, db if bias is not None else None
 
 
 norm_op.register_autograd(_norm_op_backward, setup_context=_norm_setup_context)

@@ -308,6 +308,8 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     for arg, value in (("input", x), ("residual", residual if kernel.residual else x)):
         if not isinstance(value, torch.Tensor):
             raise DTypeError(f"{name}(): {arg} must be a tensor, got {type(value).__name__}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
     if kernel.residual and residual.shape != x.shape:
         # a residual that broadcasts (a position embedding of one batch row): torch's add, then
         # the norm of its result; shapes that do not broadcast raise as torch.add's would
@@ -318,15 +320,11 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
                 f"{name}(): residual of shape {list(residual.shape)} does not broadcast with the input's "
                 f"{list(x.shape)}"
             ) from None
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
         h = torch.add(x, residual, alpha=alpha)
         plain = registry.row_kernel(name.removeprefix("add_"))
         return norm(plain, h, None, normalized_shape, weight, bias, eps, 1), h
     shape, n = rn.normalized_size(x, normalized_shape, name)
     rn.validate(name, x, residual, weight, bias, shape, eps)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ArgumentError(f"{name}(): alpha must be a real number, got {alpha!r}")
     _no_jit_trace(name)
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     if eps is None:  # (torch: the epsilon of the dtype the norm computes in: float32 for half inputs)

@@ -52,7 +52,7 @@ from .errors import FusedkitError, SignatureError, TracingError
 from .fusion_call import FIXED_TYPES, CallSpec
 from .memory import MemoryCounterMode
 from .ops import add_gelu, add_layer_norm, add_relu, add_rms_norm, gelu_mul, matmul, rms_norm, silu_mul
-from .registry import OPERAND_DTYPES, get
+from .registry import FLOAT_DTYPES, OPERAND_DTYPES, get
 from .runtime.matmul import MATMUL_DTYPES
 
 __all__ = ["FusionSite", "advise", "fuse", "unfuse"]
@@ -391,7 +391,7 @@ def _norm(node: fx.Node, modules: dict) -> _Norm | None:
 def _norm_refusal(norm: _Norm, node: fx.Node, h_dtype) -> str | None:
     """Why fusedkit's norm would not stand in for ``node``: an input dtype it does not take, or
     another result dtype (a foreign RMSNorm returns its weight's and input's promoted dtype)."""
-    if h_dtype is None or h_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if h_dtype not in FLOAT_DTYPES:
         return f"fusedkit's norms do not take {h_dtype} input"
     want, ours = _dtype(node), norm_dtype(h_dtype, node.meta.get("device", "cpu"), norm.rms)
     if want is not None and want != ours:
@@ -570,17 +570,16 @@ def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> Fusio
     add = _add_operands(node) if node.target not in (*_IN_PLACE_ADDS, "add_") else None
     if add is not None:
         x, y, alpha = add
-        norm_node = next((u for u in node.users if u not in used and _norm_input(u, modules) is node), None)
+        reads = ((u, _norm(u, modules)) for u in node.users if u not in used)
+        norm_node, norm = next(((u, nm) for u, nm in reads if nm is not None and nm.x is node), (None, None))
         if norm_node is None or not all(isinstance(v, fx.Node) and _shape(v) == _shape(node) for v in (x, y)):
             return None
         nodes = (node, norm_node)
-    elif node.op == "call_module" and _norm_input(node, modules) is not None:
-        nodes = (node,)
     else:
-        return None
-    norm = _norm(nodes[-1], modules)
-    if len(nodes) == 1 and not norm.composed:
-        return None  # (one op already: nothing to save)
+        norm = _norm(node, modules) if node.op == "call_module" else None
+        if norm is None or not norm.composed:
+            return None  # (a norm of one op already alone: nothing to save)
+        nodes = (node,)
     kind = "rms_norm" if norm.rms else "layer_norm"
     pattern = f"add -> {kind}" if add is not None else kind
     where = _common_module(*nodes)
@@ -590,7 +589,7 @@ def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> Fusio
         if hooked
         else _norm_refusal(norm, nodes[-1], _dtype(norm.x))
     )
-    if why is None and add is not None and any(_dtype(v) not in _FLOAT_DTYPES for v in (x, y)):
+    if why is None and add is not None and any(_dtype(v) not in FLOAT_DTYPES for v in (x, y)):
         why = "its operands are not all floating"
     if why is not None:
         declined.append((pattern, where, why))
@@ -609,14 +608,6 @@ def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> Fusio
     minimal = _nbytes(nodes[-1]) + _attr_bytes(modules, norm.weight) + _attr_bytes(modules, norm.bias)
     saved = nodes[-1].meta.get("bytes", 0) - minimal - (_nbytes(norm.x) if add is None else 0)
     return FusionSite(pattern, where, max(saved, 0), replacement, nodes)
-
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _norm_input(node: fx.Node, modules: dict):
-    norm = _norm(node, modules)
-    return None if norm is None else norm.x
 
 
 def _feeds_gate(act_node: fx.Node, act: str) -> bool:

@@ -21,12 +21,13 @@ import triton
 from ..errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from ..kernels.helpers import INTERPRETED
 from ..kernels.norm import CHUNK, MAX_ONE_PASS, norm_backward_kernel, norm_forward_kernel
+from ..registry import FLOAT_DTYPES
 from . import launch
 from .configs import COMPILER_OPTIONS
 
 #: The input dtypes the kernels take (float64 runs the reference composition).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-NORM_DTYPES = (*KERNEL_DTYPES, torch.float64)
+NORM_DTYPES = FLOAT_DTYPES
 
 
 def normalized_size(x: torch.Tensor, normalized_shape, name: str) -> tuple[tuple, int]:
