@@ -387,7 +387,7 @@ def test_a_repeated_call_takes_its_kept_plan_and_any_change_the_full_path(monkey
     assert len(rn.KEPT) == 0
 
 
-@pytest.mark.parametrize("n", [5, 1000, WIDE])
+@pytest.mark.parametrize("n", [5, 1000, pytest.param(WIDE, marks=pytest.mark.slow)])
 def test_masked_out_columns_are_never_summed(monkeypatch, n):
     """A masked load without ``other`` is undefined on a GPU (the interpreter gives zeros):
     here masked-out lanes read 7, and every row sum must still cover the row alone."""
