@@ -110,6 +110,7 @@ def test_report_runs_end_to_end():
     assert name in table and "other" in table and "why" in table
 
 
+@pytest.mark.slow  # generate in the interpreter (6 s on 2 cores)
 def test_the_decode_step_of_a_fused_lm_gives_stocks_tokens():
     case = _case("gpt2")
     stock, train, _ = models.prepared(case, True, DEVICE)
