@@ -806,6 +806,12 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
 #: How far the fused model's outputs may be from the original's, by dtype: a few roundings of
 #: each fused op, compounded over the layers after it.
 FUSE_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+#: Of a deep model's outputs, the share that may fall outside ``FUSE_TOLERANCE`` (none by more
+#: than ``FUSE_OUTLIER`` times it): a fused op rounds once where eager rounds after each op, and
+#: over 16 bf16 LLaMA layers that moved 2,191 of 65.5 million logits past 0.05 (the largest by
+#: 0.086), where a wrong fusion (an eps, a weight, a sign) moves most of them.
+FUSE_OUTLIERS = 1e-3
+FUSE_OUTLIER = 16
 
 
 def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.GraphModule, list, list, frozenset]:
@@ -1018,8 +1024,9 @@ def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.
     takes the calls it was traced from (tensors by position); any other call runs the
     module's own forward. Before it returns, the model's outputs on copies of the example
     are checked against those it gave before (eval mode, without gradients;
-    ``FUSE_TOLERANCE`` of the loosest float dtype computed, autocast's where it is on; NaN
-    where it gave NaN): a difference undoes the fusion and raises ``FusedkitError``.
+    ``FUSE_TOLERANCE`` of the loosest float dtype computed, autocast's where it is on, with
+    ``FUSE_OUTLIERS`` of the elements allowed up to ``FUSE_OUTLIER`` times it; NaN and inf
+    where it gave them): a difference undoes the fusion and raises ``FusedkitError``.
     :func:`unfuse` undoes it."""
     if not isinstance(model, torch.nn.Module):
         raise SignatureError(
@@ -1036,14 +1043,36 @@ def fuse(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.nn.
     got = _run(model, example_inputs, example_kwargs)
     for w, g in zip(*(torch.utils._pytree.tree_flatten(v)[0] for v in (want, got))):
         if isinstance(w, torch.Tensor) and w.is_floating_point():
-            tol = max(_tolerance(w), least)
-            try:
-                torch.testing.assert_close(g, w, rtol=tol, atol=tol, equal_nan=True)
-            except AssertionError as err:
+            err = _disagreement(g, w, max(_tolerance(w), least))
+            if err:
                 unfuse(model)
-                raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}") from None
+                raise FusedkitError(f"fuse(): the fused model's outputs differ from the model's: {err}")
     model.__dict__["fusion_sites"] = [_qualified(name, site) for name, _, _, sites, _ in plans for site in sites]
     return model
+
+
+def _disagreement(got, want: torch.Tensor, tol: float) -> str | None:
+    """Why ``got`` is not ``want`` within ``tol`` (absolute and relative), or None: another
+    shape or dtype, NaN or inf elsewhere, more than ``FUSE_OUTLIERS`` of the elements outside
+    ``tol``, or any outside ``FUSE_OUTLIER`` times it."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return f"{_describe(got)} where the model gave {_describe(want)}"
+    g, w = got.detach().double(), want.detach().double()
+    finite = torch.isfinite(w)
+    if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(g[~finite].nan_to_num(), w[~finite].nan_to_num()):
+        return "NaN or inf where the model gave other values"
+    excess = (g - w).abs()[finite] / (tol + tol * w.abs()[finite])
+    outside = int((excess > 1).sum())
+    if outside > FUSE_OUTLIERS * excess.numel() or (excess.numel() and excess.max() > FUSE_OUTLIER):
+        return (
+            f"{outside} of {excess.numel()} elements differ by more than {tol} (absolute and relative), "
+            f"the farthest {float(excess.max()):.3g} times that"
+        )
+    return None
+
+
+def _describe(t) -> str:
+    return f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _tolerance(t: torch.Tensor) -> float:

@@ -187,6 +187,27 @@ def test_fuse_refuses_a_model_whose_outputs_change(monkeypatch):
     assert fusion.fused_code(net) is None  # and the fusion
 
 
+def test_fuse_check_allows_a_few_roundings_past_the_tolerance_and_no_more():
+    """A deep bf16 model's fused outputs move a few elements past the tolerance (one rounding
+    where eager rounds twice, compounded); a wrong fusion moves many, or one far."""
+    want = torch.linspace(-4, 4, 10_000, dtype=torch.bfloat16)
+    tol = fusion.FUSE_TOLERANCE[torch.bfloat16]
+    assert fusion._disagreement(want.clone(), want, tol) is None
+    few = want.clone()
+    few[:5] += 2 * tol * (1 + few[:5].abs())  # 5 of 10,000 (the share allowed: 10)
+    assert fusion._disagreement(few, want, tol) is None
+    many = want.clone()
+    many[:11] += 2 * tol * (1 + many[:11].abs())
+    assert "11 of 10000 elements" in fusion._disagreement(many, want, tol)
+    far = want.clone()
+    far[0] += 20 * tol * (1 + far[0].abs())
+    assert "times that" in fusion._disagreement(far, want, tol)
+    nan = want.clone()
+    nan[3] = float("nan")
+    assert "NaN" in fusion._disagreement(nan, want, tol)
+    assert "shape" in fusion._disagreement(want[:5], want, tol)
+
+
 def test_an_untraceable_model_is_named_in_a_warning():
     class DataDependent(nn.Module):
         def forward(self, x):

@@ -76,9 +76,9 @@ def _liger(kernel, n: int, device):
     module = cls(n, eps=1e-6).to(device)
 
     def run(x, r, w, b):
-        module.weight = torch.nn.Parameter(w) if not isinstance(w, torch.nn.Parameter) else w
+        module.weight = w
         if not kernel.rms:
-            module.bias = torch.nn.Parameter(b) if not isinstance(b, torch.nn.Parameter) else b
+            module.bias = b
         if kernel.rms and kernel.residual:
             return tuple(module(x, r))
         h = torch.add(x, r) if kernel.residual else x
@@ -106,11 +106,14 @@ def run_norms(dtypes, device, shapes=NORM_SHAPES, use_compile=True, peers=True) 
 
 def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
     x, r = (torch.randn(m, n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(n, device=device)).requires_grad_()
-    b = (0.1 * torch.randn(n, device=device)).requires_grad_() if not kernel.rms else None
+    # (parameters in the input's dtype, as a model cast with ``.to(dtype)`` holds them and as
+    # F.layer_norm takes them; Parameters, so that Liger's module differentiates these ones)
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(n, device=device, dtype=dt))
+    b = torch.nn.Parameter(0.1 * torch.randn(n, device=device, dtype=dt)) if not kernel.rms else None
     leaves = [t for t in (x, r if kernel.residual else None, w, b) if t is not None]
     impls = {"fusedkit": _fusedkit(kernel), "eager": _eager(kernel)}
-    if use_compile:
+    if use_compile:  # (a fresh compile a row: the report's shapes pass Dynamo's recompile limit)
+        torch._dynamo.reset()
         impls["compiled"] = torch.compile(_eager(kernel))
     liger = _liger(kernel, n, device) if peers and device.type == "cuda" else None
     if liger is not None:
