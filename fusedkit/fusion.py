@@ -738,8 +738,13 @@ def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
     with graph.inserting_before(add[0].next if add else norm_node):  # (nodes in the order made)
         weight = graph.get_attr(norm.weight) if norm.weight else None
         bias = graph.get_attr(norm.bias) if norm.bias else None
-        # (a module's eps read as the code runs: one changed after fuse holds)
-        eps = {"eps": graph.get_attr(norm.eps_attr) if norm.eps_attr else norm.eps}
+        # (a module's eps read as the code runs: one changed after fuse holds; through getattr on
+        # the module, as fx's get_attr is for modules, parameters and buffers, not numbers)
+        eps = norm.eps
+        if norm.eps_attr:
+            owner, attr = norm.eps_attr.rsplit(".", 1)
+            eps = graph.call_function(getattr, (graph.get_attr(owner), attr))
+        eps = {"eps": eps}
         if add:
             x, y, alpha = _add_operands(add[0])
             kw = {**eps, "alpha": alpha, "normalized_shape": norm.shape}

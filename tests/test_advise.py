@@ -549,7 +549,10 @@ def test_fused_norms_read_their_modules_eps_and_take_other_calls():
 
     block, ids = Block().to(DEVICE), torch.randint(0, 50, (1, 6), device=DEVICE)
     reference = copy.deepcopy(block)
-    fusedkit.fuse(block, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fusedkit.fuse(block, ids)
+    assert not [w for w in caught if "get_attr" in str(w.message)]  # (fx's, of a number read as one)
     assert [s.pattern for s in block.fusion_sites] == ["add -> layer_norm"] * 2
     assert "normalized_shape=[6, 16]" in block.fusion_sites[1].replacement
     other = torch.randint(0, 50, (3, 6), device=DEVICE)  # the position row now broadcasts

@@ -27,9 +27,14 @@ def test_gradcheck_float64(kernel, alpha):
     if kernel.param is None and alpha != 1:
         pytest.skip(f"{kernel.name} has no parameter: checked once")
     kw = {} if kernel.param is None else {kernel.param: alpha}
-    for shapes in (((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 3), (4, 1)), ((), (5,))):
+    # (a parameter other than 1 changes the math, not the indexing: one broadcast checks it;
+    # the layouts run at alpha 1. The grid took a fifth of CI's time with every layout each)
+    layouts = (((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 3), (4, 1)), ((), (5,)))
+    for shapes in layouts if alpha == 1 else layouts[1:2]:
         a, b = leaf(shapes[0]), leaf(shapes[1])
         assert torch.autograd.gradcheck(lambda p, q: fusedkit.elementwise(kernel, p, q, **kw), (a, b))
+    if alpha != 1:
+        return
     x = leaf((3, 4))
     assert torch.autograd.gradcheck(lambda p: fusedkit.elementwise(kernel, 1.5, p, **kw), (x,))
     assert torch.autograd.gradcheck(lambda p: fusedkit.elementwise(kernel, p.t(), -0.25, **kw), (x,))

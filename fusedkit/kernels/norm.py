@@ -143,10 +143,11 @@ def norm_forward_kernel(
 
 
 @triton.jit
-def _row_grads(dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT: tl.constexpr):
-    """One block of a row: ``xhat`` and ``g = dy * w`` (float32), ``dy``, and the block's masks."""
+def _row_grads(dy_ptr, h_ptr, w_ptr, row, row_mask, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT: tl.constexpr):
+    """One block of rows: ``xhat`` and ``g = dy * w`` (float32), ``dy``, and the block's masks
+    (rows past the program's last read as zeros: they add nothing to the parameters' sums)."""
     col_mask = cols < n
-    mask = col_mask[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
     dy = widen(tl.load(dy_ptr + row[:, None] * s_dy + cols[None, :], mask=mask, other=0.0), tl.float32)
     h = widen(tl.load(h_ptr + row[:, None] * s_h + cols[None, :], mask=mask, other=0.0), tl.float32)
     xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
@@ -170,7 +171,7 @@ def norm_backward_kernel(
     dx_ptr,
     dw_ptr,
     db_ptr,
-    # sizes: rows, columns, rows a program takes (a contiguous run)
+    # sizes: rows, columns, rows a program takes (a contiguous run, a multiple of BLOCK_M)
     rows,
     n,
     rows_per_program,
@@ -186,27 +187,32 @@ def norm_backward_kernel(
     BIAS: tl.constexpr,  # compute the bias's gradient
     RESIDUAL_GRAD: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows an iteration (1 with chunks)
     BLOCK_N: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr = True,  # compute the weight's gradient (with WEIGHT)
 ):
     pid = tl.program_id(0)
-    first = pid * rows_per_program
+    first = pid * rows_per_program  # (a multiple of BLOCK_M)
     last = tl.minimum(first + rows_per_program, rows)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n
-        dw = tl.zeros([1, BLOCK_N], tl.float32)
-        db = tl.zeros([1, BLOCK_N], tl.float32)
-    for r in range(first, last):
-        row = tl.full([1], r, tl.int64)
-        rstd = tl.load(rstd_ptr + row)
+        dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # (BLOCK_M rows an iteration where they are narrow: one 768-wide row a step left the
+    # loads of a program too few to cover DRAM's latency)
+    for start in range(first, last, BLOCK_M):
+        row = start + tl.arange(0, BLOCK_M)
+        row_mask = row < last
+        row = row.to(tl.int64)
+        rstd = tl.load(rstd_ptr + row, mask=row_mask, other=0.0)
         if RMS:
-            mean = tl.zeros([1], tl.float32)
+            mean = tl.zeros([BLOCK_M], tl.float32)
         else:
-            mean = tl.load(mean_ptr + row)
+            mean = tl.load(mean_ptr + row, mask=row_mask, other=0.0)
         if ONE_PASS:
             xhat, g, dy, mask, col_mask = _row_grads(
-                dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                dy_ptr, h_ptr, w_ptr, row, row_mask, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
             )
             dot = tl.sum(g * xhat, axis=1) / n
             dh = g - xhat * dot[:, None]
@@ -220,20 +226,20 @@ def norm_backward_kernel(
                 dw += dy * xhat
             if BIAS:
                 db += dy
-        else:  # in chunks: the two row sums, then the gradients
-            dot = tl.zeros([1], tl.float32)
-            total = tl.zeros([1], tl.float32)
-            for start in range(0, n, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
+        else:  # one row (BLOCK_M == 1) in chunks: the two row sums, then the gradients
+            dot = tl.zeros([BLOCK_M], tl.float32)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for chunk in range(0, n, BLOCK_N):
+                cols = chunk + tl.arange(0, BLOCK_N)
                 xhat, g, dy, mask, col_mask = _row_grads(
-                    dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                    dy_ptr, h_ptr, w_ptr, row, row_mask, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
                 )
                 dot += tl.sum(g * xhat, axis=1)
                 total += tl.sum(g, axis=1)
-            for start in range(0, n, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
+            for chunk in range(0, n, BLOCK_N):
+                cols = chunk + tl.arange(0, BLOCK_N)
                 xhat, g, dy, mask, col_mask = _row_grads(
-                    dy_ptr, h_ptr, w_ptr, row, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
+                    dy_ptr, h_ptr, w_ptr, row, row_mask, cols, n, s_dy, s_h, s_w, mean, rstd, WEIGHT
                 )
                 dh = g - xhat * (dot / n)[:, None]
                 if not RMS:
@@ -251,9 +257,9 @@ def norm_backward_kernel(
                     tl.store(part, tl.load(part, mask=mask) + dy, mask=mask)
     if ONE_PASS:
         if WEIGHT and WEIGHT_GRAD:
-            tl.store(dw_ptr + pid.to(tl.int64) * n + cols[None, :], dw, mask=col_mask[None, :])
+            tl.store(dw_ptr + pid.to(tl.int64) * n + cols, tl.sum(dw, axis=0), mask=col_mask)
         if BIAS:
-            tl.store(db_ptr + pid.to(tl.int64) * n + cols[None, :], db, mask=col_mask[None, :])
+            tl.store(db_ptr + pid.to(tl.int64) * n + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 __all__ = ["CHUNK", "MAX_ONE_PASS", "norm_backward_kernel", "norm_forward_kernel", "triton"]

@@ -172,6 +172,7 @@ def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, 
         "BIAS": db_part is not None,
         "RESIDUAL_GRAD": dh_out2 is not None,
         "ONE_PASS": cfg["ONE_PASS"],
+        "BLOCK_M": cfg["BLOCK_M"],
         "BLOCK_N": cfg["BLOCK_N"],
         "WEIGHT_GRAD": dw_part is not None,
         "num_warps": min(cfg["warps"], 8),
@@ -193,7 +194,8 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
         dw = torch.zeros(n, dtype=torch.float32, device=device) if weight is not None and need_weight else None
         db = torch.zeros(n, dtype=torch.float32, device=device) if has_bias else None
         return dx, dw, db
-    per_program = triton.cdiv(rows, min(rows, _programs_per_device(device)))
+    block_m = _config(n)["BLOCK_M"]
+    per_program = block_m * triton.cdiv(rows, block_m * _programs_per_device(device))
     programs = triton.cdiv(rows, per_program)
     # (chunked rows add into their program's partial row: it starts at zero)
     alloc = torch.empty if n <= MAX_ONE_PASS else torch.zeros
