@@ -134,6 +134,46 @@ def forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps: float, al
     return (triton.cdiv(rows, cfg["BLOCK_M"]),), args, meta
 
 
+#: Kept launches of both kernels, by everything Triton specialises on (:func:`_launch`).
+LAUNCHES = launch.CompiledCache()
+launch.register_cache(LAUNCHES.clear)
+_CONSTEXPRS = {k: launch.constexpr_names(k) for k in (norm_forward_kernel, norm_backward_kernel)}
+
+
+def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """``kernel[grid](*args, **meta)``: directly (``launch.CompiledCache``) when a launch of
+    the same key ran before, the key being everything Triton specialises on: the pointers'
+    dtypes and 16-byte alignment, the integers exactly (they fix the grid too), the switches,
+    the device. Triton's own launch re-binds some 25 arguments a call (docs/design.md, "The
+    eager fast path"); a norm in a decode step is all host time."""
+    if launch.INTERPRETED:
+        with launch.serialised():
+            kernel[grid](*args, **meta, **COMPILER_OPTIONS)
+        return
+    index = args[0].device.index
+    if index != launch.current_device():
+        with torch.cuda.device(index):
+            return _launch(kernel, grid, args, meta)
+    values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    key = (
+        kernel,
+        index,
+        tuple(
+            (a.dtype, v % launch.ALIGNMENT == 0)
+            if isinstance(a, torch.Tensor)
+            else (type(a), a if type(a) is int else 0)
+            for a, v in zip(args, values)
+        ),
+        tuple(meta.values()),
+    )
+    entry = LAUNCHES.get(key)
+    if entry is not None:
+        launch.CompiledCache.run(entry, values, index)
+        return
+    compiled = kernel[grid](*args, **meta, **COMPILER_OPTIONS)
+    LAUNCHES.put(key, compiled, (*grid, 1, 1)[:3], tuple(meta[name] for name in _CONSTEXPRS[kernel]))
+
+
 def forward(x2, residual2, weight, bias, eps: float, alpha: float, rms: bool, y_dtype, h_dtype, stats: bool):
     """``(y, h, mean, rstd)`` over rows of ``x2`` (and ``residual2``): ``h`` None without a
     residual; ``mean`` None for RMS; the statistics (float32, one a row) only with ``stats``."""
@@ -148,9 +188,7 @@ def forward(x2, residual2, weight, bias, eps: float, alpha: float, rms: bool, y_
             if mean is not None:
                 mean.zero_()
         return y, h, mean, rstd
-    grid, args, meta = forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps, alpha, rms)
-    with launch.serialised():
-        norm_forward_kernel[grid](*args, **meta, **COMPILER_OPTIONS)
+    _launch(norm_forward_kernel, *forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps, alpha, rms))
     return y, h, mean, rstd
 
 
@@ -201,9 +239,10 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     alloc = torch.empty if n <= MAX_ONE_PASS else torch.zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=device) if weight is not None and need_weight else None
     db_part = alloc((programs, n), dtype=torch.float32, device=device) if has_bias else None
-    grid, args, meta = backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program)
-    with launch.serialised():
-        norm_backward_kernel[grid](*args, **meta, **COMPILER_OPTIONS)
+    _launch(
+        norm_backward_kernel,
+        *backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program),
+    )
     # (a sum over the programs' rows in a fixed order: the same bits every run; float32 until
     # the caller rounds it, after a sharded call's reduction)
     dw = dw_part.sum(0) if dw_part is not None else None
