@@ -364,26 +364,37 @@ def backward(data: dict) -> str:
 
 
 def norms(data: dict) -> str:
-    """The norm family: fusedkit's forward against the copy roof, forward + backward against
-    eager, compiled torch and Liger-Kernel (ratios: their time over fusedkit's)."""
+    """The norm family: fusedkit's forward and backward against the copy roof; forward +
+    backward against eager, compiled torch and Liger-Kernel, GPU time (CUDA-graph replays;
+    ratios: their time over fusedkit's) and the wall time of eager launches."""
     rows = data["norms"]
-    peers = [p for p in ("eager", "compiled", "liger") if any(f"{p}_fwd_bwd_us" in r for r in rows)]
-    head = ["op", "dtype", "rows x n", "fwd us", "GB/s", "of copy roof", "fwd + bwd us"]
-    head += [f"x {p}" for p in peers]
+    gpu = "_fwd_bwd_gpu_us" if any("fusedkit_fwd_bwd_gpu_us" in r for r in rows) else "_fwd_bwd_us"
+    peers = [p for p in ("eager", "compiled", "liger") if any(f"{p}{gpu}" in r for r in rows)]
+    head = ["op", "dtype", "rows x n", "fwd us", "of copy roof", "bwd us", "of copy roof", "fwd + bwd GPU us"]
+    head += [f"x {p}" for p in peers] + ["fwd + bwd wall us", "eager wall us"]
+
+    def us(v):
+        return f"{v:.1f}" if v else "-"
+
+    def share(v):
+        return "-" if v is None else f"{v:.0%}"
+
     body = []
     for r in rows:
-        mine = r.get("fusedkit_fwd_bwd_us")
-        share = r.get("fusedkit_roof_share")
+        mine = r.get(f"fusedkit{gpu}")
         body.append(
             [
                 f"`{r['op']}`",
                 SHORT.get(r["dtype"], r["dtype"]),
                 f"{r['rows']} x {r['n']}",
-                f"{r['fusedkit_fwd_us']:.1f}" if r.get("fusedkit_fwd_us") else "-",
-                f"{r['fusedkit_fwd_gbps']:.0f}" if r.get("fusedkit_fwd_gbps") else "-",
-                "-" if share is None else f"{share:.0%}",
-                f"{mine:.1f}" if mine else "-",
-                *(ratio(r.get(f"{p}_fwd_bwd_us"), mine) for p in peers),
+                us(r.get("fusedkit_fwd_us")),
+                share(r.get("fusedkit_roof_share")),
+                us(r.get("fusedkit_bwd_us")),
+                share(r.get("fusedkit_bwd_roof_share")),
+                us(mine),
+                *(ratio(r.get(f"{p}{gpu}"), mine) for p in peers),
+                us(r.get("fusedkit_fwd_bwd_us")),
+                us(r.get("eager_fwd_bwd_us")),
             ]
         )
     return table(head, body, "lll" + "r" * (len(head) - 3)) + "\n\n" + footnote(data["environment"], "norms")

@@ -498,6 +498,20 @@ class RowKernel:
         stats = rows * (1 if self.rms else 2) * 4
         return Traffic(inputs * rows * n * dtype.itemsize + params, inputs * rows * n * dtype.itemsize + stats)
 
+    def bytes_backward(
+        self, rows: int, n: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32
+    ) -> Traffic:
+        """One backward's compulsory bytes: the output's gradient, the saved input (h) and its
+        statistics read (add + norm: the gradient reaching h too), the weight read; the
+        input's gradient written (add + norm: one, both inputs' gradient) and the parameters'
+        gradients. The per-program partial sums of those are left out: a few rows each."""
+        grads_in = 3 if self.residual else 2
+        params = (1 if self.rms else 2) * n * param_dtype.itemsize
+        stats = rows * (1 if self.rms else 2) * 4
+        return Traffic(
+            grads_in * rows * n * dtype.itemsize + stats + n * param_dtype.itemsize, rows * n * dtype.itemsize + params
+        )
+
     def bytes_unfused(self, rows: int, n: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32) -> Traffic:
         """The same in eager PyTorch: the add writes h and the norm (one kernel, torch's own)
         reads it back."""

@@ -2,29 +2,32 @@
 
 For each norm of ``fusedkit.registry.row_kernels()`` at each (rows, width) of the report:
 
-- the forward alone, fusedkit's: time, GB/s over its byte model (``RowKernel.bytes_fused``)
-  and that as a share of the copy roof (``Tensor.copy_`` of the same bytes, measured in the
-  same process);
+- fusedkit's forward alone and backward alone: time, GB/s over their byte models
+  (``RowKernel.bytes_fused``, ``RowKernel.bytes_backward``) and that as a share of the copy
+  roof (``Tensor.copy_`` of the same bytes, measured in the same process);
 - forward + backward (the output's and, for add + norm, the residual stream's gradient
   flowing; every input's and parameter's gradient) of fusedkit, the eager composition
   (``torch.add`` then ``F.rms_norm`` / ``F.layer_norm``, torch's own kernels), its
   ``torch.compile`` and Liger-Kernel (``LigerFusedAddRMSNorm``, ``LigerRMSNorm``,
   ``LigerLayerNorm`` after an eager add) where it imports, with each one's largest
-  difference from a float64 reference.
+  difference from a float64 reference. Each twice: the GPU's time (the step replayed from a
+  CUDA graph) and the wall time of an eager launch, host included: at the smaller shapes an
+  eager step is bound by the host that issues it, and the GPU time tells the kernels apart.
 
-Inputs in bf16 (or the dtypes asked for), weights in float32 as a mixed-precision model keeps
-them. On a CPU the harness runs at small sizes; its times are not GPU times.
+Inputs and parameters in bf16 (or the dtypes asked for), as a model cast with ``.to(dtype)``
+holds them. On a CPU the harness runs at small sizes; its times are not GPU times.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 
 import fusedkit
 from fusedkit import registry
 
-from .cases import timer
+from .cases import REP_MS, timer
 from .progress import bar as progress_bar
 
 __all__ = ["CPU_NORM_SHAPES", "NORM_SHAPES", "format_norms_table", "run_norms"]
@@ -105,6 +108,7 @@ def run_norms(dtypes, device, shapes=NORM_SHAPES, use_compile=True, peers=True) 
 
 
 def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
+    gpu_us = _gpu_timer(device)
     x, r = (torch.randn(m, n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
     # (parameters in the input's dtype, as a model cast with ``.to(dtype)`` holds them and as
     # F.layer_norm takes them; Parameters, so that Liger's module differentiates these ones)
@@ -137,26 +141,56 @@ def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
 
             row[f"{name}_fwd_us"] = time_us(forward)
             row[f"{name}_fwd_bwd_us"] = time_us(step)
+            row[f"{name}_fwd_bwd_gpu_us"] = gpu_us(step)
+            if name == "fusedkit":  # the backward alone, over its compulsory bytes
+
+                def backward(outs=outs, grad=grad):
+                    return torch.autograd.grad(outs, leaves, grad, retain_graph=True)
+
+                row["fusedkit_bwd_us"] = time_us(backward)
         except Exception as exc:  # a peer that refuses a shape or dtype: its cells stay empty
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     us = row.get("fusedkit_fwd_us")
     if us:
         row["fusedkit_fwd_gbps"] = fused_bytes.total / us / 1e3
         row["fusedkit_roof_share"] = row["fusedkit_fwd_gbps"] / roof
+    us = row.get("fusedkit_bwd_us")
+    if us:
+        row["fusedkit_bwd_gbps"] = kernel.bytes_backward(m, n, dt, dt).total / us / 1e3
+        row["fusedkit_bwd_roof_share"] = row["fusedkit_bwd_gbps"] / roof
     return row
+
+
+def _gpu_timer(device):
+    """Median GPU time of ``fn`` replayed from a CUDA graph, in microseconds (no host time:
+    at these sizes an eager step can be bound by the host that issues it), or None where
+    ``fn`` cannot be captured."""
+    if device.type != "cuda":
+        return lambda fn: None
+
+    def gpu(fn):
+        try:
+            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+        except Exception:  # (a peer whose step cannot be captured: its cell stays empty)
+            return None
+
+    return gpu
 
 
 def format_norms_table(rows: list[dict]) -> str:
     impls = [i for i in ("fusedkit", "eager", "compiled", "liger") if any(f"{i}_fwd_bwd_us" in r for r in rows)]
     head = (
-        f"{'op':<15} {'dtype':<9} {'rows':>6} {'n':>5} {'fwd us':>8} {'GB/s':>6} {'roof':>5} "
-        + " ".join(f"{i + ' f+b us':>16}" for i in impls)
+        f"{'op':<15} {'dtype':<9} {'rows':>6} {'n':>5} {'fwd us':>7} {'roof':>5} {'bwd us':>7} {'roof':>5} "
+        + " ".join(f"{i[:8] + ' gpu':>12}" for i in impls)
         + " "
-        + " ".join(f"{'x ' + i:>10}" for i in impls[1:])
+        + " ".join(f"{'x ' + i[:8]:>10}" for i in impls[1:])
+        + " "
+        + " ".join(f"{i[:8] + ' wall':>13}" for i in impls)
     )
     lines = [
-        "Norms: fusedkit's forward against the copy roof; forward + backward of each (do_bench medians; "
-        "x = that one's time / fusedkit's)",
+        "Norms: fusedkit's forward and backward against the copy roof (their compulsory bytes); forward + "
+        "backward of each, GPU time (CUDA-graph replays) and wall time (launched eagerly, host included); "
+        "do_bench medians in us; x = that one's GPU time / fusedkit's",
         head,
         "-" * len(head),
     ]
@@ -165,15 +199,16 @@ def format_norms_table(rows: list[dict]) -> str:
         return "-" if v is None else format(v, spec)
 
     for r in rows:
-        mine = r.get("fusedkit_fwd_bwd_us")
-        cells = " ".join(f"{num(r.get(f'{i}_fwd_bwd_us'), '.1f'):>16}" for i in impls)
+        mine = r.get("fusedkit_fwd_bwd_gpu_us")
+        gpu = " ".join(f"{num(r.get(f'{i}_fwd_bwd_gpu_us'), '.1f'):>12}" for i in impls)
         ratios = " ".join(
-            f"{num(r[f'{i}_fwd_bwd_us'] / mine if mine and r.get(f'{i}_fwd_bwd_us') else None, '.2f'):>10}"
+            f"{num(r[f'{i}_fwd_bwd_gpu_us'] / mine if mine and r.get(f'{i}_fwd_bwd_gpu_us') else None, '.2f'):>10}"
             for i in impls[1:]
         )
-        fwd = f"{num(r.get('fusedkit_fwd_us'), '.1f'):>8} {num(r.get('fusedkit_fwd_gbps'), '.0f'):>6}"
-        share = num(r.get("fusedkit_roof_share"), ".0%")
-        lines.append(f"{r['op']:<15} {r['dtype']:<9} {r['rows']:>6} {r['n']:>5} {fwd} {share:>5} {cells} {ratios}")
+        wall = " ".join(f"{num(r.get(f'{i}_fwd_bwd_us'), '.1f'):>13}" for i in impls)
+        fwd = f"{num(r.get('fusedkit_fwd_us'), '.1f'):>7} {num(r.get('fusedkit_roof_share'), '.0%'):>5}"
+        bwd = f"{num(r.get('fusedkit_bwd_us'), '.1f'):>7} {num(r.get('fusedkit_bwd_roof_share'), '.0%'):>5}"
+        lines.append(f"{r['op']:<15} {r['dtype']:<9} {r['rows']:>6} {r['n']:>5} {fwd} {bwd} {gpu} {ratios} {wall}")
     for r in rows:
         for i in impls:
             if f"{i}_error" in r:
