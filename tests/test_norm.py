@@ -80,7 +80,21 @@ def test_forward_matches_float64(op, dtype, n):
 @pytest.mark.parametrize(("op", "dtype", "n"), [(op, dtype, 96) for op in OPS for dtype in DTYPES[:2]])
 def test_gradients_match_float64(op, dtype, n):
     """Every input's gradient, both outputs' gradients flowing (the residual stream's too)."""
-    x, r, w, b = _inputs(op, 9, n, dtype, grad=True)
+    _check_gradients(op, 9, n, dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_gradients_when_programs_take_many_row_blocks(op):
+    # The backward's programs each loop over blocks of BLOCK_M rows, the last program's last
+    # block part-filled; the weight's gradient sums every program's rows.
+    from fusedkit.runtime.norm import _config, _programs_per_device
+
+    n = 200
+    _check_gradients(op, 3 * _config(n)["BLOCK_M"] * _programs_per_device(torch.device(DEVICE)) + 5, n, torch.float32)
+
+
+def _check_gradients(op, rows, n, dtype):
+    x, r, w, b = _inputs(op, rows, n, dtype, grad=True)
     wide = list(map(_wide, (x, r, w, b)))
     (y, h), (yr, hr) = _call(op, x, r, w, b, 1e-5, 0.5), _call("torch:" + op, *wide, 1e-5, 0.5)
     if h is not None:  # the norm reads h as rounded to its dtype (as the eager add rounds it)
