@@ -373,12 +373,61 @@ def number_kind(v):
 
 def result_dtype(operands) -> torch.dtype:
     """PyTorch's result dtype for an elementwise op on ``operands`` (tensors and numbers)."""
-    if not torch.compiler.is_compiling():
-        if len(operands) == 2:
-            return torch.result_type(*operands)
-    else:  # Dynamo traces elementwise_dtypes (not result_type) on constants: a traced number's kind is enough
-        operands = tuple(number_kind(v) for v in operands)
+    if torch.compiler.is_compiling():
+        return _traced_result_dtype(operands)
+    if len(operands) == 2:
+        return torch.result_type(*operands)
     return elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+
+
+def _traced_result_dtype(operands) -> torch.dtype:
+    """:func:`result_dtype` as Dynamo traces it: c10's ``result_type`` over the operands' dtypes
+    and ranks, constants while tracing, through ``torch.promote_types`` alone (Dynamo folds it;
+    torch 2.11's Dynamo refused ``elementwise_dtypes``'s tuple of dtypes). Tensors of one or more
+    dims decide first, then 0-d tensors, then numbers (a float number as the default dtype),
+    each only where it is of a higher category (bool, integer, floating, complex)."""
+    dims = zeros = numbers = None
+    for v in operands:
+        if isinstance(v, torch.Tensor):
+            if v.dim() > 0:
+                dims = v.dtype if dims is None else torch.promote_types(dims, v.dtype)
+            else:
+                zeros = v.dtype if zeros is None else torch.promote_types(zeros, v.dtype)
+            continue
+        v = number_kind(v)
+        if isinstance(v, bool):
+            kind = torch.bool
+        elif isinstance(v, int):
+            kind = torch.int64
+        elif isinstance(v, complex):
+            kind = torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
+        else:
+            kind = torch.get_default_dtype()
+        numbers = kind if numbers is None else torch.promote_types(numbers, kind)
+    return _combine_categories(dims, _combine_categories(zeros, numbers))
+
+
+_COMPLEX_OF = {
+    torch.float16: torch.complex32,
+    torch.bfloat16: torch.complex64,
+    torch.float32: torch.complex64,
+    torch.float64: torch.complex128,
+}
+
+
+def _combine_categories(higher, lower):
+    """c10's ``combine_categories``: ``lower`` counts only where its category is higher."""
+    if higher is None:
+        return lower
+    if lower is None or higher.is_complex:
+        return higher
+    if lower.is_complex:
+        return _COMPLEX_OF.get(higher, lower) if higher.is_floating_point else lower
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
 
 
 _REGISTRY: dict[str, ElementwiseKernel] = {}

@@ -601,6 +601,7 @@ def test_a_norm_fusedkit_would_change_is_left_and_named():
     layer.hooked.register_forward_hook(lambda *a: None)
     x = rand((4, 8), torch.bfloat16, DEVICE)  # (a float32 weight: LlamaRMSNorm returns float32)
     layer.proj.to(torch.bfloat16)
+    layer.hooked.to(torch.bfloat16)  # (CUDA's layer_norm refuses a float32 weight with bf16 input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert fusedkit.advise(layer, x) == []

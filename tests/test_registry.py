@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -321,3 +322,21 @@ def test_unregistered_kernel_objects_are_refused_where_the_op_needs_the_registry
     assert fusedkit.elementwise(spec, x).shape == (3,)  # eager: fine
     with pytest.raises(KeyError, match="never_registered"):
         fusedkit.elementwise(spec, x.requires_grad_())
+
+
+def test_the_traced_result_dtype_is_torchs():
+    # Under Dynamo the result dtype is worked out from the operands' dtypes and ranks alone
+    # (torch 2.11's Dynamo refused elementwise_dtypes): the same as torch's for every mix of
+    # ranks, dtypes and numbers of up to three operands.
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    from fusedkit.registry import _traced_result_dtype
+
+    dtypes = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float64]
+    values = [torch.ones(shape, dtype=d) for d in [*dtypes, torch.complex64] for shape in ((2,), ())]
+    values += [True, 3, 2.5, 1j]
+    for k in (1, 2, 3):
+        for combo in itertools.product(values, repeat=k):
+            if any(isinstance(v, torch.Tensor) for v in combo):
+                want = elementwise_dtypes(*combo, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+                assert _traced_result_dtype(combo) == want, combo
