@@ -365,7 +365,7 @@ def backward(data: dict) -> str:
 
 def norms(data: dict) -> str:
     """The norm family: fusedkit's forward and backward against the copy roof; forward +
-    backward against eager, compiled torch and Liger-Kernel, GPU time (CUDA-graph replays;
+    backward against eager, compiled torch and Liger-Kernel, GPU busy time (kernels summed;
     ratios: their time over fusedkit's) and the wall time of eager launches."""
     rows = data["norms"]
     gpu = "_fwd_bwd_gpu_us" if any("fusedkit_fwd_bwd_gpu_us" in r for r in rows) else "_fwd_bwd_us"

@@ -10,9 +10,9 @@ For each norm of ``fusedkit.registry.row_kernels()`` at each (rows, width) of th
   (``torch.add`` then ``F.rms_norm`` / ``F.layer_norm``, torch's own kernels), its
   ``torch.compile`` and Liger-Kernel (``LigerFusedAddRMSNorm``, ``LigerRMSNorm``,
   ``LigerLayerNorm`` after an eager add) where it imports, with each one's largest
-  difference from a float64 reference. Each twice: the GPU's time (the step replayed from a
-  CUDA graph) and the wall time of an eager launch, host included: at the smaller shapes an
-  eager step is bound by the host that issues it, and the GPU time tells the kernels apart.
+  difference from a float64 reference. Each twice: the GPU's busy time (its kernels' durations
+  summed) and the wall time of an eager launch, host included: at the smaller shapes an eager
+  step is bound by the host that issues it, and the busy time tells the kernels apart.
 
 Inputs and parameters in bf16 (or the dtypes asked for), as a model cast with ``.to(dtype)``
 holds them. On a CPU the harness runs at small sizes; its times are not GPU times.
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import fusedkit
 from fusedkit import registry
 
-from .cases import REP_MS, timer
+from .cases import timer
+from .models import gpu_busy_ms
 from .progress import bar as progress_bar
 
 __all__ = ["CPU_NORM_SHAPES", "NORM_SHAPES", "format_norms_table", "run_norms"]
@@ -43,6 +43,8 @@ NORM_SHAPES = (
     (32768, 8192),
 )
 CPU_NORM_SHAPES = ((8, 96),)
+#: Calls profiled together for a GPU busy time.
+GPU_CALLS = 10
 
 
 def _eager(kernel):
@@ -162,19 +164,13 @@ def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
 
 
 def _gpu_timer(device):
-    """Median GPU time of ``fn`` replayed from a CUDA graph, in microseconds (no host time:
-    at these sizes an eager step can be bound by the host that issues it), or None where
-    ``fn`` cannot be captured."""
+    """GPU busy time of ``fn`` in microseconds: its kernels' durations summed (``torch.profiler``,
+    ``GPU_CALLS`` calls back to back: no host time, which bounds an eager step at these sizes;
+    L2 not flushed between calls); None off a GPU. (Not CUDA-graph replays: capturing an
+    autograd step failed on the H200 and left the RNG unusable.)"""
     if device.type != "cuda":
         return lambda fn: None
-
-    def gpu(fn):
-        try:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
-        except Exception:  # (a peer whose step cannot be captured: its cell stays empty)
-            return None
-
-    return gpu
+    return lambda fn: 1e3 * gpu_busy_ms(fn, device, GPU_CALLS)
 
 
 def format_norms_table(rows: list[dict]) -> str:
@@ -189,7 +185,7 @@ def format_norms_table(rows: list[dict]) -> str:
     )
     lines = [
         "Norms: fusedkit's forward and backward against the copy roof (their compulsory bytes); forward + "
-        "backward of each, GPU time (CUDA-graph replays) and wall time (launched eagerly, host included); "
+        "backward of each, GPU busy time (kernels summed) and wall time (launched eagerly, host included); "
         "do_bench medians in us; x = that one's GPU time / fusedkit's",
         head,
         "-" * len(head),
