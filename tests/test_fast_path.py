@@ -529,6 +529,32 @@ def test_matmul_direct_launch_and_alignment(dtype):
 
 
 @gpu_only
+def test_norm_direct_launch_and_alignment():
+    # A norm's repeated launch goes straight to its compiled kernel, kept per pointer
+    # alignment (rows at a 2-byte offset are another kernel for Triton), forward and backward.
+    from fusedkit.runtime import norm as rn
+
+    base = rand((64, 129), torch.bfloat16, DEVICE)
+    w = rand((128,), torch.bfloat16, DEVICE).requires_grad_()
+    g = rand((64, 128), torch.bfloat16, DEVICE)
+    rn.LAUNCHES.clear()
+    results = []
+    for x in (base[:, :128], base[:, 1:], base[:, :128]):
+        x = x.detach().requires_grad_()
+        y = fusedkit.rms_norm(x, (128,), w, 1e-6)
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        want = torch.nn.functional.rms_norm(xd, (128,), wd, 1e-6)
+        torch.testing.assert_close(y.double(), want, atol=2e-2, rtol=2e-2)
+        got_grads = torch.autograd.grad(y, (x, w), g)
+        want_grads = torch.autograd.grad(want, (xd, wd), g.double())
+        for got, ref in zip(got_grads, want_grads):
+            torch.testing.assert_close(got.double(), ref, atol=5e-2 * max(ref.abs().max().item(), 1), rtol=2e-2)
+        results.append((y, *got_grads))
+    assert len(rn.LAUNCHES) == 4  # forward and backward, at each alignment
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[2]))  # the kept launch gives the same bits
+
+
+@gpu_only
 def test_fast_path_calls_capture_in_a_cuda_graph():
     x, y = rand((300, 64), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
     w = rand((48, 64), torch.float32, DEVICE)
