@@ -400,7 +400,7 @@ def _traced_result_dtype(operands) -> torch.dtype:
         elif isinstance(v, int):
             kind = torch.int64
         elif isinstance(v, complex):
-            kind = torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
+            kind = _COMPLEX_OF.get(torch.get_default_dtype(), torch.complex64)  # (the default complex dtype)
         else:
             kind = torch.get_default_dtype()
         numbers = kind if numbers is None else torch.promote_types(numbers, kind)

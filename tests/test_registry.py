@@ -340,3 +340,13 @@ def test_the_traced_result_dtype_is_torchs():
             if any(isinstance(v, torch.Tensor) for v in combo):
                 want = elementwise_dtypes(*combo, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
                 assert _traced_result_dtype(combo) == want, combo
+    # a float and a complex number take the default dtype's kinds (float16's complex is complex32)
+    for default in (torch.float16, torch.bfloat16, torch.float64):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            for combo in itertools.product(values, repeat=2):
+                if any(isinstance(v, torch.Tensor) for v in combo):
+                    assert _traced_result_dtype(combo) == torch.result_type(*combo), (default, combo)
+        finally:
+            torch.set_default_dtype(previous)
