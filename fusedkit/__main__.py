@@ -325,6 +325,7 @@ def build_native() -> int:
     from .runtime import native
 
     path = native.library_path()
+    print(f"fusedkit: repeated calls on this machine take {native.launch_path()}")
     try:
         native.build()
     except Exception as exc:  # no compiler, no ninja: the Python path runs every call

@@ -15,6 +15,7 @@ memcheck.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 from types import SimpleNamespace
 
@@ -689,3 +690,21 @@ def test_registry_changes_empty_the_table(table, monkeypatch):
     assert len(table) == 1  # a new name changes nothing kept
     fusedkit.registry.unregister(user.name)
     assert len(table) == 0
+
+
+def test_the_launch_path_is_reported_and_logged_once(monkeypatch, caplog):
+    # `python -m fusedkit build` says which path repeated calls take here and why; a process
+    # whose Triton has no launcher adapter logs it once, at INFO, when a launch is kept.
+    monkeypatch.setattr(native.launch, "INTERPRETED", False)
+    monkeypatch.setattr(native.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native.launch, "RAW_LAUNCH", False)
+    assert "C++ launch table is off" in native.launch_path() and "3.6" in native.launch_path()
+    monkeypatch.setattr(native.launch, "RAW_LAUNCH", True)
+    assert native.launch_path().startswith("the C++ launch table")
+    monkeypatch.setattr(native.launch, "INTERPRETED", True)
+    assert "interpreter" in native.launch_path()
+    monkeypatch.setattr(native, "_PATH_LOGGED", False)
+    with caplog.at_level(logging.INFO, logger="fusedkit"):
+        native._log_path_once()
+        native._log_path_once()
+    assert [r.levelno for r in caplog.records if "repeated calls take" in r.message] == [logging.INFO]

@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import triton
 
 from .. import registry, settings
 from ..kernels.elementwise import POINTER_ARGS
@@ -84,6 +85,36 @@ def applies() -> bool:
     """Whether this Triton's launches can be repeated from C++ (the table packs Triton 3.6's
     launcher parameters) and compiled kernels run here."""
     return launch.RAW_LAUNCH and not launch.INTERPRETED
+
+
+def launch_path() -> str:
+    """Which launch path a repeated eager call takes on this machine, and why: what
+    ``python -m fusedkit build`` prints and, once a process, the INFO log where the C++ table
+    does not apply."""
+    releases = ", ".join(".".join(map(str, r)) for r in launch.RAW_LAUNCH_RELEASES)
+    if launch.INTERPRETED:
+        return "Triton's interpreter (TRITON_INTERPRET=1): the kernels run on the CPU, every call through Triton"
+    if not torch.cuda.is_available():
+        return "no GPU: PyTorch's composition of each op (TRITON_INTERPRET=1 runs the kernels in Triton's interpreter)"
+    if not launch.RAW_LAUNCH:
+        return (
+            f"Python direct launches through Triton {triton.__version__}'s launcher object; the C++ launch "
+            f"table is off (it packs the launcher parameters of Triton {releases} only)"
+        )
+    return (
+        f"the C++ launch table (Triton {triton.__version__}'s C launcher) where it is built, "
+        "else Python direct launches"
+    )
+
+
+_PATH_LOGGED = False
+
+
+def _log_path_once() -> None:
+    global _PATH_LOGGED
+    if not _PATH_LOGGED:
+        _PATH_LOGGED = True
+        _log.info("fusedkit: repeated calls take %s", launch_path())
 
 
 def set_backward_factory(factory) -> None:
@@ -274,6 +305,7 @@ def register(kept, entry, table=None) -> bool:
     if not enabled() or kept.operand_signature is None or not entry.head:
         return False
     if table is None and not applies():
+        _log_path_once()
         return False
     cooperative, pdl = entry.head[:2]
     num_warps, num_ctas, shared = entry.packed_metadata
