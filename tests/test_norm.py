@@ -473,3 +473,25 @@ def test_plans_follow_the_settings_and_never_skip_a_check_they_would_fail():
             fusedkit.rms_norm(x, bad)
     with pytest.raises(fusedkit.ArgumentError):
         fusedkit.rms_norm(x, (6,), eps=float("inf"))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_call_path_gives_the_same_bits(op):
+    # The first call (checks, then a plan kept), a repeat (the kept plan), and the registered
+    # ops a dispatch mode sees (here a byte counter) launch the same kernels: outputs and every
+    # gradient bit for bit (docs/design.md, "Norm calls").
+    x, r, w, b = _inputs(op, 37, 200, torch.bfloat16, grad=True)
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    grads = [rand((37, 200), torch.bfloat16, DEVICE) for _ in range(2)]
+
+    def run():
+        y, h = _call(op, x, r, w, b, 1e-5, 0.5)
+        outs = [y] if h is None else [y, h]
+        return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grads[: len(outs)]))
+
+    fusedkit.clear_caches()
+    first, kept = run(), run()
+    with fusedkit.MemoryCounterMode(display=False):
+        registered = run()
+    for a, k, g in zip(first, kept, registered):
+        assert torch.equal(a, k) and torch.equal(a, g)
