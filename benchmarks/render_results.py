@@ -387,7 +387,7 @@ def norms(data: dict) -> str:
                 f"`{r['op']}`",
                 SHORT.get(r["dtype"], r["dtype"]),
                 f"{r['rows']} x {r['n']}",
-                us(r.get("fusedkit_fwd_us")),
+                us(r.get("fusedkit_fwd_gpu_us") or r.get("fusedkit_fwd_us")),
                 share(r.get("fusedkit_roof_share")),
                 us(r.get("fusedkit_bwd_us")),
                 share(r.get("fusedkit_bwd_roof_share")),

@@ -2,9 +2,10 @@
 
 For each norm of ``fusedkit.registry.row_kernels()`` at each (rows, width) of the report:
 
-- fusedkit's forward alone and backward alone: time, GB/s over their byte models
-  (``RowKernel.bytes_fused``, ``RowKernel.bytes_backward``) and that as a share of the copy
-  roof (``Tensor.copy_`` of the same bytes, measured in the same process);
+- fusedkit's forward alone and backward alone: the GPU's busy time (on a CPU, the wall time),
+  GB/s over their byte models (``RowKernel.bytes_fused``, ``RowKernel.bytes_backward``) and
+  that as a share of the copy roof (``Tensor.copy_`` of the same bytes, measured in the same
+  process);
 - forward + backward (the output's and, for add + norm, the residual stream's gradient
   flowing; every input's and parameter's gradient) of fusedkit, the eager composition
   (``torch.add`` then ``F.rms_norm`` / ``F.layer_norm``, torch's own kernels), its
@@ -144,15 +145,17 @@ def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
             row[f"{name}_fwd_us"] = time_us(forward)
             row[f"{name}_fwd_bwd_us"] = time_us(step)
             row[f"{name}_fwd_bwd_gpu_us"] = gpu_us(step)
-            if name == "fusedkit":  # the backward alone, over its compulsory bytes
+            if name == "fusedkit":  # forward and backward alone, over their compulsory bytes
 
                 def backward(outs=outs, grad=grad):
                     return torch.autograd.grad(outs, leaves, grad, retain_graph=True)
 
-                row["fusedkit_bwd_us"] = time_us(backward)
+                # (the GPU's time where there is one: a wall time at these sizes is the host's)
+                row["fusedkit_fwd_gpu_us"] = gpu_us(forward)
+                row["fusedkit_bwd_us"] = gpu_us(backward) or time_us(backward)
         except Exception as exc:  # a peer that refuses a shape or dtype: its cells stay empty
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    us = row.get("fusedkit_fwd_us")
+    us = row.get("fusedkit_fwd_gpu_us") or row.get("fusedkit_fwd_us")
     if us:
         row["fusedkit_fwd_gbps"] = fused_bytes.total / us / 1e3
         row["fusedkit_roof_share"] = row["fusedkit_fwd_gbps"] / roof
@@ -165,12 +168,23 @@ def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
 
 def _gpu_timer(device):
     """GPU busy time of ``fn`` in microseconds: its kernels' durations summed (``torch.profiler``,
-    ``GPU_CALLS`` calls back to back: no host time, which bounds an eager step at these sizes;
-    L2 not flushed between calls); None off a GPU. (Not CUDA-graph replays: capturing an
-    autograd step failed on the H200 and left the RNG unusable.)"""
+    over ``GPU_CALLS`` calls: no host time, which bounds an eager step at these sizes), the L2
+    cleared before each call as do_bench clears it (a 256 MB fill, whose own time is taken
+    off); None off a GPU. (Not CUDA-graph replays: capturing an autograd step failed on the
+    H200 and left the RNG unusable.)"""
     if device.type != "cuda":
         return lambda fn: None
-    return lambda fn: 1e3 * gpu_busy_ms(fn, device, GPU_CALLS)
+    cache = torch.empty(2**26, dtype=torch.int32, device=device)
+    fill_us = 1e3 * gpu_busy_ms(cache.zero_, device, GPU_CALLS)
+
+    def gpu(fn):
+        def flushed():
+            cache.zero_()
+            return fn()
+
+        return 1e3 * gpu_busy_ms(flushed, device, GPU_CALLS) - fill_us
+
+    return gpu
 
 
 def format_norms_table(rows: list[dict]) -> str:
@@ -184,9 +198,9 @@ def format_norms_table(rows: list[dict]) -> str:
         + " ".join(f"{i[:8] + ' wall':>13}" for i in impls)
     )
     lines = [
-        "Norms: fusedkit's forward and backward against the copy roof (their compulsory bytes); forward + "
-        "backward of each, GPU busy time (kernels summed) and wall time (launched eagerly, host included); "
-        "do_bench medians in us; x = that one's GPU time / fusedkit's",
+        "Norms: fusedkit's forward and backward alone, GPU busy time (kernels summed) against the copy roof "
+        "(their compulsory bytes); forward + backward of each, GPU busy time and wall time (launched eagerly, "
+        "host included; do_bench medians), in us; x = that one's GPU time / fusedkit's",
         head,
         "-" * len(head),
     ]
@@ -202,7 +216,8 @@ def format_norms_table(rows: list[dict]) -> str:
             for i in impls[1:]
         )
         wall = " ".join(f"{num(r.get(f'{i}_fwd_bwd_us'), '.1f'):>13}" for i in impls)
-        fwd = f"{num(r.get('fusedkit_fwd_us'), '.1f'):>7} {num(r.get('fusedkit_roof_share'), '.0%'):>5}"
+        fwd_us = r.get("fusedkit_fwd_gpu_us") or r.get("fusedkit_fwd_us")
+        fwd = f"{num(fwd_us, '.1f'):>7} {num(r.get('fusedkit_roof_share'), '.0%'):>5}"
         bwd = f"{num(r.get('fusedkit_bwd_us'), '.1f'):>7} {num(r.get('fusedkit_bwd_roof_share'), '.0%'):>5}"
         lines.append(f"{r['op']:<15} {r['dtype']:<9} {r['rows']:>6} {r['n']:>5} {fwd} {bwd} {gpu} {ratios} {wall}")
     for r in rows:
