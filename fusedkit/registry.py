@@ -543,8 +543,7 @@ class RowKernel:
         parameters read once, one (LayerNorm: two) float32 statistics a row written (those
         autograd keeps)."""
         inputs = 2 if self.residual else 1
-        params = (1 if self.rms else 2) * n * param_dtype.itemsize
-        stats = rows * (1 if self.rms else 2) * 4
+        params, stats = self._side_bytes(rows, n, param_dtype)
         return Traffic(inputs * rows * n * dtype.itemsize + params, inputs * rows * n * dtype.itemsize + stats)
 
     def bytes_backward(
@@ -555,11 +554,16 @@ class RowKernel:
         input's gradient written (add + norm: one, both inputs' gradient) and the parameters'
         gradients. The per-program partial sums of those are left out: a few rows each."""
         grads_in = 3 if self.residual else 2
-        params = (1 if self.rms else 2) * n * param_dtype.itemsize
-        stats = rows * (1 if self.rms else 2) * 4
+        params, stats = self._side_bytes(rows, n, param_dtype)
         return Traffic(
             grads_in * rows * n * dtype.itemsize + stats + n * param_dtype.itemsize, rows * n * dtype.itemsize + params
         )
+
+    def _side_bytes(self, rows: int, n: int, param_dtype: torch.dtype) -> tuple[int, int]:
+        """The parameters' bytes (weight, and LayerNorm's bias) and the float32 statistics'
+        (one a row, LayerNorm's two)."""
+        per = 1 if self.rms else 2
+        return per * n * param_dtype.itemsize, rows * per * 4
 
     def bytes_unfused(self, rows: int, n: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32) -> Traffic:
         """The same in eager PyTorch: the add writes h and the norm (one kernel, torch's own)

@@ -95,7 +95,7 @@ def _liger(kernel, n: int, device):
 
 def run_norms(dtypes, device, shapes=NORM_SHAPES, use_compile=True, peers=True) -> list[dict]:
     """One row per norm, dtype and shape (see the module's docstring)."""
-    time_us = timer(device)
+    time_us, gpu_us = timer(device), _gpu_timer(device)
     rows = []
     kernels = registry.row_kernels()
     bar = progress_bar(len(kernels) * len(dtypes) * len(shapes), "norms")
@@ -104,14 +104,13 @@ def run_norms(dtypes, device, shapes=NORM_SHAPES, use_compile=True, peers=True) 
             x = torch.randn(m, n, device=device, dtype=dt)
             roof = 2 * x.numel() * x.element_size() / time_us(lambda x=x: torch.empty_like(x).copy_(x)) / 1e3
             for kernel in kernels:
-                rows.append(_row(kernel, dt, m, n, device, time_us, roof, use_compile, peers))
+                rows.append(_row(kernel, dt, m, n, device, time_us, gpu_us, roof, use_compile, peers))
                 bar.update()
     bar.close()
     return rows
 
 
-def _row(kernel, dt, m, n, device, time_us, roof, use_compile, peers) -> dict:
-    gpu_us = _gpu_timer(device)
+def _row(kernel, dt, m, n, device, time_us, gpu_us, roof, use_compile, peers) -> dict:
     x, r = (torch.randn(m, n, device=device, dtype=dt, requires_grad=True) for _ in range(2))
     # (parameters in the input's dtype, as a model cast with ``.to(dtype)`` holds them and as
     # F.layer_norm takes them; Parameters, so that Liger's module differentiates these ones)

@@ -44,8 +44,15 @@ class TileConfig:
     num_warps: int
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= ``n`` (n >= 1)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers (not ``triton.cdiv``: a ConstexprFunction on Triton 3.9,
+    some microseconds a call on the host)."""
+    return -(-a // b)
 
 
 def elementwise_tile(size_r: int, size_c: int, transposed: bool, itemsize: int = 4) -> TileConfig:
@@ -53,11 +60,11 @@ def elementwise_tile(size_r: int, size_c: int, transposed: bool, itemsize: int =
     result with ``itemsize`` bytes an element."""
     if size_r == 1:
         block = BLOCK_1D_NARROW if itemsize <= 2 else BLOCK_1D
-        return TileConfig(1, min(block, _pow2_at_least(size_c)), ELEMENTWISE_WARPS)
+        return TileConfig(1, min(block, pow2_at_least(size_c)), ELEMENTWISE_WARPS)
     if transposed:
         return TileConfig(TRANSPOSED_TILE, TRANSPOSED_TILE, ELEMENTWISE_WARPS)
-    block_c = min(MAX_BLOCK_C, _pow2_at_least(size_c))
-    block_r = min(_pow2_at_least(size_r), max(1, TILE_ELEMS_2D // block_c))
+    block_c = min(MAX_BLOCK_C, pow2_at_least(size_c))
+    block_r = min(pow2_at_least(size_r), max(1, TILE_ELEMS_2D // block_c))
     return TileConfig(block_r, block_c, ELEMENTWISE_WARPS)
 
 

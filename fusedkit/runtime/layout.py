@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ShapeError
-from .configs import TileConfig, elementwise_tile
+from .configs import TileConfig, cdiv, elementwise_tile
 
 #: Leading dims that the kernel unravels per program, besides the 2-D tile plane.
 MAX_BATCH_DIMS = 4
@@ -59,8 +59,8 @@ class Plan:
     unit_c_mask: int = field(init=False)
 
     def __post_init__(self) -> None:
-        tiles_c = _cdiv(self.size_c, self.tile.block_c)
-        tiles_per_batch = _cdiv(self.size_r, self.tile.block_r) * tiles_c
+        tiles_c = cdiv(self.size_c, self.tile.block_c)
+        tiles_per_batch = cdiv(self.size_r, self.tile.block_r) * tiles_c
         magic, shift = division_magic(max(tiles_c, 1))  # (an empty plan launches nothing)
         derived = dict(
             tiles_c=tiles_c,
@@ -76,10 +76,6 @@ class Plan:
             object.__setattr__(self, name, value)  # frozen: set once, at construction
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def division_magic(d: int) -> tuple[int, int]:
     """``(magic, shift)`` with ``(n * magic) >> shift == n // d`` for every ``0 <= n < 2**31``:
     ``shift = 31 + ceil(log2(d))``, ``magic = ceil(2**shift / d)``. The rounding error
@@ -89,7 +85,7 @@ def division_magic(d: int) -> tuple[int, int]:
     if d < 1:
         raise ValueError(f"division_magic(): the divisor must be positive, got {d}")
     shift = 31 + (d - 1).bit_length()
-    return _cdiv(1 << shift, d), shift
+    return cdiv(1 << shift, d), shift
 
 
 class TooManyDims(ShapeError):
@@ -314,8 +310,8 @@ def plan_elementwise(
     tile = elementwise_tile(size_r, size_c, transposed, itemsize)
 
     packed: list[Strides | None] = []
-    int64 = _cdiv(size_c, tile.block_c) * tile.block_c > INT32_MAX
-    padded = (*batch_sizes, _cdiv(size_r, tile.block_r) * tile.block_r, _cdiv(size_c, tile.block_c) * tile.block_c)
+    int64 = cdiv(size_c, tile.block_c) * tile.block_c > INT32_MAX
+    padded = (*batch_sizes, cdiv(size_r, tile.block_r) * tile.block_r, cdiv(size_c, tile.block_c) * tile.block_c)
     for k, s in enumerate(operand_strides):
         if s is None:
             packed.append(None)

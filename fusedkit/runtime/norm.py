@@ -23,7 +23,7 @@ from ..kernels.helpers import INTERPRETED
 from ..kernels.norm import CHUNK, MAX_ONE_PASS, norm_backward_kernel, norm_forward_kernel
 from ..registry import FLOAT_DTYPES
 from . import launch
-from .configs import COMPILER_OPTIONS
+from .configs import COMPILER_OPTIONS, cdiv, pow2_at_least
 
 #: The input dtypes the kernels take (float64 runs the reference composition).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -92,17 +92,12 @@ def _programs_per_device(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _cdiv(a: int, b: int) -> int:
-    # (not triton.cdiv: on Triton 3.9 a ConstexprFunction, some microseconds a call on the host)
-    return -(-a // b)
-
-
 @functools.cache
 def _config(n: int) -> dict:
     """Block sizes and warps: a row in one block up to ``MAX_ONE_PASS`` columns, several
     narrow rows a program (about 4096 elements a block), wider rows in chunks (shared: read only)."""
     if n <= MAX_ONE_PASS:
-        block_n = 1 << (max(n, 1) - 1).bit_length()
+        block_n = pow2_at_least(max(n, 1))
         block_m = max(1, min(16, 4096 // block_n))
         return {
             "ONE_PASS": True,
@@ -137,7 +132,7 @@ def forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps: float, al
         "BLOCK_N": cfg["BLOCK_N"],
         "num_warps": cfg["warps"],
     }
-    return (_cdiv(rows, cfg["BLOCK_M"]),), args, meta
+    return (cdiv(rows, cfg["BLOCK_M"]),), args, meta
 
 
 #: Kept launches of both kernels, by everything Triton specialises on (:func:`_launch`).
@@ -222,7 +217,7 @@ def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, 
         "WEIGHT_GRAD": dw_part is not None,
         "num_warps": min(cfg["warps"], 8),
     }
-    return (_cdiv(rows, per_program),), args, meta
+    return (cdiv(rows, per_program),), args, meta
 
 
 def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx_dtype, need_weight: bool):
@@ -240,8 +235,8 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
         db = torch.zeros(n, dtype=torch.float32, device=device) if has_bias else None
         return dx, dw, db
     block_m = _config(n)["BLOCK_M"]
-    per_program = block_m * _cdiv(rows, block_m * _programs_per_device(device))
-    programs = _cdiv(rows, per_program)
+    per_program = block_m * cdiv(rows, block_m * _programs_per_device(device))
+    programs = cdiv(rows, per_program)
     # (chunked rows add into their program's partial row: it starts at zero)
     alloc = torch.empty if n <= MAX_ONE_PASS else torch.zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=device) if weight is not None and need_weight else None
