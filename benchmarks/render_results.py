@@ -27,7 +27,8 @@ def load(folder: Path, name: str) -> dict | None:
 
 
 def footnote(env: dict, command: str) -> str:
-    commit = (env.get("commit") or "unknown")[:12]
+    # a record gathered over several device leases (--add) names every commit it holds
+    commit = ", ".join(c[:12] for c in env.get("commits") or [env.get("commit") or "unknown"])
     gpu = env.get("gpu") or f"{env.get('device')} ({env.get('backend')}: not GPU times)"
     driver = f", driver {env['driver']}" if env.get("driver") else ""
     return (

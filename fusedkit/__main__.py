@@ -246,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "median and the training step's range (default 1)",
     )
     p.add_argument(
+        "--add",
+        action="store_true",
+        help="--models with --json only: add this run's processes to those the --json file already holds "
+        "(same GPU) and report the medians of each model's newest three; the record of six models in "
+        "three processes, gathered over several short GPU leases",
+    )
+    p.add_argument(
         "--shapes",
         type=_shapes,
         default=None,
@@ -302,6 +309,8 @@ def check_bench(parser: argparse.ArgumentParser, args) -> None:
     --json and --csv naming one file, and sizes the elementwise report's layouts cannot make."""
     if args.json and args.csv and os.path.realpath(args.json) == os.path.realpath(args.csv):
         parser.error(f"--json and --csv name the same file ({args.json}); name two")
+    if args.add and not (args.models and args.json):
+        parser.error("--add adds a models report's processes to a --json file: give --models and --json")
     if args.matmul or args.backward or args.norms or args.traffic or args.latency or args.models:
         return  # the other reports take contiguous sizes (any) or none
     given = args.sizes is not None

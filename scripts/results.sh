@@ -28,7 +28,8 @@ report() {  # report NAME ARGS...: one `python -m fusedkit bench` report (throug
 }
 for r in $reports; do case $r in
   # whole models in three processes (each number their median; docs/fuse.md), the blocks in one
-  whole) report whole --models whole --processes 3 ;;
+  # (WHOLE_MODELS=gpt2,bert WHOLE_PROCESSES=1 WHOLE_ADD=1: add to the committed record, a lease at a time)
+  whole) report whole --models "${WHOLE_MODELS:-whole}" --processes "${WHOLE_PROCESSES:-3}" ${WHOLE_ADD:+--add} ;;
   models) report models --models blocks ;;
   # (the ops model code calls: the gradient kernels are timed in place by the backward report)
   elementwise) report elementwise --kernels ops --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;

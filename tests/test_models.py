@@ -195,3 +195,31 @@ def test_processes_merge_to_medians_with_each_rows_own_count():
     assert (fused["train_ms"], fused["processes"], fused["decode_equal"]) == (8.0, 3, False)
     assert fused["train_x_range"] == [1.0, 2.0]
     assert (merged[("b", "eager")]["processes"], merged[("b", "eager")]["train_ms"]) == (1, 4.0)
+
+
+def test_added_processes_keep_each_models_newest_three(tmp_path):
+    """``--add`` gathers the record over several leases: each model keeps the rows of its newest
+    three processes, whatever else those processes ran; a case that now runs drops its old
+    'did not run'; every commit kept is named; a report of another GPU is refused."""
+    import json
+
+    def run(model, train, skipped=None):
+        return {
+            "models": [],
+            "skipped": skipped or {},
+            "processes": [[{"model": model, "variant": "eager", "train_ms": train}]],
+        }
+
+    path = tmp_path / "whole.json"
+    env = {"gpu": "H200", "commit": "c1"}
+    payload = models.add_processes(str(path), dict(env), run("a", 1.0, {"b": "no timm"}))
+    for i, (model, commit) in enumerate([("a", "c2"), ("b", "c2"), ("a", "c3"), ("a", "c3")]):
+        path.write_text(json.dumps({"environment": {**env, "commit": commit}, **payload}))
+        new_env = {**env, "commit": commit}
+        payload = models.add_processes(str(path), new_env, run(model, 2.0 + i))
+    merged = {m["model"]: m for m in payload["models"]}
+    assert merged["a"]["processes"] == 3 and merged["a"]["train_ms"] == 4.0  # 2, 4, 5: the 1.0 dropped
+    assert merged["b"]["processes"] == 1 and "b" not in payload["skipped"]
+    assert new_env["commits"] == ["c2", "c3"]
+    with pytest.raises(SystemExit, match="H100"):
+        models.add_processes(str(path), {"gpu": "H100"}, run("a", 1.0))

@@ -979,6 +979,44 @@ def run_processes(argv: list[str], processes: int, progress=True) -> tuple[list[
     return merge_processes(runs), skipped, runs
 
 
+KEEP_PROCESSES = 3
+
+
+def add_processes(path: str, env: dict, payload: dict) -> dict:
+    """``payload`` (this run's rows, skipped cases and per-process rows) joined with the report
+    that ``path`` holds, when it holds one of the same GPU: each model's rows from its newest
+    ``KEEP_PROCESSES`` processes, merged again. Every per-process row names its commit, and the
+    environment lists the commits kept: a record gathered over several device leases says so."""
+    import json
+    import os
+
+    new_runs = [[{**r, "commit": r.get("commit", env.get("commit"))} for r in rows] for rows in payload["processes"]]
+    old_runs, old_skipped = [], {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        gpu, was = env.get("gpu"), old.get("environment", {}).get("gpu")
+        if gpu != was:
+            raise SystemExit(f"--add: {path} holds a report of {was}, this one ran on {gpu}: name another file")
+        commit = old.get("environment", {}).get("commit")
+        old_runs = [[{"commit": commit, **r} for r in rows] for rows in old.get("processes") or [old["models"]]]
+        old_skipped = old.get("skipped") or {}
+    ran = {r["model"] for rows in new_runs for r in rows}
+    kept: list[list[dict]] = []
+    count: dict[str, int] = {}
+    for rows in reversed(old_runs + new_runs):  # newest first
+        models = {r["model"] for r in rows}
+        keep = {m for m in models if count.get(m, 0) < KEEP_PROCESSES}
+        for m in keep:
+            count[m] = count.get(m, 0) + 1
+        rows = [r for r in rows if r["model"] in keep]
+        if rows:
+            kept.insert(0, rows)
+    skipped = {k: v for k, v in old_skipped.items() if k not in ran} | payload["skipped"]
+    env["commits"] = sorted({r["commit"] for rows in kept for r in rows if r.get("commit")})
+    return {"models": merge_processes(kept), "skipped": skipped, "processes": kept}
+
+
 def merge_processes(runs: list[list[dict]]) -> list[dict]:
     """One row per model and variant from several processes' rows: medians of the measured
     fields, the training-step ratio's range, the losses and sites of the first process."""

@@ -467,17 +467,20 @@ def run_command(args) -> int:
         print_report(env, (format_traffic(results),), args.json, {"traffic": results})
         return 0
     if args.models:
-        from .models import format_models_table, run_models, run_processes
+        from .models import add_processes, format_models_table, run_models, run_processes
 
         if args.processes > 1:  # the same report in that many processes, one after another
             child = ["--models", ",".join(args.models)]
             child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
             rows, skipped, runs = run_processes(child, args.processes, progress)
-            payload = {"models": rows, "skipped": skipped, "processes": runs}
         else:
             results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
             rows = [vars(r) for r in results]
-            payload = {"models": rows, "skipped": skipped}
+            runs = [rows]
+        payload = {"models": rows, "skipped": skipped, "processes": runs}
+        if args.add:
+            payload = add_processes(args.json, env, payload)
+            rows, skipped = payload["models"], payload["skipped"]
         print_report(env, (format_models_table(rows, skipped),), args.json, payload)
         return 0
     if args.latency:
