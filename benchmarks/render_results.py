@@ -484,6 +484,8 @@ def whole(data: dict) -> str:
                     ratio(base["train_ms"], r["train_ms"]),
                     "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}",
                     ratio(compiled["train_ms"], r["train_ms"]) if compiled else "-",
+                    ms(r.get("gpu_ms")),
+                    ms(r.get("host_ms")),
                     ms(r["serve_ms"]),
                     ratio(base["serve_ms"], r["serve_ms"]),
                     ms(r.get("decode1_ms")) + ("*" if r.get("decode_equal") is False else ""),
@@ -503,6 +505,8 @@ def whole(data: dict) -> str:
         "x eager",
         "x range",
         "x compiled",
+        "GPU busy ms",
+        "host ms",
         "prefill ms",
         "x eager",
         "decode ms/token, batch 1",
@@ -513,7 +517,7 @@ def whole(data: dict) -> str:
         "loss diff",
         "control",
     ]
-    text = table(head, body, "llrrrrrrrrrrrrrr")
+    text = table(head, body, "llrrrrrrrrrrrrrrrr")
     if any(r.get("decode_equal") is False for r in data["models"]):
         text += "\n\n\\* its greedy tokens differ from stock eager's (from the same weights)."
     for name, reason in (data.get("skipped") or {}).items():
