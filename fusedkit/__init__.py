@@ -43,6 +43,7 @@ from .ops import (
     linear_relu,
     matmul,
     matmul_relu,
+    mlp,
     rms_norm,
     silu_mul,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "matmul",
     "matmul_relu",
     "linear_relu",
+    "mlp",
     "rms_norm",
     "layer_norm",
     "add_rms_norm",

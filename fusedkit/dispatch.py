@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from . import autograd, registry, settings, sharding
-from .errors import ArgumentError, DTypeError, FusedkitError, NotDifferentiableError, ShapeError, TracingError
+from .errors import (
+    ArgumentError,
+    DeviceError,
+    DTypeError,
+    FusedkitError,
+    NotDifferentiableError,
+    ShapeError,
+    TracingError,
+)
 from .registry import ElementwiseKernel, RowKernel, number_kind, result_dtype
 from .runtime import elementwise as ew
 from .runtime import matmul as mm
@@ -286,6 +294,72 @@ def _matmul_2d(a2, b, bias, activation, needs_grad: bool, forward_ad: bool = Fal
     if needs_grad:
         return autograd.record_matmul(a2, b, bias, activation)
     return mm.forward(a2, b, bias, activation, store_pre=False)[0]
+
+
+#: ``fusedkit.mlp``'s activations: (activation, approximate) -> the matmul epilogue's name.
+MLP_ACTIVATIONS = {
+    ("gelu", "none"): "gelu",
+    ("gelu", "tanh"): "gelu_tanh",
+    ("relu", "none"): "relu",
+    ("silu", "none"): "silu",
+}
+
+
+def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
+    """``F.linear(act(F.linear(x, w1, b1)), w2, b2)`` (see :func:`fusedkit.mlp`): checked before
+    anything runs; eager calls on the kernels (``autograd.MLP`` where a gradient is needed);
+    traced, transformed and DTensor calls, and the PyTorch backend, run the composition."""
+    for name, value in (("x", x), ("w1", w1), ("w2", w2)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"mlp(): {name} must be a Tensor, got {type(value).__name__}")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise DTypeError(f"mlp(): {name} must be a Tensor or None, got {type(value).__name__}")
+    act = MLP_ACTIVATIONS.get((activation, approximate)) if type(activation) is type(approximate) is str else None
+    if act is None:
+        raise ArgumentError(
+            f"mlp(): activation={activation!r}, approximate={approximate!r}: choose activation 'gelu' "
+            "(approximate 'none' or 'tanh'), 'relu' or 'silu'"
+        )
+    x, w1, b1, w2, b2 = autocast(x, w1, b1, w2, b2)
+    if w1.dim() != 2 or w2.dim() != 2:
+        raise ShapeError(f"mlp(): w1 and w2 must be 2-D (out, in), got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    hidden, inner = w1.shape
+    if x.dim() < 1 or x.shape[-1] != inner:
+        raise ShapeError(f"mlp(): x{tuple(x.shape)} does not end in w1's in_features ({inner})")
+    if w2.shape[1] != hidden:
+        raise ShapeError(f"mlp(): w2{tuple(w2.shape)} must take w1's {hidden} hidden features (out, {hidden})")
+    for name, value, size in (("b1", b1, hidden), ("b2", b2, w2.shape[0])):
+        if value is not None and tuple(value.shape) != (size,):
+            raise ShapeError(f"mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
+    tensors = (x, w1, b1, w2, b2)
+    for name, value in zip(("w1", "b1", "w2", "b2"), tensors[1:]):
+        if value is not None and value.dtype != x.dtype:
+            raise DTypeError(f"mlp(): {name} is {value.dtype}, x is {x.dtype}: they must share a dtype")
+        if value is not None and value.device != x.device:
+            raise DeviceError(f"mlp(): {name} is on {value.device}, x on {x.device}")
+    if x.dtype not in mm.MATMUL_DTYPES:
+        raise DTypeError(f"mlp(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
+    if (
+        _is_compiling()
+        or _functorch()
+        or _dispatch_modes()
+        or _jit_tracing()
+        or _has_tangent(tensors)
+        or sharding.has_dtensor(tensors)
+        or tracing(tensors)
+        or ew.backend_for(x.device) == "torch"
+    ):
+        return F.linear(mm.torch_activation(F.linear(x, w1, b1), act), w2, b2)
+    lead = x.shape[:-1]
+    x2 = mm.resolve_neg(x).reshape(lead.numel(), inner)
+    w1, b1, w2, b2 = (mm.resolve_neg(t) for t in (w1, b1, w2, b2))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        y = autograd.MLP.apply(x2, w1, b1, w2, b2, act, bool(recompute))
+    else:
+        h = mm.forward(x2, w1.t(), b1, act, False)[0]
+        y = mm.forward(h, w2.t(), b2, None, False)[0]
+    return y.view(*lead, y.shape[1])
 
 
 def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, alpha):

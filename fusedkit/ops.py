@@ -42,6 +42,7 @@ __all__ = [
     "linear_relu",
     "matmul",
     "matmul_relu",
+    "mlp",
     "rms_norm",
     "silu_mul",
 ]
@@ -258,6 +259,34 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return dispatch.elementwise(ADD_RELU, (y, 0), 1, None)
     out = dispatch.elementwise(ADD_RELU, (y, bias), 1, None)
     return out if out.shape == y.shape else out.reshape(y.shape)
+
+
+def mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    *,
+    activation: str = "gelu",
+    approximate: str = "none",
+    recompute: bool = False,
+) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, w1, b1)), w2, b2)``, the MLP of GPT-2, BERT, ViT and timm's
+    ``Mlp``, as one trainable unit: x (..., in), w1 (hidden, in) and w2 (out, hidden) as
+    ``nn.Linear`` stores them (read through their strides, never copied), b1 (hidden,) and
+    b2 (out,) or None. ``activation``: "gelu" (``approximate`` "none" or "tanh"), "relu" or
+    "silu", as ``F.gelu`` / ``F.relu`` / ``F.silu``.
+
+    The up-projection's bias and activation run in its GEMM's epilogue; in the backward, the
+    GEMM that makes ``dy @ w2`` multiplies by the activation's derivative and sums the bias
+    gradient in its epilogue, so the activation's gradient is written once and never read
+    back. Saved for the backward: ``x``, the activation's input (its output for ReLU) and
+    output, as eager saves; ``recompute=True`` keeps only ``x`` and runs the first GEMM again
+    in the backward. Follows ``torch.autocast`` as ``F.linear`` does. Traced, ``torch.func``,
+    DTensor and CPU calls run the PyTorch composition.
+    """
+    return dispatch.mlp(x, w1, b1, w2, b2, activation, approximate, recompute)
 
 
 # --- Normalisation over rows: RMSNorm and LayerNorm, with a residual add first -------------

@@ -236,6 +236,22 @@ def apply_activation(v, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def apply_activation_grad(grad, pre, ACTIVATION: tl.constexpr):
+    """``grad * act'(pre)``: the gradient through the activation selected by a compile-time code,
+    from its input. ReLU's passes the gradient where ``relu(pre)`` is positive or NaN, as
+    PyTorch's ``threshold_backward`` does from the output."""
+    if ACTIVATION == ACT_RELU:
+        grad = tl.where(pre <= 0, 0.0, grad)
+    elif ACTIVATION == ACT_GELU:
+        grad = grad * gelu_derivative(pre)
+    elif ACTIVATION == ACT_GELU_TANH:
+        grad = grad * gelu_tanh_derivative(pre)
+    elif ACTIVATION == ACT_SILU:
+        grad = grad * silu_derivative(pre)
+    return grad
+
+
+@triton.jit
 def add_scaled(x, y, alpha):
     """``x + alpha * y``, the arithmetic of ``torch.add(x, y, alpha=alpha)``: one fused
     multiply-add for floats, rounding once as torch's kernels do (an explicit ``tl.fma``,

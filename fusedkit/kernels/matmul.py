@@ -3,7 +3,9 @@
 ``act(a @ b + bias)`` in one kernel: bias and activation run on the fp32 (fp64)
 accumulator while it is in registers (:func:`epilogue`), and the output is written
 once. Compile-time switches choose bias, activation, a stored pre-activation for the
-backward pass, the ``tl.dot`` precision, 64-bit offsets and split-K.
+backward pass, the ``tl.dot`` precision, 64-bit offsets and split-K. The backward
+epilogue (:func:`grad_epilogue`) makes the same kernel an MLP's ``dh`` GEMM that writes
+the pre-activation's gradient, and its column sums (the bias gradient), directly.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import triton.language as tl
 
 from . import activations, helpers
 
-__all__ = ["epilogue", "matmul_kernel"]
+__all__ = ["epilogue", "grad_epilogue", "matmul_kernel"]
 
 
 @triton.jit
@@ -28,14 +30,31 @@ def epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVA
 
 
 @triton.jit
+def grad_epilogue(acc, pre, mask, colsum_ptr, pid_m, cols, N, ACTIVATION: tl.constexpr, SUM_ROWS: tl.constexpr):
+    """Every matmul kernel's backward epilogue: ``acc`` is the gradient reaching an activation's
+    output (``dy @ W2`` in an MLP's backward), ``pre`` that activation's input tile; returns
+    ``acc * act'(pre)``, the pre-activation's gradient, so it is written once and never read
+    back to be multiplied. ``SUM_ROWS``: the tile's column sums (the bias gradient's share of
+    this tile row, in float32 before rounding) stored as row ``pid_m`` of ``colsum_ptr``'s
+    (tile rows, N) partials, which the host sums in a fixed order: the same bits every run."""
+    dpre = activations.apply_activation_grad(acc, helpers.widen(pre, acc.dtype), ACTIVATION)
+    if SUM_ROWS:
+        sums = tl.sum(tl.where(mask, dpre, 0.0), axis=0)
+        tl.store(colsum_ptr + pid_m * N + cols, sums, mask=cols < N)
+    return dpre
+
+
+@triton.jit
 def _store(
     acc,
     rows,
     cols,
     mask,
+    pid_m,
     c_ptr,
     bias_ptr,
     pre_ptr,
+    colsum_ptr,
     N,
     stride_cm,
     stride_cn,
@@ -43,26 +62,36 @@ def _store(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    GRAD_ACT: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
 ):
-    """The epilogue, then the pre-activation (when kept) and the result stored through pointers."""
-    pre, out = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+    """The epilogue, then the pre-activation (when kept) and the result stored through pointers;
+    with ``GRAD_ACT``, the backward epilogue on ``pre`` read from ``pre_ptr`` instead."""
     c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    # ``helpers.convert``: bf16 rounded to nearest even in the interpreter too (compiled: a plain cast).
-    if STORE_PRE:
-        tl.store(pre_ptr + c_offsets, helpers.convert(pre, pre_ptr.dtype.element_ty), mask=mask)
+    if GRAD_ACT:
+        pre = tl.load(pre_ptr + c_offsets, mask=mask, other=0.0)
+        out = grad_epilogue(acc, pre, mask, colsum_ptr, pid_m, cols, N, ACTIVATION, SUM_ROWS)
+    else:
+        pre, out = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+        # ``helpers.convert``: bf16 rounded to nearest even in the interpreter too (compiled: a plain cast).
+        if STORE_PRE:
+            tl.store(pre_ptr + c_offsets, helpers.convert(pre, pre_ptr.dtype.element_ty), mask=mask)
     tl.store(c_ptr + c_offsets, helpers.convert(out, c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def matmul_kernel(
-    # Pointers: a, b, c (the output), bias and pre (c's where absent), split-K's workspace and counters (c's without).
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr,
+    # Pointers: a, b, c (the output), bias and pre (c's where absent), split-K's workspace and counters (c's
+    # without), the column sums' partials (SUM_ROWS; c's without).
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr, colsum_ptr,
     # Sizes: a is (M, K), b (K, N); M_BUCKET (M's power-of-two bucket, ``configs.matmul_m_bucket``) keys the tuner.
     M, N, K, M_BUCKET,
     # Strides, in elements, of a, b, c and the bias.
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    # Compile-time switches: the epilogue; the arithmetic and the offsets; the tile.
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    # Compile-time switches: the epilogue (GRAD_ACT: the backward one, on pre read; SUM_ROWS: its column sums);
+    # the arithmetic and the offsets; the tile.
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, GRAD_ACT: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
@@ -120,9 +149,11 @@ def matmul_kernel(
             rows,
             cols,
             mask,
+            pid_m,
             c_ptr,
             bias_ptr,
             pre_ptr,
+            colsum_ptr,
             N,
             stride_cm,
             stride_cn,
@@ -130,6 +161,8 @@ def matmul_kernel(
             HAS_BIAS,
             ACTIVATION,
             STORE_PRE,
+            GRAD_ACT,
+            SUM_ROWS,
         )
     else:
         # Each split writes its partial tile to the (SPLIT_K, M, N) workspace and counts
@@ -150,9 +183,11 @@ def matmul_kernel(
                 rows,
                 cols,
                 mask,
+                pid_m,
                 c_ptr,
                 bias_ptr,
                 pre_ptr,
+                colsum_ptr,
                 N,
                 stride_cm,
                 stride_cn,
@@ -160,4 +195,6 @@ def matmul_kernel(
                 HAS_BIAS,
                 ACTIVATION,
                 STORE_PRE,
+                GRAD_ACT,
+                SUM_ROWS,
             )

@@ -17,6 +17,7 @@ Read top to bottom:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ from .elementwise import backend_for, kept_launch, launch_elementwise
 __all__ = [
     "ACTIVATION_NAMES",
     "KEPT",
+    "activation_grad",
     "KeptMatmul",
     "MATMUL_DTYPES",
     "NEEDS_PRE",
@@ -144,8 +146,12 @@ def launch_config(
     out: torch.Tensor,
     pre: torch.Tensor | None = None,
     split_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grad_act: bool = False,
+    colsum: torch.Tensor | None = None,
 ) -> tuple[tuple, dict]:
-    """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``.
+    """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``, or with
+    ``grad_act`` of the backward epilogue's ``(a @ b) * act'(pre)`` (``pre`` read, no bias),
+    its column sums' partials into ``colsum`` when given (:func:`colsum_partials`).
 
     ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
     tuning tries no split-K config. Works on meta tensors, so the code a call would
@@ -165,6 +171,7 @@ def launch_config(
         pre if pre is not None else out,
         ws,
         arrivals,
+        colsum if colsum is not None else out,
         M,
         N,
         K,
@@ -180,7 +187,9 @@ def launch_config(
     meta = dict(
         HAS_BIAS=bias is not None,
         ACTIVATION=code,
-        STORE_PRE=pre is not None,
+        STORE_PRE=pre is not None and not grad_act,
+        GRAD_ACT=grad_act,
+        SUM_ROWS=colsum is not None,
         ACC_DTYPE=_ACC_DTYPE[a.dtype],
         INPUT_PRECISION=precision,
         INT64=int64,
@@ -284,7 +293,11 @@ def kmajor_copy_launch(b: torch.Tensor):
     return kept
 
 
-def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
+#: The first integer argument of the pointer kernel (those before it are pointers).
+_POINTERS = 8
+
+
+def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, colsum=None) -> Plan:
     tuned = settings.current().autotune
     m = a.shape[0]
     copy_b = (
@@ -297,14 +310,17 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
         copy_launch = kmajor_copy_launch(b)
         b = _kmajor_empty(b, "meta")
-    args, meta = launch_config(a, b, bias, activation, out, pre)
+    args, meta = launch_config(a, b, bias, activation, out, pre, None, grad_act, colsum)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
-    tma_ok = matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma" and matmul_tma.layout_ok(
-        a, b, out, pre, INTERPRETED
+    # (the TMA kernel has no backward epilogue yet: the pointer kernel runs it)
+    tma_ok = (
+        not grad_act
+        and matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
+        and matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
     )
-    prefix = (tuned, a.device.index, a.dtype, split, *args[7:], *meta.values())
+    prefix = (tuned, a.device.index, a.dtype, split, *args[_POINTERS:], *meta.values())
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "matmul %s x %s %s, activation %s: %s kernel, %s, split-K up to %d%s",
@@ -321,7 +337,7 @@ def plan_matmul(a, b, bias, activation, out, pre=None) -> Plan:
             split,
             ", b copied K-major" if copy_b else "",
         )
-    return Plan(args[7:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
+    return Plan(args[_POINTERS:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
 
 
 def launch_matmul(
@@ -332,10 +348,13 @@ def launch_matmul(
     out: torch.Tensor,
     pre: torch.Tensor | None = None,
     plan: Plan | None = None,
+    grad_act: bool = False,
+    colsum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
 
-    ``pre``, when given, receives the pre-activation (for a backward pass). ``plan``:
+    ``pre``, when given, receives the pre-activation (for a backward pass); with ``grad_act``
+    it is read instead, and ``out = (a @ b) * act'(pre)`` (:func:`activation_grad`). ``plan``:
     this call's ``plan_matmul``, when the caller kept it.
 
     The body is the kept launch of a repeated call: the plan's pointer kernel, launched
@@ -345,9 +364,9 @@ def launch_matmul(
     index = a.device.index
     if not INTERPRETED and index != launch.current_device():
         with torch.cuda.device(a.device):
-            return launch_matmul(a, b, bias, activation, out, pre, plan)
+            return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum)
     if plan is None:
-        plan = plan_matmul(a, b, bias, activation, out, pre)
+        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum)
     if plan.copy_b:
         b = kmajor_copy(b, plan.copy_launch)
     ws = arrivals = out  # no split-K: the kernel never reads these
@@ -362,6 +381,7 @@ def launch_matmul(
         o if pre is None else pre.data_ptr(),
         ws.data_ptr(),
         arrivals.data_ptr(),
+        o if colsum is None else colsum.data_ptr(),
     )
     aligned = tuple([p % launch.ALIGNMENT == 0 for p in addresses])
     # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
@@ -372,18 +392,24 @@ def launch_matmul(
     elif use_tma:
         _launch_tma_kernel(a, b, bias, out, pre, plan, aligned)
     else:
-        _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned)
+        _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned, colsum)
     return out
 
 
-def _first_launch(a, b, bias, out, pre, plan: Plan, split_k: tuple, addresses: tuple, aligned: tuple) -> None:
+def _first_launch(
+    a, b, bias, out, pre, plan: Plan, split_k: tuple, addresses: tuple, aligned: tuple, colsum=None
+) -> None:
     """A pointer-kernel launch that ``plan`` has not kept: in the interpreter; the kernel kept in
     the shared cache under this launch's key (another plan's, or one cleared), which the plan
     then keeps; else through Triton's launch, which compiles or autotunes, the compiled kernel
     kept under the key for the next call."""
     M, K = a.shape
     N = b.shape[1]
-    args = (a, b, out, bias if bias is not None else out, pre if pre is not None else out, *split_k) + plan.ints
+    args = (
+        (a, b, out, bias if bias is not None else out, pre if pre is not None else out, *split_k)
+        + (colsum if colsum is not None else out,)
+        + plan.ints
+    )
     meta = plan.meta
 
     def grid(m):
@@ -548,6 +574,35 @@ def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool
         return out, pre
     launch_matmul(a2, b, bias, activation, out, pre)
     return out, pre
+
+
+@functools.cache
+def _colsum_block_m() -> int:
+    """The fewest rows any matmul tile has (the interpreter's tile, the fixed one, every tuning
+    candidate): the column sums' partials get a row for each tile row of that height, so the
+    launch's own tile (chosen by the tuner after they are allocated) never lacks one."""
+    heights = [MATMUL_INTERPRETER_TILE["BLOCK_M"], MATMUL_FIXED_TILE["BLOCK_M"]]
+    return min(heights + [c.kwargs["BLOCK_M"] for c in matmul_configs()])
+
+
+def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
+    """The backward epilogue's GEMM for validated 2-D ``g2`` (M, K), ``b`` (K, N), ``pre`` (M, N)
+    of ``b``'s dtype: ``(dpre, dbias)`` with ``dpre = (g2 @ b) * act'(pre)`` and, with
+    ``bias_grad``, ``dbias = dpre.sum(0)`` (float32 column sums of the tiles, summed in tile
+    order, in ``pre``'s dtype), else None. In an MLP's backward ``g2 @ b`` is ``dy @ W2``, the
+    gradient reaching the activation, and ``pre`` the activation's input (for ReLU its output
+    serves: ``relu'(pre)`` is ``relu(pre) > 0``)."""
+    M, N = pre.shape
+    dpre = torch.empty((M, N), dtype=pre.dtype, device=pre.device)
+    if dpre.numel() == 0 or g2.shape[1] == 0:
+        dpre.zero_()
+        return dpre, (torch.zeros(N, dtype=pre.dtype, device=pre.device) if bias_grad else None)
+    colsum = None
+    if bias_grad:  # (rows past the launch tile's count stay zero: see _colsum_block_m)
+        rows = triton.cdiv(M, _colsum_block_m())
+        colsum = torch.zeros((rows, N), dtype=torch.float32, device=pre.device)
+    launch_matmul(g2, b, None, activation, dpre, pre, grad_act=True, colsum=colsum)
+    return dpre, (None if colsum is None else colsum.sum(0).to(pre.dtype))
 
 
 # --- Kept calls (as for the elementwise ops; see docs/design.md) -----------------------

@@ -1,0 +1,135 @@
+"""fusedkit.mlp: the MLP as one trainable unit (the backward epilogue's GEMM) against float64 PyTorch.
+
+The grid: every activation in float32 and bfloat16 with and without ``recompute`` (quick: float32,
+and each activation once); gradcheck in float64 for each activation (quick: gelu). The backward
+GEMM itself (``matmul.activation_grad``) is checked on more tile rows than one program covers, so
+the bias gradient's partial sums are summed across tiles, and twice for the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand, slow_unless
+
+import fusedkit
+from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from fusedkit.runtime import matmul as mm
+from fusedkit.testing import assert_rel_err, matmul_rel_err
+
+ACTIVATIONS = [("gelu", "none"), ("gelu", "tanh"), ("relu", "none"), ("silu", "none")]
+
+
+def reference(x, w1, b1, w2, b2, activation, approximate):
+    act = {"gelu": lambda t: F.gelu(t, approximate=approximate), "relu": F.relu, "silu": F.silu}[activation]
+    return F.linear(act(F.linear(x, w1, b1)), w2, b2)
+
+
+def params(dtype, inner=24, hidden=40, out=16):
+    return [rand(s, dtype, DEVICE).requires_grad_() for s in ((hidden, inner), (hidden,), (out, hidden), (out,))]
+
+
+@pytest.mark.parametrize(
+    "dtype,act,recompute",
+    slow_unless(
+        lambda dtype, act, recompute: dtype == torch.float32 and (act == ACTIVATIONS[0] or not recompute),
+        [(d, a, r) for d in (torch.float32, torch.bfloat16) for a in ACTIVATIONS for r in (False, True)],
+    ),
+)
+def test_forward_and_gradients_match_torch(dtype, act, recompute):
+    # 74 rows: more than one tile row of the backward GEMM, the last part-filled
+    x = rand((2, 37, 24), dtype, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = params(dtype)
+    y = fusedkit.mlp(x, w1, b1, w2, b2, activation=act[0], approximate=act[1], recompute=recompute)
+    g = rand(y.shape, dtype, DEVICE)
+    y.backward(g)
+    wide = [t.detach().double().cpu().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    y64 = reference(*wide, *act)
+    y64.backward(g.double().cpu())
+    assert y.dtype == dtype and y.shape == (2, 37, 16)
+    bound = 3e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32) * 10
+    assert_rel_err(y, y64, bound)
+    for got, ref in zip((x, w1, b1, w2, b2), wide):
+        assert got.grad.dtype == dtype
+        assert_rel_err(got.grad, ref.grad, bound)
+
+
+@pytest.mark.parametrize("act", slow_unless(lambda act: act == ACTIVATIONS[0], [(a,) for a in ACTIVATIONS]))
+def test_gradcheck_float64(act):
+    x = rand((3, 4), torch.float64, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = params(torch.float64, inner=4, hidden=5, out=3)
+    for recompute in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda *t: fusedkit.mlp(*t, activation=act[0], approximate=act[1], recompute=recompute),
+            (x, w1, b1, w2, b2),
+            eps=1e-6,
+            atol=1e-5,
+            rtol=1e-4,
+        )
+
+
+def test_saved_tensors_and_recompute():
+    """Default: x, the weights, the activation's output and input (ReLU: its output alone);
+    recompute: x and the weights (b1 to run the first GEMM again), nothing of the hidden size."""
+    x = rand((8, 6), torch.float32, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = params(torch.float32, inner=6, hidden=10, out=4)
+    for activation, recompute, want in [
+        ("gelu", False, [(8, 6), (10, 6), (4, 10), (8, 10), (8, 10)]),
+        ("relu", False, [(8, 6), (10, 6), (4, 10), (8, 10)]),
+        ("gelu", True, [(8, 6), (10, 6), (10,), (4, 10)]),
+    ]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            fusedkit.mlp(x, w1, b1, w2, b2, activation=activation, recompute=recompute)
+        assert saved == want, (activation, recompute)
+
+
+def test_without_biases_and_without_grad():
+    x = rand((5, 24), torch.float32, DEVICE)
+    w1, _, w2, _ = params(torch.float32)
+    with torch.no_grad():
+        y = fusedkit.mlp(x, w1, None, w2, None, activation="silu")
+    assert_rel_err(
+        y, reference(*(t.double().cpu() for t in (x, w1)), None, w2.double().cpu(), None, "silu", "none"), 1e-4
+    )
+    w1.grad = None
+    x.requires_grad_()
+    fusedkit.mlp(x, w1, None, w2, None, activation="silu").sum().backward()
+    assert x.grad is not None and w1.grad is not None
+
+
+def test_backward_epilogue_bias_sums_across_tile_rows_same_bits():
+    m, k, n = 100, 24, 40  # four tile rows of the interpreter's tile (32), the last part-filled
+    g, b, pre = (rand(s, torch.float32, DEVICE) for s in ((m, k), (k, n), (m, n)))
+    for activation in mm.ACTIVATION_NAMES:
+        dpre, db = mm.activation_grad(g, b, pre, activation, True)
+        p64 = pre.double().cpu().requires_grad_()
+        (ref,) = torch.autograd.grad(mm.torch_activation(p64, activation), p64, g.double().cpu() @ b.double().cpu())
+        assert_rel_err(dpre, ref, matmul_rel_err(torch.float32) * 10)
+        assert_rel_err(db, ref.sum(0), matmul_rel_err(torch.float32) * 10)
+        again = mm.activation_grad(g, b, pre, activation, True)
+        assert torch.equal(again[0], dpre) and torch.equal(again[1], db)
+    assert mm.activation_grad(g, b, pre, "gelu", False)[1] is None
+
+
+def test_bad_input_is_refused_before_launch(monkeypatch):
+    monkeypatch.setattr(mm, "launch_matmul", lambda *a, **k: pytest.fail("launched on bad input"))
+    x = rand((4, 6), torch.float32, DEVICE)
+    w1, b1, w2, b2 = (t.detach() for t in params(torch.float32, inner=6, hidden=10, out=4))
+    cases = [
+        ((x, w1, b1, w2, b2), {"activation": "tanh"}, ArgumentError, "choose activation"),
+        ((x, w1, b1, w2, b2), {"activation": "relu", "approximate": "tanh"}, ArgumentError, "choose activation"),
+        ((x, w1, b1, w2, b2), {"activation": ["gelu"]}, ArgumentError, "choose activation"),
+        ((x[:, :5], w1, b1, w2, b2), {}, ShapeError, "in_features"),
+        ((x, w1, b1, w2[:, :9], b2), {}, ShapeError, "hidden features"),
+        ((x, w1, b1[:9], w2, b2), {}, ShapeError, r"b1 must have shape \(10,\)"),
+        ((x, w1[0], b1, w2, b2), {}, ShapeError, "2-D"),
+        ((x, w1.double(), b1, w2, b2), {}, DTypeError, "share a dtype"),
+        ((x, w1, "b1", w2, b2), {}, DTypeError, "b1 must be a Tensor or None"),
+        ((x, w1, b1, w2.to("meta"), b2), {}, DeviceError, "w2 is on meta"),
+        ((x.int(), w1.int(), None, w2.int(), None), {}, DTypeError, "not supported"),
+    ]
+    for args, kw, error, words in cases:
+        with pytest.raises(error, match=words):
+            fusedkit.mlp(*args, **kw)
