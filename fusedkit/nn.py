@@ -7,10 +7,10 @@ import numbers
 import torch
 from torch import nn
 
-from .ops import add_relu, layer_norm, linear_relu, rms_norm, silu_mul
+from .ops import add_relu, layer_norm, linear_relu, mlp, rms_norm, silu_mul
 from .runtime.layout import broadcast_shape
 
-__all__ = ["LinearReLU", "AddReLU", "SwiGLU", "RMSNorm", "LayerNorm"]
+__all__ = ["LinearReLU", "AddReLU", "MLP", "SwiGLU", "RMSNorm", "LayerNorm"]
 
 
 class LinearReLU(nn.Linear):
@@ -74,6 +74,62 @@ class AddReLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, inplace={self.inplace}"
+
+
+class MLP(nn.Module):
+    """``fc2(act(fc1(x)))`` through :func:`fusedkit.mlp`: the up-projection's bias and activation
+    in its GEMM, the activation's gradient and ``fc1``'s bias gradient in the backward GEMM's
+    epilogue (``recompute=True``: only ``x`` kept for the backward).
+
+    ``fc1`` is ``nn.Linear(in_features, hidden_features)`` and ``fc2``
+    ``nn.Linear(hidden_features, out_features or in_features)``, each with a bias when ``bias``:
+    the state dict keys of timm's ``Mlp`` (``fc1.weight``, ``fc1.bias``, ``fc2.weight``,
+    ``fc2.bias``), whose state dicts load as they are. ``activation``: "gelu" (``approximate``
+    "none" or "tanh"), "relu" or "silu". Forward hooks on ``fc1`` and ``fc2`` do not run (the
+    two projections are one call); their parametrizations do. Follows ``torch.autocast`` as
+    ``nn.Linear`` does.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        activation: str = "gelu",
+        approximate: str = "none",
+        bias: bool = True,
+        recompute: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.fc1 = nn.Linear(in_features, hidden_features, **kw)
+        self.fc2 = nn.Linear(hidden_features, out_features or in_features, **kw)
+        self.activation, self.approximate, self.recompute = activation, approximate, recompute
+        # (checked now, on meta tensors: a bad name fails at construction, not at the first call)
+        probe = [torch.empty(s, device="meta") for s in ((1, 1), (1, 1), (1, 1))]
+        mlp(probe[0], probe[1], None, probe[2], None, activation=activation, approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        return mlp(
+            x,
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            fc2.bias,
+            activation=self.activation,
+            approximate=self.approximate,
+            recompute=self.recompute,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.fc1.in_features}, hidden_features={self.fc1.out_features}, "
+            f"out_features={self.fc2.out_features}, activation={self.activation!r}, "
+            f"approximate={self.approximate!r}, bias={self.fc1.bias is not None}, recompute={self.recompute}"
+        )
 
 
 class SwiGLU(nn.Module):

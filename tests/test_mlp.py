@@ -133,3 +133,40 @@ def test_bad_input_is_refused_before_launch(monkeypatch):
     for args, kw, error, words in cases:
         with pytest.raises(error, match=words):
             fusedkit.mlp(*args, **kw)
+
+
+def _timm_mlp(in_features, hidden, approximate):
+    """timm's ``layers.Mlp`` where timm imports (the GPU machine), else a module with its
+    state dict keys and forward (fc1, act, fc2; its dropouts and norm identities by default)."""
+    try:
+        from timm.layers import Mlp
+
+        return Mlp(in_features, hidden, act_layer=lambda: torch.nn.GELU(approximate=approximate))
+    except Exception:  # timm needs a working torchvision: not on the CPU machine
+        stock = torch.nn.Module()
+        stock.fc1, stock.act, stock.fc2 = (
+            torch.nn.Linear(in_features, hidden),
+            torch.nn.GELU(approximate=approximate),
+            torch.nn.Linear(hidden, in_features),
+        )
+        stock.forward = lambda x: stock.fc2(stock.act(stock.fc1(x)))
+        return stock
+
+
+def test_module_loads_timm_mlp_and_matches_it():
+    torch.manual_seed(3)
+    stock = _timm_mlp(12, 20, "tanh").to(DEVICE)
+    fused = fusedkit.nn.MLP(12, 20, activation="gelu", approximate="tanh", device=DEVICE)
+    fused.load_state_dict(stock.state_dict())
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    x = rand((2, 5, 12), torch.float32, DEVICE)
+    xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ys, yf = stock(xs), fused(xf)
+    torch.testing.assert_close(yf, ys, rtol=1e-5, atol=1e-5)
+    ys.square().sum().backward()
+    yf.square().sum().backward()
+    torch.testing.assert_close(xf.grad, xs.grad, rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(fused.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
+    with pytest.raises(ArgumentError, match="choose activation"):
+        fusedkit.nn.MLP(12, 20, activation="tanh")
