@@ -730,7 +730,7 @@ class MLP(torch.autograd.Function):
             h, pre = matmul.forward(x2, w1.t(), b1, activation, activation in matmul.NEEDS_PRE)
         else:
             x2, w1, w2, h, pre = ctx.saved_tensors
-        dy = dy.to(h.dtype)
+        dy = matmul.resolve_neg(dy).to(h.dtype)  # (the kernel reads memory: a lazy negation is not in it)
         need = ctx.needs_input_grad
         dpre, db1 = matmul.activation_grad(dy, w2, h if pre is None else pre, activation, ctx.has_b1 and need[2])
         dx = dpre @ w1 if need[0] else None

@@ -245,6 +245,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         tile = matmul_tma_fixed_tile(dtype.itemsize)
         r["fixed"][f"{dtype}:a_mmajor={mmajor}:b_kmajor={kmajor}"] = facts(
             dtype, tile, w, s, a_mmajor=mmajor, b_kmajor=kmajor, activation="gelu", store_pre=True)
+# the backward epilogue (an MLP's dy @ w2: a row-major b), the pre-activation read through TMA
+r["grad_act"] = {str(d): facts(d, matmul_tma_fixed_tile(d.itemsize), w, s, b_kmajor=False, activation="gelu_tanh",
+                               grad_act=True) for d in (torch.bfloat16, torch.float16)}
 # fp32 on TF32 tensor cores: the transposed product for a row-major b, not for nn.Linear's
 r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fixed_tile(4), w, s, b_kmajor=kmajor,
                                                       precision=p)
@@ -287,6 +290,12 @@ def tma_codegen():
 
 def test_tma_matmul_compiles_to_bulk_copies_and_wgmma(tma_codegen):
     for case, f in tma_codegen["fixed"].items():
+        assert f["wgmma"] and f["tma"], case
+        assert f["smem"] <= HOPPER_SMEM_BYTES, case
+
+
+def test_backward_epilogue_compiles_on_the_tma_kernel(tma_codegen):
+    for case, f in tma_codegen["grad_act"].items():
         assert f["wgmma"] and f["tma"], case
         assert f["smem"] <= HOPPER_SMEM_BYTES, case
 

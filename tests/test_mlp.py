@@ -21,6 +21,13 @@ from fusedkit.testing import assert_rel_err, matmul_rel_err
 ACTIVATIONS = [("gelu", "none"), ("gelu", "tanh"), ("relu", "none"), ("silu", "none")]
 
 
+@pytest.fixture(autouse=True)
+def fixed_matmul_config(fk_settings, request):
+    """The fixed tile, as tests/test_matmul.py runs (tuning every test shape would compile
+    hundreds of kernels on a GPU); the tuned test tunes."""
+    fk_settings(autotune="tuned" in request.node.name)
+
+
 def reference(x, w1, b1, w2, b2, activation, approximate):
     act = {"gelu": lambda t: F.gelu(t, approximate=approximate), "relu": F.relu, "silu": F.silu}[activation]
     return F.linear(act(F.linear(x, w1, b1)), w2, b2)
@@ -99,8 +106,16 @@ def test_without_biases_and_without_grad():
     assert x.grad is not None and w1.grad is not None
 
 
-def test_backward_epilogue_bias_sums_across_tile_rows_same_bits():
-    m, k, n = 100, 24, 40  # four tile rows of the interpreter's tile (32), the last part-filled
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_backward_epilogue_bias_sums_across_tile_rows_same_bits(kernel, fk_settings, monkeypatch):
+    """Both matmul kernels' backward epilogue (the TMA one where the layout allows, as here:
+    rows of 16-byte multiples), on four tile rows of the interpreter's tiles (32), the last
+    part-filled."""
+    fk_settings(matmul_kernel=kernel)
+    tma_launches = []
+    launch_tma = mm.matmul_tma.launch_tma
+    monkeypatch.setattr(mm.matmul_tma, "launch_tma", lambda *a, **k: tma_launches.append(1) or launch_tma(*a, **k))
+    m, k, n = 100, 24, 40
     g, b, pre = (rand(s, torch.float32, DEVICE) for s in ((m, k), (k, n), (m, n)))
     for activation in mm.ACTIVATION_NAMES:
         dpre, db = mm.activation_grad(g, b, pre, activation, True)
@@ -111,6 +126,9 @@ def test_backward_epilogue_bias_sums_across_tile_rows_same_bits():
         again = mm.activation_grad(g, b, pre, activation, True)
         assert torch.equal(again[0], dpre) and torch.equal(again[1], db)
     assert mm.activation_grad(g, b, pre, "gelu", False)[1] is None
+    assert bool(tma_launches) == (
+        kernel == "tma" and (DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    )
 
 
 def test_bad_input_is_refused_before_launch(monkeypatch):
@@ -170,3 +188,32 @@ def test_module_loads_timm_mlp_and_matches_it():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
     with pytest.raises(ArgumentError, match="choose activation"):
         fusedkit.nn.MLP(12, 20, activation="tanh")
+
+
+def test_lazily_negated_gradient_and_float64_bias_gradient():
+    """A gradient with the negation bit (``z.conj().imag``) is read as its values, not its
+    memory; float64's bias gradient is summed in float64 (partials of the accumulator's dtype)."""
+    x = rand((37, 24), torch.float64, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = params(torch.float64)
+    g = torch.randn(37, 16, dtype=torch.complex128, device=DEVICE).conj().imag
+    assert g.is_neg()
+    grads = torch.autograd.grad(fusedkit.mlp(x, w1, b1, w2, b2), (x, w1, b1), g)
+    wide = [t.detach().cpu().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    refs = torch.autograd.grad(reference(*wide, "gelu", "none"), wide[:3], g.cpu().resolve_neg())
+    for got, ref in zip(grads, refs):
+        assert_rel_err(got, ref, 1e-12)
+
+
+def test_bias_gradient_of_a_tuned_first_call():
+    """Tuning runs every candidate tile on the same buffers; each writes the column sums' rows
+    of its own tile height. Those rows are zeroed before every run (``reset_to_zero``), so the
+    first, tuned, call's bias gradient holds the chosen tile's sums alone."""
+    assert "colsum_ptr" in mm.matmul_tuned.reset_to_zero
+    if DEVICE.type != "cuda":
+        pytest.skip("autotuning runs on a GPU only")
+    m, k, n = 1000 + torch.randint(0, 100, ()).item(), 96, 200  # a shape no other test tuned
+    g, b, pre = (rand(s, torch.bfloat16, DEVICE) for s in ((m, k), (k, n), (m, n)))
+    db = mm.activation_grad(g, b, pre, "gelu", True)[1]
+    p64 = pre.double().cpu().requires_grad_()
+    (ref,) = torch.autograd.grad(F.gelu(p64), p64, g.double().cpu() @ b.double().cpu())
+    assert_rel_err(db, ref.sum(0), 1e-2)  # (another tile's rows left in would be ~100%)

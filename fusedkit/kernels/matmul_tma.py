@@ -26,9 +26,21 @@ import triton
 import triton.language as tl
 
 from . import helpers
-from .matmul import epilogue
+from .matmul import epilogue, grad_epilogue
 
 __all__ = ["matmul_tma_kernel"]
+
+
+@triton.jit
+def _load_tile(desc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr):
+    """Load a (BLOCK_M, BLOCK_N) tile that :func:`_store_tile` would store (two halves with SUBTILE)."""
+    if SUBTILE:
+        left = desc.load([off_m, off_n])
+        right = desc.load([off_m, off_n + BLOCK_N // 2])
+        tile = tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (left.shape[0], BLOCK_N))
+    else:
+        tile = desc.load([off_m, off_n])
+    return tile
 
 
 @triton.jit
@@ -46,14 +58,17 @@ def _store_tile(desc, acc, off_m, off_n, BLOCK_N: tl.constexpr, SUBTILE: tl.cons
 
 @triton.jit
 def matmul_tma_kernel(
-    # Tensor descriptors of a, b, c (the output) and pre (c's where absent); the bias's pointer (c's where absent).
-    a_desc, b_desc, c_desc, pre_desc, bias_ptr,
+    # Tensor descriptors of a, b, c (the output) and pre (c's where absent); the bias's pointer and the column
+    # sums' partials (SUM_ROWS) (c's where absent).
+    a_desc, b_desc, c_desc, pre_desc, bias_ptr, colsum_ptr,
     # Sizes: a is (M, K), b (K, N); M_BUCKET (M's power-of-two bucket, ``configs.matmul_m_bucket``) keys the tuner.
     M, N, K, M_BUCKET,
     # The bias's stride (the descriptors carry the operands').
     stride_bias,
-    # Compile-time switches: the epilogue; the operands' layouts and arithmetic; the persistent grid and the tile.
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr,
+    # Compile-time switches: the epilogue (GRAD_ACT, SUM_ROWS: the backward one, matmul.grad_epilogue); the
+    # operands' layouts and arithmetic; the persistent grid and the tile.
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, GRAD_ACT: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
     A_MMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
@@ -95,7 +110,13 @@ def matmul_tma_kernel(
                 acc = helpers.dot(a, b, acc, INPUT_PRECISION, tl.float32)
         if TRANSPOSE:
             acc = acc.T
-        pre, out = epilogue(acc, off_n + tl.arange(0, BLOCK_N), bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
-        if STORE_PRE:
-            _store_tile(pre_desc, pre, off_m, off_n, BLOCK_N, SUBTILE)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        if GRAD_ACT:  # (pre's rows and columns past M and N load as zeros, and so does acc there)
+            pre = _load_tile(pre_desc, off_m, off_n, BLOCK_N, SUBTILE)
+            mask = ((off_m + tl.arange(0, BLOCK_M)) < M)[:, None] & (cols < N)[None, :]
+            out = grad_epilogue(acc, pre, mask, colsum_ptr, pid_m, cols, N, ACTIVATION, SUM_ROWS)
+        else:
+            pre, out = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+            if STORE_PRE:
+                _store_tile(pre_desc, pre, off_m, off_n, BLOCK_N, SUBTILE)
         _store_tile(c_desc, out, off_m, off_n, BLOCK_N, SUBTILE)

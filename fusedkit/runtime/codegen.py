@@ -111,10 +111,12 @@ def compile_matmul_tma(
     store_pre: bool = False,
     precision: str | None = None,
     target: GPUTarget = HOPPER,
+    grad_act: bool = False,
 ):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
     carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
-    precision (default "tf32" for float32, else "ieee")."""
+    precision (default "tf32" for float32, else "ieee"). ``grad_act``: the backward epilogue
+    (pre read, the column sums stored)."""
     ty = _TRITON_TYPE[dtype]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
@@ -126,6 +128,7 @@ def compile_matmul_tma(
         "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "bias_ptr": "*" + ty,
+        "colsum_ptr": "*fp32" if grad_act else "*" + ty,
         "M": "i32",
         "N": "i32",
         "K": "i32",
@@ -136,6 +139,8 @@ def compile_matmul_tma(
         HAS_BIAS=has_bias,
         ACTIVATION=activations.ACTIVATIONS[activation],
         STORE_PRE=store_pre,
+        GRAD_ACT=grad_act,
+        SUM_ROWS=grad_act,
         A_MMAJOR=a_mmajor,
         B_KMAJOR=b_kmajor,
         INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),

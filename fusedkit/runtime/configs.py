@@ -228,6 +228,13 @@ def _candidate_tiles(bucket: int, precision: str, dtype: torch.dtype) -> tuple[s
     return _with_split(dot_tiles), _with_split(reduce)
 
 
+def matmul_min_block_m(bucket: int, precision: str, dtype: torch.dtype) -> int:
+    """The fewest rows a tile that tuning may try for an M bucket has: what sizes a buffer
+    with one row per tile row (the backward epilogue's column sums) before the tuner chooses."""
+    dot_tiles, reduce_tiles = _candidate_tiles(bucket, precision, dtype)
+    return min(t[0] for t in dot_tiles | reduce_tiles)
+
+
 def split_k_fits(split: int, m: int, n: int, acc_bytes: int) -> bool:
     """Whether ``split`` ways of K keep the workspace within ``SPLIT_K_WORKSPACE_BYTES``."""
     return split == 1 or split * m * n * acc_bytes <= SPLIT_K_WORKSPACE_BYTES

@@ -17,7 +17,6 @@ Read top to bottom:
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -40,11 +39,14 @@ from .configs import (
     MATMUL_FIXED_WARPS,
     MATMUL_INTERPRETER_TILE,
     MATMUL_TMA_FIXED_OPTIONS,
+    MATMUL_TMA_INTERPRETER_TILE,
     SPLIT_K_MIN_TILE,
     matmul_configs,
     matmul_kernel_choice,
     matmul_m_bucket,
+    matmul_min_block_m,
     matmul_split_k_max,
+    matmul_tma_configs,
     matmul_tma_fixed_tile,
     prune_matmul_configs,
     tf32_copies_b,
@@ -91,6 +93,10 @@ matmul_tuned = triton.autotune(
     configs=matmul_configs(),
     key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": prune_matmul_configs},
+    # Each config tried writes the column sums' partials of its own tile rows: zeroed before
+    # every run, so the chosen one's launch leaves no other config's rows behind (the output
+    # stands for them where there are none, and is written whole by every run).
+    reset_to_zero=["colsum_ptr"],
 )(_matmul_even_k)
 INTERPRETED = launch.INTERPRETED
 _CONSTEXPR_NAMES = launch.constexpr_names(matmul_kernel)
@@ -314,11 +320,8 @@ def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, c
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
-    # (the TMA kernel has no backward epilogue yet: the pointer kernel runs it)
-    tma_ok = (
-        not grad_act
-        and matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
-        and matmul_tma.layout_ok(a, b, out, pre, INTERPRETED)
+    tma_ok = matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma" and matmul_tma.layout_ok(
+        a, b, out, pre, INTERPRETED
     )
     prefix = (tuned, a.device.index, a.dtype, split, *args[_POINTERS:], *meta.values())
     if _log.isEnabledFor(logging.DEBUG):
@@ -390,7 +393,7 @@ def launch_matmul(
     if entry is not None:
         launch.CompiledCache.run(entry, addresses + plan.ints, index)
     elif use_tma:
-        _launch_tma_kernel(a, b, bias, out, pre, plan, aligned)
+        _launch_tma_kernel(a, b, bias, out, pre, plan, aligned, colsum)
     else:
         _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned, colsum)
     return out
@@ -448,13 +451,13 @@ def _first_launch(
     LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
 
 
-def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple) -> None:
+def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple, colsum=None) -> None:
     """A TMA-kernel launch: its kept launches take tensor descriptors, built for each call's
     operands, so they run here rather than from ``plan.launches``; the first launch of a key
     (and any launch under the interpreter) goes through Triton's path."""
     if INTERPRETED:
         with launch.serialised():
-            _launch_tma(a, b, bias, out, pre, plan.meta, tuned=False)
+            _launch_tma(a, b, bias, out, pre, plan.meta, tuned=False, colsum=colsum)
         return
     key = plan.prefix + (True,) + aligned  # as :func:`_first_launch` keys the pointer kernel
     entry = TMA_LAUNCHES.get(key)
@@ -467,13 +470,13 @@ def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple) -> None
             descs = matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
         else:
             descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts)
-        tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]))
+        tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]), colsum)
         launch.CompiledCache.run(entry, (*descs, *tail), a.device.index)
     else:
-        _launch_tma(a, b, bias, out, pre, plan.meta, plan.tuned, key)
+        _launch_tma(a, b, bias, out, pre, plan.meta, plan.tuned, key, colsum)
 
 
-def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
+def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None, colsum=None) -> None:
     """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
     compiled, tile, grid = matmul_tma.launch_tma(
         a,
@@ -489,6 +492,8 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None) -> None:
         tuned,
         matmul_tma_fixed_tile(a.element_size()),
         MATMUL_TMA_FIXED_OPTIONS,
+        meta["GRAD_ACT"],
+        colsum,
     )
     if key is None:
         return
@@ -576,13 +581,21 @@ def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool
     return out, pre
 
 
-@functools.cache
-def _colsum_block_m() -> int:
-    """The fewest rows any matmul tile has (the interpreter's tile, the fixed one, every tuning
-    candidate): the column sums' partials get a row for each tile row of that height, so the
-    launch's own tile (chosen by the tuner after they are allocated) never lacks one."""
-    heights = [MATMUL_INTERPRETER_TILE["BLOCK_M"], MATMUL_FIXED_TILE["BLOCK_M"]]
-    return min(heights + [c.kwargs["BLOCK_M"] for c in matmul_configs()])
+#: The TMA kernel's shortest tuning tile.
+_TMA_MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in matmul_tma_configs())
+
+
+def _colsum_block_m(g2, b) -> int:
+    """The fewest rows the launch's tile may have: the column sums' partials get a row for each
+    tile row of that height, so whatever tile the launch runs (the tuner chooses it after they
+    are allocated) has its rows; those it leaves stay zero."""
+    if INTERPRETED:
+        return min(MATMUL_INTERPRETER_TILE["BLOCK_M"], MATMUL_TMA_INTERPRETER_TILE["BLOCK_M"])
+    if not settings.current().autotune:
+        return min(MATMUL_FIXED_TILE["BLOCK_M"], matmul_tma_fixed_tile(g2.element_size())["BLOCK_M"])
+    precision = fp32_precision() if g2.dtype == torch.float32 else "ieee"
+    pointer = matmul_min_block_m(matmul_m_bucket(g2.shape[0]), precision, g2.dtype)
+    return min(pointer, _TMA_MIN_BLOCK_M)
 
 
 def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
@@ -598,9 +611,10 @@ def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
         dpre.zero_()
         return dpre, (torch.zeros(N, dtype=pre.dtype, device=pre.device) if bias_grad else None)
     colsum = None
-    if bias_grad:  # (rows past the launch tile's count stay zero: see _colsum_block_m)
-        rows = triton.cdiv(M, _colsum_block_m())
-        colsum = torch.zeros((rows, N), dtype=torch.float32, device=pre.device)
+    if bias_grad:  # (in the accumulator's dtype; rows past the launch tile's count stay zero)
+        rows = triton.cdiv(M, _colsum_block_m(g2, b))
+        acc = torch.float64 if pre.dtype == torch.float64 else torch.float32
+        colsum = torch.zeros((rows, N), dtype=acc, device=pre.device)
     launch_matmul(g2, b, None, activation, dpre, pre, grad_act=True, colsum=colsum)
     return dpre, (None if colsum is None else colsum.sum(0).to(pre.dtype))
 

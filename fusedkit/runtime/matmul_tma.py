@@ -74,10 +74,11 @@ def transposed_product(a: torch.Tensor, b: torch.Tensor, precision: str) -> bool
     return a.dtype == torch.float32 and precision != "ieee" and not a_mmajor(a) and not b_kmajor(b)
 
 
-def tail_args(a, b, bias, out, m_bucket: int) -> tuple:
+def tail_args(a, b, bias, out, m_bucket: int, colsum=None) -> tuple:
     """The kernel's runtime arguments after the four descriptors."""
     return (
         bias if bias is not None else out,
+        colsum if colsum is not None else out,
         a.shape[0],
         b.shape[1],
         a.shape[1],
@@ -164,6 +165,7 @@ matmul_tma_tuned = triton.autotune(
     configs=matmul_tma_configs(_set_block_shapes),
     key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": prune_tma_configs},
+    reset_to_zero=["colsum_ptr"],  # (as the pointer kernel's tuner: runtime.matmul)
 )(matmul_tma_kernel)
 
 
@@ -185,15 +187,20 @@ def launch_tma(
     tuned: bool,
     fixed_tile: dict,
     fixed_options: dict,
+    grad_act: bool = False,
+    colsum=None,
 ):
-    """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid)."""
+    """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid).
+    ``grad_act``: the backward epilogue, ``pre`` read (``runtime.matmul.activation_grad``)."""
     M, N = a.shape[0], b.shape[1]
     sms = 4 if interpreted else num_sms(a.device.index)
-    tail = tail_args(a, b, bias, out, m_bucket)
+    tail = tail_args(a, b, bias, out, m_bucket, colsum)
     meta = dict(
         HAS_BIAS=bias is not None,
         ACTIVATION=activation_code,
-        STORE_PRE=pre is not None,
+        STORE_PRE=pre is not None and not grad_act,
+        GRAD_ACT=grad_act,
+        SUM_ROWS=colsum is not None,
         INPUT_PRECISION=precision,
         UPCAST_OPERANDS=upcast,
         NUM_SMS=sms,
