@@ -700,24 +700,22 @@ def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:
 
 class MLP(torch.autograd.Function):
     """``linear(act(linear(x, w1, b1)), w2, b2)`` on 2-D ``x2`` with weights as ``nn.Linear``
-    stores them, read through their strides. Forward: the up-projection with bias and
-    activation in its epilogue (keeping the pre-activation where the derivative needs it),
-    then the down-projection. Backward: ``dpre = (dy @ w2) * act'(pre)`` and ``db1`` from one
-    GEMM's backward epilogue (``matmul.activation_grad``), so the activation's gradient is
-    never written and read back; the weight gradients and ``dx`` as plain GEMMs.
-    ``recompute``: only ``x`` (and the weights) are kept, the forward's first GEMM runs again
-    in the backward."""
+    stores them, read through their strides, the activation's output ``h`` never written:
+    - forward: ``pre = x2 @ w1^T + b1`` (bias in the epilogue), then ``y = act(pre) @ w2^T +
+      b2`` with the activation in the second GEMM's prologue, applied to ``pre``'s tiles as
+      they load;
+    - backward: ``dpre = (dy @ w2) * act'(pre)`` and ``db1`` from one GEMM's backward epilogue
+      (``matmul.activation_grad``); ``dw2 = dy^T act(pre)``, as ``(act(pre)^T dy)^T`` with
+      the prologue again; ``dw1`` and ``dx`` as plain GEMMs.
+    Saved: ``x2``, the weights and ``pre``, where eager keeps ``h`` too; ``recompute`` keeps
+    ``x2`` and the weights (and ``b1``) and runs the first GEMM again in the backward."""
 
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, activation: str, recompute: bool):
-        store_pre = activation in matmul.NEEDS_PRE
-        h, pre = matmul.forward(x2, w1.t(), b1, activation, store_pre)
-        y = matmul.forward(h, w2.t(), b2, None, False)[0]
+        pre = matmul.forward(x2, w1.t(), b1, None, False)[0]
+        y = matmul.forward(pre, w2.t(), b2, None, False, prologue=activation)[0]
         ctx.activation, ctx.recompute, ctx.has_b1, ctx.has_b2 = activation, recompute, b1 is not None, b2 is not None
-        if recompute:
-            ctx.save_for_backward(x2, w1, b1, w2)
-        else:  # (ReLU's derivative reads its output: h stands for pre)
-            ctx.save_for_backward(x2, w1, w2, h, pre)
+        ctx.save_for_backward(x2, w1, b1, w2) if recompute else ctx.save_for_backward(x2, w1, w2, pre)
         return y
 
     @staticmethod
@@ -727,15 +725,15 @@ class MLP(torch.autograd.Function):
         activation = ctx.activation
         if ctx.recompute:
             x2, w1, b1, w2 = ctx.saved_tensors
-            h, pre = matmul.forward(x2, w1.t(), b1, activation, activation in matmul.NEEDS_PRE)
+            pre = matmul.forward(x2, w1.t(), b1, None, False)[0]
         else:
-            x2, w1, w2, h, pre = ctx.saved_tensors
-        dy = matmul.resolve_neg(dy).to(h.dtype)  # (the kernel reads memory: a lazy negation is not in it)
+            x2, w1, w2, pre = ctx.saved_tensors
+        dy = matmul.resolve_neg(dy).to(pre.dtype)  # (the kernel reads memory: a lazy negation is not in it)
         need = ctx.needs_input_grad
-        dpre, db1 = matmul.activation_grad(dy, w2, h if pre is None else pre, activation, ctx.has_b1 and need[2])
+        dpre, db1 = matmul.activation_grad(dy, w2, pre, activation, ctx.has_b1 and need[2])
         dx = dpre @ w1 if need[0] else None
         dw1 = dpre.t() @ x2 if need[1] else None
-        dw2 = dy.t() @ h if need[3] else None
+        dw2 = matmul.forward(pre.t(), dy, None, None, False, prologue=activation)[0].t() if need[3] else None
         db2 = dy.sum(0) if ctx.has_b2 and need[4] else None
         return dx, dw1, db1, dw2, db2, None, None
 

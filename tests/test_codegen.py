@@ -248,6 +248,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # the backward epilogue (an MLP's dy @ w2: a row-major b), the pre-activation read through TMA
 r["grad_act"] = {str(d): facts(d, matmul_tma_fixed_tile(d.itemsize), w, s, b_kmajor=False, activation="gelu_tanh",
                                grad_act=True) for d in (torch.bfloat16, torch.float16)}
+# the prologue: an MLP's down-projection (act(pre) @ w2^T) and its weight gradient (act(pre)^T @ dy)
+r["grad_act"] |= {f"prologue:a_mmajor={m}": facts(torch.bfloat16, matmul_tma_fixed_tile(2), w, s, a_mmajor=m,
+                                                   b_kmajor=not m, activation=None, prologue="gelu_tanh")
+                  for m in (False, True)}
 # fp32 on TF32 tensor cores: the transposed product for a row-major b, not for nn.Linear's
 r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fixed_tile(4), w, s, b_kmajor=kmajor,
                                                       precision=p)
@@ -294,7 +298,7 @@ def test_tma_matmul_compiles_to_bulk_copies_and_wgmma(tma_codegen):
         assert f["smem"] <= HOPPER_SMEM_BYTES, case
 
 
-def test_backward_epilogue_compiles_on_the_tma_kernel(tma_codegen):
+def test_backward_epilogue_and_prologue_compile_on_the_tma_kernel(tma_codegen):
     for case, f in tma_codegen["grad_act"].items():
         assert f["wgmma"] and f["tma"], case
         assert f["smem"] <= HOPPER_SMEM_BYTES, case

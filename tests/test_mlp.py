@@ -77,13 +77,15 @@ def test_gradcheck_float64(act):
 
 
 def test_saved_tensors_and_recompute():
-    """Default: x, the weights, the activation's output and input (ReLU: its output alone);
-    recompute: x and the weights (b1 to run the first GEMM again), nothing of the hidden size."""
+    """Default: x, the weights and the activation's input, one tensor of the hidden size where
+    eager keeps two (GELU, SiLU: input and output; ReLU: its output); recompute: x and the
+    weights (b1 to run the first GEMM again), nothing of the hidden size."""
     x = rand((8, 6), torch.float32, DEVICE).requires_grad_()
     w1, b1, w2, b2 = params(torch.float32, inner=6, hidden=10, out=4)
     for activation, recompute, want in [
-        ("gelu", False, [(8, 6), (10, 6), (4, 10), (8, 10), (8, 10)]),
+        ("gelu", False, [(8, 6), (10, 6), (4, 10), (8, 10)]),
         ("relu", False, [(8, 6), (10, 6), (4, 10), (8, 10)]),
+        ("silu", False, [(8, 6), (10, 6), (4, 10), (8, 10)]),
         ("gelu", True, [(8, 6), (10, 6), (10,), (4, 10)]),
     ]:
         saved = []
@@ -217,3 +219,19 @@ def test_bias_gradient_of_a_tuned_first_call():
     p64 = pre.double().cpu().requires_grad_()
     (ref,) = torch.autograd.grad(F.gelu(p64), p64, g.double().cpu() @ b.double().cpu())
     assert_rel_err(db, ref.sum(0), 1e-2)  # (another tile's rows left in would be ~100%)
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_prologue_is_the_product_of_the_activations_output(kernel, fk_settings):
+    """``act(a) @ b`` with the activation applied as A's tiles load, rounded to A's dtype as an
+    eager ``act(a)`` is stored: row-major ``a`` (the down-projection) and column-major (the
+    weight gradient's ``pre^T``), odd sizes (masked loads give act(0) = 0)."""
+    fk_settings(matmul_kernel=kernel)
+    for dtype in (torch.float32, torch.bfloat16):
+        pre, b = rand((70, 48), dtype, DEVICE), rand((48, 40), dtype, DEVICE)
+        for a in (pre, rand((48, 70), dtype, DEVICE).t()):
+            for activation in mm.ACTIVATION_NAMES:
+                got = mm.forward(a, b, None, None, False, prologue=activation)[0]
+                h = mm.torch_activation(a.float(), activation).to(dtype)  # eager's stored h
+                ref = h.double().cpu() @ b.double().cpu()
+                assert_rel_err(got, ref, 1e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32))

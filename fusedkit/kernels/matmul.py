@@ -5,7 +5,10 @@ accumulator while it is in registers (:func:`epilogue`), and the output is writt
 once. Compile-time switches choose bias, activation, a stored pre-activation for the
 backward pass, the ``tl.dot`` precision, 64-bit offsets and split-K. The backward
 epilogue (:func:`grad_epilogue`) makes the same kernel an MLP's ``dh`` GEMM that writes
-the pre-activation's gradient, and its column sums (the bias gradient), directly.
+the pre-activation's gradient, and its column sums (the bias gradient), directly; the
+prologue (:func:`prologue`) applies an activation to A's tiles as they load, so an MLP's
+down-projection and its weight gradient read the pre-activation, and the activation's
+output is never written.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import triton.language as tl
 
 from . import activations, helpers
 
-__all__ = ["epilogue", "grad_epilogue", "matmul_kernel"]
+__all__ = ["epilogue", "grad_epilogue", "matmul_kernel", "prologue"]
 
 
 @triton.jit
@@ -27,6 +30,20 @@ def epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVA
         bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
         acc = acc + helpers.widen(bias[None, :], acc.dtype)
     return acc, activations.apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
+def prologue(a, PROLOGUE: tl.constexpr):
+    """Every matmul kernel's prologue, on an A tile as it arrives: ``act(a)`` (the activation
+    ``PROLOGUE`` codes; 0: none), computed in float32 (float64 for float64) and rounded to A's dtype as an eager
+    ``act(pre)`` would be stored, so the product is that of the activation's output, which
+    is never written. Zeros (the masked and out-of-range elements) stay zeros."""
+    if PROLOGUE != 0:
+        if a.dtype == tl.float64:
+            a = activations.apply_activation(a, PROLOGUE)
+        else:
+            a = helpers.convert(activations.apply_activation(helpers.widen(a, tl.float32), PROLOGUE), a.dtype)
+    return a
 
 
 @triton.jit
@@ -88,10 +105,10 @@ def matmul_kernel(
     M, N, K, M_BUCKET,
     # Strides, in elements, of a, b, c and the bias.
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    # Compile-time switches: the epilogue (GRAD_ACT: the backward one, on pre read; SUM_ROWS: its column sums);
-    # the arithmetic and the offsets; the tile.
+    # Compile-time switches: the epilogue (GRAD_ACT: the backward one, on pre read; SUM_ROWS: its column sums)
+    # and the prologue on A; the arithmetic and the offsets; the tile.
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, GRAD_ACT: tl.constexpr,
-    SUM_ROWS: tl.constexpr,
+    SUM_ROWS: tl.constexpr, PROLOGUE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
@@ -131,6 +148,7 @@ def matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok & (k_offs[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
+        a = prologue(a, PROLOGUE)
         if UPCAST_OPERANDS or (helpers.INTERPRETED and a.dtype == tl.bfloat16):
             # (the interpreter's own bf16 -> fp32 conversion flushes subnormals; widen is exact)
             a = helpers.widen(a, tl.float32)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import helpers
-from .matmul import epilogue, grad_epilogue
+from .matmul import epilogue, grad_epilogue, prologue
 
 __all__ = ["matmul_tma_kernel"]
 
@@ -65,10 +65,10 @@ def matmul_tma_kernel(
     M, N, K, M_BUCKET,
     # The bias's stride (the descriptors carry the operands').
     stride_bias,
-    # Compile-time switches: the epilogue (GRAD_ACT, SUM_ROWS: the backward one, matmul.grad_epilogue); the
-    # operands' layouts and arithmetic; the persistent grid and the tile.
+    # Compile-time switches: the epilogue (GRAD_ACT, SUM_ROWS: the backward one, matmul.grad_epilogue) and the
+    # prologue on A; the operands' layouts and arithmetic; the persistent grid and the tile.
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, GRAD_ACT: tl.constexpr,
-    SUM_ROWS: tl.constexpr,
+    SUM_ROWS: tl.constexpr, PROLOGUE: tl.constexpr,
     A_MMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
@@ -98,6 +98,7 @@ def matmul_tma_kernel(
                 b = b_desc.load([off_n, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
+            a = prologue(a, PROLOGUE)
             if UPCAST_OPERANDS:  # the interpreter's bf16 dot (see runtime.matmul.launch_config)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)

@@ -112,11 +112,12 @@ def compile_matmul_tma(
     precision: str | None = None,
     target: GPUTarget = HOPPER,
     grad_act: bool = False,
+    prologue: str | None = None,
 ):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
     carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
     precision (default "tf32" for float32, else "ieee"). ``grad_act``: the backward epilogue
-    (pre read, the column sums stored)."""
+    (pre read, the column sums stored); ``prologue``: an activation on A's tiles as they load."""
     ty = _TRITON_TYPE[dtype]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
@@ -141,6 +142,7 @@ def compile_matmul_tma(
         STORE_PRE=store_pre,
         GRAD_ACT=grad_act,
         SUM_ROWS=grad_act,
+        PROLOGUE=activations.ACTIVATIONS[prologue],
         A_MMAJOR=a_mmajor,
         B_KMAJOR=b_kmajor,
         INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),

@@ -154,10 +154,12 @@ def launch_config(
     split_k: tuple[torch.Tensor, torch.Tensor] | None = None,
     grad_act: bool = False,
     colsum: torch.Tensor | None = None,
+    prologue: str | None = None,
 ) -> tuple[tuple, dict]:
     """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``, or with
     ``grad_act`` of the backward epilogue's ``(a @ b) * act'(pre)`` (``pre`` read, no bias),
-    its column sums' partials into ``colsum`` when given (:func:`colsum_partials`).
+    its column sums' partials into ``colsum`` when given (:func:`activation_grad`); ``prologue``:
+    an activation applied to ``a``'s tiles as they load (the product is ``act(a) @ b``).
 
     ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
     tuning tries no split-K config. Works on meta tensors, so the code a call would
@@ -196,6 +198,7 @@ def launch_config(
         STORE_PRE=pre is not None and not grad_act,
         GRAD_ACT=grad_act,
         SUM_ROWS=colsum is not None,
+        PROLOGUE=activations.ACTIVATIONS[prologue],
         ACC_DTYPE=_ACC_DTYPE[a.dtype],
         INPUT_PRECISION=precision,
         INT64=int64,
@@ -303,7 +306,7 @@ def kmajor_copy_launch(b: torch.Tensor):
 _POINTERS = 8
 
 
-def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, colsum=None) -> Plan:
+def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, colsum=None, prologue=None) -> Plan:
     tuned = settings.current().autotune
     m = a.shape[0]
     copy_b = (
@@ -316,7 +319,7 @@ def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, c
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
         copy_launch = kmajor_copy_launch(b)
         b = _kmajor_empty(b, "meta")
-    args, meta = launch_config(a, b, bias, activation, out, pre, None, grad_act, colsum)
+    args, meta = launch_config(a, b, bias, activation, out, pre, None, grad_act, colsum, prologue)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
     split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
@@ -353,11 +356,13 @@ def launch_matmul(
     plan: Plan | None = None,
     grad_act: bool = False,
     colsum: torch.Tensor | None = None,
+    prologue: str | None = None,
 ) -> torch.Tensor:
     """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
 
     ``pre``, when given, receives the pre-activation (for a backward pass); with ``grad_act``
-    it is read instead, and ``out = (a @ b) * act'(pre)`` (:func:`activation_grad`). ``plan``:
+    it is read instead, and ``out = (a @ b) * act'(pre)`` (:func:`activation_grad`). ``prologue``:
+    ``out = act(prologue(a) @ b + bias)``, the activation ``prologue`` applied to ``a`` as it loads. ``plan``:
     this call's ``plan_matmul``, when the caller kept it.
 
     The body is the kept launch of a repeated call: the plan's pointer kernel, launched
@@ -367,9 +372,9 @@ def launch_matmul(
     index = a.device.index
     if not INTERPRETED and index != launch.current_device():
         with torch.cuda.device(a.device):
-            return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum)
+            return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum, prologue)
     if plan is None:
-        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum)
+        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
     if plan.copy_b:
         b = kmajor_copy(b, plan.copy_launch)
     ws = arrivals = out  # no split-K: the kernel never reads these
@@ -494,6 +499,7 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None, colsum=None) 
         MATMUL_TMA_FIXED_OPTIONS,
         meta["GRAD_ACT"],
         colsum,
+        meta["PROLOGUE"],
     )
     if key is None:
         return
@@ -563,9 +569,9 @@ def validate(a, b, bias, activation, name: str) -> None:
         raise ShapeError(f"{name}(): bias must have shape ({b.shape[1]},), got {tuple(bias.shape)}")
 
 
-def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool):
+def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool, prologue: str | None = None):
     """``(out, pre)`` of a validated 2-D ``a2`` (M, K): the (M, N) result, and the pre-activation
-    when ``store_pre`` (else None)."""
+    when ``store_pre`` (else None). ``prologue``: the product is ``prologue(a2) @ b``."""
     M, N = a2.shape[0], b.shape[1]
     out = torch.empty((M, N), dtype=a2.dtype, device=a2.device)
     pre = torch.empty_like(out) if store_pre else None
@@ -577,7 +583,7 @@ def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool
             pre.copy_(z)
         out.copy_(torch_activation(z, activation))
         return out, pre
-    launch_matmul(a2, b, bias, activation, out, pre)
+    launch_matmul(a2, b, bias, activation, out, pre, prologue=prologue)
     return out, pre
 
 

@@ -189,6 +189,7 @@ def launch_tma(
     fixed_options: dict,
     grad_act: bool = False,
     colsum=None,
+    prologue_code: int = 0,
 ):
     """Launch the TMA kernel; returns (what Triton returned, the tile used, the grid).
     ``grad_act``: the backward epilogue, ``pre`` read (``runtime.matmul.activation_grad``)."""
@@ -201,6 +202,7 @@ def launch_tma(
         STORE_PRE=pre is not None and not grad_act,
         GRAD_ACT=grad_act,
         SUM_ROWS=colsum is not None,
+        PROLOGUE=prologue_code,
         INPUT_PRECISION=precision,
         UPCAST_OPERANDS=upcast,
         NUM_SMS=sms,
