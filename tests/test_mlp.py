@@ -114,6 +114,7 @@ def test_backward_epilogue_bias_sums_across_tile_rows_same_bits(kernel, fk_setti
     rows of 16-byte multiples), on four tile rows of the interpreter's tiles (32), the last
     part-filled."""
     fk_settings(matmul_kernel=kernel)
+    fusedkit.clear_caches()  # (a kept TMA launch would skip launch_tma)
     tma_launches = []
     launch_tma = mm.matmul_tma.launch_tma
     monkeypatch.setattr(mm.matmul_tma, "launch_tma", lambda *a, **k: tma_launches.append(1) or launch_tma(*a, **k))

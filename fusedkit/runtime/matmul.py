@@ -60,6 +60,7 @@ __all__ = [
     "KeptMatmul",
     "MATMUL_DTYPES",
     "NEEDS_PRE",
+    "PLANS",
     "Plan",
     "call_key",
     "forward",
@@ -346,6 +347,39 @@ def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, c
     return Plan(args[_POINTERS:], meta, tma_ok, tuned, split, ws_dtype, prefix, copy_b, copy_launch)
 
 
+#: Plans of launches made without one (an MLP's GEMMs, the backward's): by everything
+#: :func:`plan_matmul` reads, so a repeated launch skips planning (about 40 us a GEMM of
+#: Python on the CPU machine).
+PLANS = launch.CallCache()
+
+
+def _layout(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride())
+
+
+def _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue) -> Plan:
+    key = (
+        a.dtype,
+        a.device,
+        _layout(a),
+        _layout(b),
+        _layout(bias),
+        _layout(out),
+        _layout(pre),
+        _layout(colsum),
+        activation,
+        grad_act,
+        prologue,
+        settings.current(),  # (a new object on every change of the settings)
+        a.dtype == torch.float32 and tf32_enabled(),
+    )
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
+        PLANS.keep(key, plan)
+    return plan
+
+
 def launch_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -374,7 +408,7 @@ def launch_matmul(
         with torch.cuda.device(a.device):
             return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum, prologue)
     if plan is None:
-        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
+        plan = _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
     if plan.copy_b:
         b = kmajor_copy(b, plan.copy_launch)
     ws = arrivals = out  # no split-K: the kernel never reads these
