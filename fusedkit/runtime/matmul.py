@@ -348,8 +348,8 @@ def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, c
 
 
 #: Plans of launches made without one (an MLP's GEMMs, the backward's): by everything
-#: :func:`plan_matmul` reads, so a repeated launch skips planning (a quarter of the Python
-#: a GEMM took on the CPU machine; docs/design.md, "Matmul calls").
+#: :func:`plan_matmul` reads, so a repeated launch skips planning (its key costs about a
+#: quarter of what planning did on the CPU machine; docs/design.md, "Matmul calls").
 PLANS = launch.CallCache()
 
 
