@@ -11,7 +11,8 @@ same model stock, eager and under ``torch.compile``, in one process:
   ``fusedkit_compiled`` (``torch.compile`` of the fused model) and Liger-Kernel on the LLaMA.
 - ``gpt2_mlp`` / ``gpt2_mlp_relu``: transformers' ``GPT2MLP`` at GPT-2 medium's sizes
   (1024 -> 4096 -> 1024), activation ``gelu_new`` (tanh GELU) or ``relu``; the fused model
-  runs the up-projection, bias and activation as one ``fusedkit.matmul`` (its epilogue).
+  runs the up-projection, bias and activation as one ``fusedkit.matmul`` (its epilogue);
+  ``fusedkit_mlp``: the whole MLP as one ``fusedkit.mlp`` (prologue and backward epilogue).
 - ``gpt2_block``: transformers' ``GPT2Block`` (layer norms, attention, residuals) with
   that MLP inside.
 - ``llama_mlp``: transformers' ``LlamaMLP`` at LLaMA-7B's sizes (4096 -> 11008 -> 4096,
@@ -182,6 +183,32 @@ def _gpt2_mlp_forward(self, hidden_states):
     ``Conv1D`` weight is (in, out), the ``b`` operand as it is."""
     h = fusedkit.matmul(hidden_states, self.c_fc.weight, self.c_fc.bias, activation=self.fusedkit_activation)
     return self.dropout(self.c_proj(h))
+
+
+def _gpt2_mlp_unit_forward(self, hidden_states):
+    """transformers' ``GPT2MLP.forward`` as one ``fusedkit.mlp``: the activation's output never
+    written, its gradient in the backward GEMM's epilogue; ``Conv1D`` weights (in, out) read
+    transposed, as views."""
+    activation, _, approximate = self.fusedkit_activation.partition("_")
+    fc, proj = self.c_fc, self.c_proj
+    h = fusedkit.mlp(
+        hidden_states,
+        fc.weight.t(),
+        fc.bias,
+        proj.weight.t(),
+        proj.bias,
+        activation=activation,
+        approximate=approximate or "none",
+    )
+    return self.dropout(h)
+
+
+def _fuse_gpt2_mlp_unit(model, example=None) -> int:
+    n = _fuse_gpt2(model, example)
+    for m in model.modules():
+        if hasattr(m, "fusedkit_activation"):
+            m.forward = types.MethodType(_gpt2_mlp_unit_forward, m)
+    return n
 
 
 def _gpt2_config(activation: str, small: bool):
@@ -529,6 +556,7 @@ MODELS = {
             _TOKENS,
             _SMALL_TOKENS,
             lr=0.05,
+            peers=(("fusedkit_mlp", "fusedkit", _fuse_gpt2_mlp_unit),),
         ),
         ModelCase(
             "gpt2_mlp_relu",
@@ -541,6 +569,7 @@ MODELS = {
             _TOKENS,
             _SMALL_TOKENS,
             lr=0.05,
+            peers=(("fusedkit_mlp", "fusedkit", _fuse_gpt2_mlp_unit),),
         ),
         ModelCase(
             "gpt2_block",
