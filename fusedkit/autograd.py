@@ -34,6 +34,7 @@ __all__ = [
     "FuncElementwise",
     "FuncMatmul",
     "MLP",
+    "MLP_PROLOGUE",
     "Norm",
     "norm_backward_op",
     "norm_grads",
@@ -698,24 +699,42 @@ def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:
     return FuncMatmul.apply(a2, b, bias, activation, activation in matmul.NEEDS_PRE)[0]
 
 
+#: How ``MLP`` keeps the activation's output ``h``: not at all, its GEMMs reading ``pre``
+#: through the prologue (True: memory, the activation recomputed once a column tile of the
+#: GEMMs that read it), or written by the first GEMM's epilogue and saved, as eager keeps it
+#: (False: no recomputation). The default is the memory mode; the GPU decides (docs/matmul.md).
+MLP_PROLOGUE = True
+
+
 class MLP(torch.autograd.Function):
     """``linear(act(linear(x, w1, b1)), w2, b2)`` on 2-D ``x2`` with weights as ``nn.Linear``
-    stores them, read through their strides, the activation's output ``h`` never written:
+    stores them, read through their strides. With :data:`MLP_PROLOGUE`, the activation's
+    output ``h`` is never written:
     - forward: ``pre = x2 @ w1^T + b1`` (bias in the epilogue), then ``y = act(pre) @ w2^T +
       b2`` with the activation in the second GEMM's prologue, applied to ``pre``'s tiles as
       they load;
     - backward: ``dpre = (dy @ w2) * act'(pre)`` and ``db1`` from one GEMM's backward epilogue
       (``matmul.activation_grad``); ``dw2 = dy^T act(pre)``, as ``(act(pre)^T dy)^T`` with
       the prologue again; ``dw1`` and ``dx`` as plain GEMMs.
-    Saved: ``x2``, the weights and ``pre``, where eager keeps ``h`` too; ``recompute`` keeps
-    ``x2`` and the weights (and ``b1``) and runs the first GEMM again in the backward."""
+    Saved: ``x2``, the weights and ``pre``, where eager keeps ``h`` too. Without the prologue
+    the first GEMM writes ``h`` (and ``pre`` where the derivative needs it) from its epilogue
+    and both are saved. ``recompute`` keeps ``x2`` and the weights (and ``b1``) and runs the
+    first GEMM again in the backward."""
 
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, activation: str, recompute: bool):
-        pre = matmul.forward(x2, w1.t(), b1, None, False)[0]
-        y = matmul.forward(pre, w2.t(), b2, None, False, prologue=activation)[0]
+        prologue = MLP_PROLOGUE or recompute
+        if prologue:
+            h, pre = None, matmul.forward(x2, w1.t(), b1, None, False)[0]
+            y = matmul.forward(pre, w2.t(), b2, None, False, prologue=activation)[0]
+        else:  # (ReLU's derivative reads its output: h stands for pre)
+            h, pre = matmul.forward(x2, w1.t(), b1, activation, activation in matmul.NEEDS_PRE)
+            y = matmul.forward(h, w2.t(), b2, None, False)[0]
         ctx.activation, ctx.recompute, ctx.has_b1, ctx.has_b2 = activation, recompute, b1 is not None, b2 is not None
-        ctx.save_for_backward(x2, w1, b1, w2) if recompute else ctx.save_for_backward(x2, w1, w2, pre)
+        if recompute:
+            ctx.save_for_backward(x2, w1, b1, w2)
+        else:
+            ctx.save_for_backward(x2, w1, w2, pre, h)
         return y
 
     @staticmethod
@@ -725,15 +744,21 @@ class MLP(torch.autograd.Function):
         activation = ctx.activation
         if ctx.recompute:
             x2, w1, b1, w2 = ctx.saved_tensors
-            pre = matmul.forward(x2, w1.t(), b1, None, False)[0]
+            pre, h = matmul.forward(x2, w1.t(), b1, None, False)[0], None
         else:
-            x2, w1, w2, pre = ctx.saved_tensors
-        dy = matmul.resolve_neg(dy).to(pre.dtype)  # (the kernel reads memory: a lazy negation is not in it)
+            x2, w1, w2, pre, h = ctx.saved_tensors
+        dy = matmul.resolve_neg(dy).to(x2.dtype)  # (the kernel reads memory: a lazy negation is not in it)
         need = ctx.needs_input_grad
-        dpre, db1 = matmul.activation_grad(dy, w2, pre, activation, ctx.has_b1 and need[2])
+        dpre, db1 = matmul.activation_grad(dy, w2, h if pre is None else pre, activation, ctx.has_b1 and need[2])
         dx = dpre @ w1 if need[0] else None
         dw1 = dpre.t() @ x2 if need[1] else None
-        dw2 = matmul.forward(pre.t(), dy, None, None, False, prologue=activation)[0].t() if need[3] else None
+        dw2 = None
+        if need[3]:
+            dw2 = (
+                dy.t() @ h
+                if h is not None
+                else matmul.forward(pre.t(), dy, None, None, False, prologue=activation)[0].t()
+            )
         db2 = dy.sum(0) if ctx.has_b2 and need[4] else None
         return dx, dw1, db1, dw2, db2, None, None
 

@@ -76,6 +76,23 @@ def test_gradcheck_float64(act):
         )
 
 
+@pytest.mark.parametrize("act", slow_unless(lambda act: act[0] == "relu", [(a,) for a in ACTIVATIONS]))
+def test_without_the_prologue_h_is_saved_and_the_gradients_agree(act, monkeypatch):
+    """``autograd.MLP_PROLOGUE = False``: the first GEMM's epilogue writes h (and pre where the
+    derivative needs it), saved as eager keeps them; the same gradients (float64 gradcheck)."""
+    from fusedkit import autograd
+
+    monkeypatch.setattr(autograd, "MLP_PROLOGUE", False)
+    x = rand((3, 4), torch.float64, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = params(torch.float64, inner=4, hidden=5, out=2)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        fusedkit.mlp(x, w1, b1, w2, b2, activation=act[0], approximate=act[1])
+    assert saved.count((3, 5)) == (1 if act[0] == "relu" else 2)
+    fn = lambda *t: fusedkit.mlp(*t, activation=act[0], approximate=act[1])
+    assert torch.autograd.gradcheck(fn, (x, w1, b1, w2, b2), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
 def test_saved_tensors_and_recompute():
     """Default: x, the weights and the activation's input, one tensor of the hidden size where
     eager keeps two (GELU, SiLU: input and output; ReLU: its output); recompute: x and the
