@@ -92,7 +92,8 @@ NEEDS_PRE = frozenset({"gelu", "gelu_tanh", "silu"})
 _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(matmul_kernel)
 matmul_tuned = triton.autotune(
     configs=matmul_configs(),
-    key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION"],
+    # (the prologue and the backward epilogue in the key: each its own tuning, not the plain GEMM's)
+    key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION", "GRAD_ACT", "PROLOGUE"],
     prune_configs_by={"early_config_prune": prune_matmul_configs},
     # Each config tried writes the column sums' partials of its own tile rows: zeroed before
     # every run, so the chosen one's launch leaves no other config's rows behind (the output

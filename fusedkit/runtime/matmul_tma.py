@@ -160,10 +160,11 @@ def _set_block_shapes(nargs):
 
 # INPUT_PRECISION in the key: a tile TF32 picked may not fit tf32x3's shared memory (on the
 # H200 a TF32 tuning result reused with TF32 off raises OutOfResources).
-# The dtype is in the key through bias_ptr, the only tensor argument.
+# The dtype is in the key through bias_ptr and colsum_ptr, the tensor arguments.
 matmul_tma_tuned = triton.autotune(
     configs=matmul_tma_configs(_set_block_shapes),
-    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION"],
+    # (GRAD_ACT: its pre tile takes shared memory, so a plain GEMM's tile may not fit it)
+    key=["M_BUCKET", "N", "K", "A_MMAJOR", "B_KMAJOR", "INPUT_PRECISION", "GRAD_ACT", "PROLOGUE"],
     prune_configs_by={"early_config_prune": prune_tma_configs},
     reset_to_zero=["colsum_ptr"],  # (as the pointer kernel's tuner: runtime.matmul)
 )(matmul_tma_kernel)
