@@ -146,6 +146,10 @@ def test_backward_epilogue_bias_sums_across_tile_rows_same_bits(kernel, fk_setti
         again = mm.activation_grad(g, b, pre, activation, True)
         assert torch.equal(again[0], dpre) and torch.equal(again[1], db)
     assert mm.activation_grad(g, b, pre, "gelu", False)[1] is None
+    wide = rand((m, 2 * n), torch.float32, DEVICE)[:, ::2]  # a strided pre: read as its values
+    assert torch.equal(
+        mm.activation_grad(g, b, wide, "silu", False)[0], mm.activation_grad(g, b, wide.contiguous(), "silu", False)[0]
+    )
     assert bool(tma_launches) == (
         kernel == "tma" and (DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
     )

@@ -647,6 +647,9 @@ def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
     gradient reaching the activation, and ``pre`` the activation's input (for ReLU its output
     serves: ``relu'(pre)`` is ``relu(pre) > 0``)."""
     M, N = pre.shape
+    # (the pointer kernel reads pre at the output's offsets: the MLP's pre is its own
+    # contiguous result, so this copies only a caller's strided view)
+    pre = pre if pre.is_contiguous() else pre.contiguous()
     dpre = torch.empty((M, N), dtype=pre.dtype, device=pre.device)
     if dpre.numel() == 0 or g2.shape[1] == 0:
         dpre.zero_()
