@@ -84,7 +84,9 @@ class MLP(nn.Module):
     ``fc1`` is ``nn.Linear(in_features, hidden_features)`` and ``fc2``
     ``nn.Linear(hidden_features, out_features or in_features)``, each with a bias when ``bias``:
     the state dict keys of timm's ``Mlp`` (``fc1.weight``, ``fc1.bias``, ``fc2.weight``,
-    ``fc2.bias``), whose state dicts load as they are. ``activation``: "gelu" (``approximate``
+    ``fc2.bias``), whose state dicts load as they are; transformers' ``GPT2MLP`` state dicts
+    load too (``c_fc`` and ``c_proj``, ``Conv1D`` weights stored (in, out): transposed into
+    ``fc1`` and ``fc2`` as they load). ``activation``: "gelu" (``approximate``
     "none" or "tanh"), "relu" or "silu". Forward hooks on ``fc1`` and ``fc2`` do not run (the
     two projections are one call); their parametrizations do. Follows ``torch.autocast`` as
     ``nn.Linear`` does.
@@ -110,6 +112,20 @@ class MLP(nn.Module):
         # (checked now, on meta tensors: a bad name fails at construction, not at the first call)
         probe = [torch.empty(s, device="meta") for s in ((1, 1), (1, 1), (1, 1))]
         mlp(probe[0], probe[1], None, probe[2], None, activation=activation, approximate=approximate)
+        self.register_load_state_dict_pre_hook(self._gpt2_keys)
+
+    #: GPT-2's names for the two projections (``Conv1D``: weight (in, out)), loaded as this module's.
+    GPT2_NAMES = {"c_fc": "fc1", "c_proj": "fc2"}
+
+    @classmethod
+    def _gpt2_keys(cls, module, state_dict, prefix, *args) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            head, _, rest = key[len(prefix) :].partition(".")
+            target = f"{prefix}{cls.GPT2_NAMES.get(head)}.{rest}"
+            # (both names present: the GPT-2 key stays, and a strict load reports it unexpected)
+            if head in cls.GPT2_NAMES and rest and target not in state_dict:
+                value = state_dict.pop(key)
+                state_dict[target] = value.t() if rest == "weight" and value.dim() == 2 else value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2

@@ -257,3 +257,24 @@ def test_prologue_is_the_product_of_the_activations_output(kernel, fk_settings):
                 h = mm.torch_activation(a.float(), activation).to(dtype)  # eager's stored h
                 ref = h.double().cpu() @ b.double().cpu()
                 assert_rel_err(got, ref, 1e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32))
+
+
+def test_module_loads_a_gpt2_mlp_and_matches_it():
+    """transformers' ``GPT2MLP`` (``Conv1D`` weights stored (in, out)) loads into ``nn.MLP``
+    with its weights transposed, and the two agree, forward and backward."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    torch.manual_seed(4)
+    config = transformers.GPT2Config(n_embd=12, n_inner=20, activation_function="gelu_new", resid_pdrop=0.0)
+    stock = GPT2MLP(20, config).to(DEVICE)
+    fused = fusedkit.nn.MLP(12, 20, activation="gelu", approximate="tanh", device=DEVICE)
+    fused.load_state_dict(stock.state_dict())
+    x = rand((2, 5, 12), torch.float32, DEVICE)
+    xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ys, yf = stock(xs), fused(xf)
+    torch.testing.assert_close(yf, ys, rtol=1e-5, atol=1e-5)
+    ys.square().sum().backward()
+    yf.square().sum().backward()
+    torch.testing.assert_close(xf.grad, xs.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused.fc1.weight.grad, stock.c_fc.weight.grad.t(), rtol=1e-4, atol=1e-4)
