@@ -13,6 +13,19 @@ from .runtime.layout import broadcast_shape
 __all__ = ["LinearReLU", "AddReLU", "MLP", "SwiGLU", "RMSNorm", "LayerNorm"]
 
 
+def _rename_keys(state_dict: dict, prefix: str, names: dict, transpose_weights: bool = False) -> None:
+    """A load pre-hook's work: the keys under ``prefix`` whose first part another model's
+    module names (``names``: its name -> this module's) renamed to this module's, with 2-D
+    weights transposed where that model stores them (in, out) (``Conv1D``)."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        head, _, rest = key[len(prefix) :].partition(".")
+        target = f"{prefix}{names.get(head)}.{rest}"
+        # (both names present: the other model's key stays, and a strict load reports it unexpected)
+        if head in names and rest and target not in state_dict:
+            value = state_dict.pop(key)
+            state_dict[target] = value.t() if transpose_weights and rest == "weight" and value.dim() == 2 else value
+
+
 class LinearReLU(nn.Linear):
     """Drop-in for ``nn.Sequential(nn.Linear(in, out), nn.ReLU())`` with one fused kernel.
 
@@ -119,13 +132,7 @@ class MLP(nn.Module):
 
     @classmethod
     def _gpt2_keys(cls, module, state_dict, prefix, *args) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            head, _, rest = key[len(prefix) :].partition(".")
-            target = f"{prefix}{cls.GPT2_NAMES.get(head)}.{rest}"
-            # (both names present: the GPT-2 key stays, and a strict load reports it unexpected)
-            if head in cls.GPT2_NAMES and rest and target not in state_dict:
-                value = state_dict.pop(key)
-                state_dict[target] = value.t() if rest == "weight" and value.dim() == 2 else value
+        _rename_keys(state_dict, prefix, cls.GPT2_NAMES, transpose_weights=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
@@ -176,12 +183,7 @@ class SwiGLU(nn.Module):
 
     @classmethod
     def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            head, _, rest = key[len(prefix) :].partition(".")
-            target = f"{prefix}{cls.LLAMA_NAMES.get(head)}.{rest}"
-            # (both names present: the LLaMA key stays, and a strict load reports it unexpected)
-            if head in cls.LLAMA_NAMES and rest and target not in state_dict:
-                state_dict[target] = state_dict.pop(key)
+        _rename_keys(state_dict, prefix, cls.LLAMA_NAMES)
 
     def extra_repr(self) -> str:
         return (

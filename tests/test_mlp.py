@@ -195,19 +195,25 @@ def _timm_mlp(in_features, hidden, approximate):
         return stock
 
 
-def test_module_loads_timm_mlp_and_matches_it():
-    torch.manual_seed(3)
-    stock = _timm_mlp(12, 20, "tanh").to(DEVICE)
-    fused = fusedkit.nn.MLP(12, 20, activation="gelu", approximate="tanh", device=DEVICE)
-    fused.load_state_dict(stock.state_dict())
-    assert fused.state_dict().keys() == stock.state_dict().keys()
-    x = rand((2, 5, 12), torch.float32, DEVICE)
+def _assert_same_step(stock, fused, in_features):
+    """The same output, and input gradient, from ``stock`` and the ``fused`` module that loaded
+    its state dict, on one batch (the parameters' gradients are left for the caller)."""
+    x = rand((2, 5, in_features), torch.float32, DEVICE)
     xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys, yf = stock(xs), fused(xf)
     torch.testing.assert_close(yf, ys, rtol=1e-5, atol=1e-5)
     ys.square().sum().backward()
     yf.square().sum().backward()
     torch.testing.assert_close(xf.grad, xs.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_module_loads_timm_mlp_and_matches_it():
+    torch.manual_seed(3)
+    stock = _timm_mlp(12, 20, "tanh").to(DEVICE)
+    fused = fusedkit.nn.MLP(12, 20, activation="gelu", approximate="tanh", device=DEVICE)
+    fused.load_state_dict(stock.state_dict())
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    _assert_same_step(stock, fused, 12)
     for (name, p), q in zip(fused.named_parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
     with pytest.raises(ArgumentError, match="choose activation"):
@@ -270,11 +276,5 @@ def test_module_loads_a_gpt2_mlp_and_matches_it():
     stock = GPT2MLP(20, config).to(DEVICE)
     fused = fusedkit.nn.MLP(12, 20, activation="gelu", approximate="tanh", device=DEVICE)
     fused.load_state_dict(stock.state_dict())
-    x = rand((2, 5, 12), torch.float32, DEVICE)
-    xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ys, yf = stock(xs), fused(xf)
-    torch.testing.assert_close(yf, ys, rtol=1e-5, atol=1e-5)
-    ys.square().sum().backward()
-    yf.square().sum().backward()
-    torch.testing.assert_close(xf.grad, xs.grad, rtol=1e-4, atol=1e-4)
+    _assert_same_step(stock, fused, 12)
     torch.testing.assert_close(fused.fc1.weight.grad, stock.c_fc.weight.grad.t(), rtol=1e-4, atol=1e-4)

@@ -46,7 +46,6 @@ from .configs import (
     matmul_m_bucket,
     matmul_min_block_m,
     matmul_split_k_max,
-    matmul_tma_configs,
     matmul_tma_fixed_tile,
     prune_matmul_configs,
     tf32_copies_b,
@@ -622,11 +621,7 @@ def forward(a2: torch.Tensor, b: torch.Tensor, bias, activation, store_pre: bool
     return out, pre
 
 
-#: The TMA kernel's shortest tuning tile.
-_TMA_MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in matmul_tma_configs())
-
-
-def _colsum_block_m(g2, b) -> int:
+def _colsum_block_m(g2) -> int:
     """The fewest rows the launch's tile may have: the column sums' partials get a row for each
     tile row of that height, so whatever tile the launch runs (the tuner chooses it after they
     are allocated) has its rows; those it leaves stay zero."""
@@ -636,7 +631,7 @@ def _colsum_block_m(g2, b) -> int:
         return min(MATMUL_FIXED_TILE["BLOCK_M"], matmul_tma_fixed_tile(g2.element_size())["BLOCK_M"])
     precision = fp32_precision() if g2.dtype == torch.float32 else "ieee"
     pointer = matmul_min_block_m(matmul_m_bucket(g2.shape[0]), precision, g2.dtype)
-    return min(pointer, _TMA_MIN_BLOCK_M)
+    return min(pointer, min(c.kwargs["BLOCK_M"] for c in matmul_tma.matmul_tma_tuned.configs))
 
 
 def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
@@ -656,7 +651,7 @@ def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
         return dpre, (torch.zeros(N, dtype=pre.dtype, device=pre.device) if bias_grad else None)
     colsum = None
     if bias_grad:  # (in the accumulator's dtype; rows past the launch tile's count stay zero)
-        rows = triton.cdiv(M, _colsum_block_m(g2, b))
+        rows = triton.cdiv(M, _colsum_block_m(g2))
         acc = torch.float64 if pre.dtype == torch.float64 else torch.float32
         colsum = torch.zeros((rows, N), dtype=acc, device=pre.device)
     launch_matmul(g2, b, None, activation, dpre, pre, grad_act=True, colsum=colsum)
