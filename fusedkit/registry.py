@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
-from triton.runtime.jit import KernelInterface
+from triton.runtime import KernelInterface
 
 from .errors import ArgumentError, DTypeError, UnknownKernelError
 

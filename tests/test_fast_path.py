@@ -291,80 +291,6 @@ def test_direct_launch_arguments(monkeypatch):
     assert args[18:] == (*recipe.static_args, *recipe.constexprs)
 
 
-class _StandInCudaLauncher:
-    """The attributes of Triton 3.6's CUDA launcher object that the raw launch reads."""
-
-    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
-        self.launch = _StandInLauncher()
-        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
-        self.launch_cooperative_grid, self.launch_pdl = 0, 1
-
-
-def test_raw_launch_calls_the_c_launch_function(monkeypatch):
-    # On Triton 3.6 a kept kernel is launched through the launcher object's C
-    # function, with the flags and (absent) scratch buffers its Python wrapper adds.
-    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", True)
-    cuda_launcher = _StandInCudaLauncher()
-    launch, head, layouts = fk_launch.raw_launcher(cuda_launcher)
-    assert launch is cuda_launcher.launch and head == (0, 1, None, None) and layouts is None
-    entry = fk_launch.Entry(
-        compiled=None,
-        launcher=launch,
-        function=7,
-        packed_metadata="packed",
-        grid=(3, 1, 1),
-        tail=("tail",),
-        extra=None,
-        head=head,
-    )
-    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 1234)
-    fk_launch.CompiledCache.run(entry, (11, 12), 0)
-    assert launch.calls == [(3, 1, 1, 1234, 7, 0, 1, None, None, "packed", None, None, None, 11, 12, "tail")]
-    # A kernel that needs scratch memory, or another Triton release, keeps the wrapper.
-    assert fk_launch.raw_launcher(_StandInCudaLauncher(global_scratch_size=64)) is None
-    assert fk_launch.raw_launcher(object()) is None
-    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", False)
-    assert fk_launch.raw_launcher(cuda_launcher) is None
-
-
-def _descriptor_wrapper(c_launch, tensordesc_meta):
-    """A stand-in for the function Triton 3.6 wraps its C launch in when a kernel takes TMA
-    descriptors (its closure holds the C launch and the descriptors' metadata)."""
-    launcher = c_launch
-
-    def inner(*args):
-        return launcher(tensordesc_meta, *args)
-
-    return inner
-
-
-class _Metadata:
-    def __init__(self, tensordesc_meta):
-        self.tensordesc_meta = tensordesc_meta
-
-
-def test_raw_launch_takes_encoded_descriptors(monkeypatch):
-    # A TMA kernel's launcher is Triton's descriptor-expanding wrapper: a kept launch calls
-    # the C launch inside it, with the layouts the compiled kernel recorded.
-    monkeypatch.setattr(fk_launch, "RAW_LAUNCH", True)
-    monkeypatch.setattr(fk_launch, "TMA_HOST_TYPE", {10: 8, 7: 7})
-    meta = [
-        {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False},
-        {"swizzle": 2, "elem_size": 4, "elem_type": 7, "block_size": [64, 32], "fp4_padded": False},
-    ]
-    cuda_launcher = _StandInCudaLauncher()
-    c_launch = cuda_launcher.launch
-    cuda_launcher.launch = _descriptor_wrapper(c_launch, meta)
-    launch, head, layouts = fk_launch.raw_launcher(cuda_launcher, _Metadata(meta))
-    assert launch is c_launch and head == (0, 1, None, None)
-    assert layouts == ((3, 2, 8, (128, 64)), (2, 4, 7, (64, 32)))  # host-side element type codes
-    # A descriptor without a hardware layout, or an fp4 one: the wrapper stays.
-    for odd in ([meta[0], None], [meta[0], {**meta[1], "fp4_padded": True}]):
-        cuda_launcher.launch = _descriptor_wrapper(c_launch, odd)
-        launch, _, layouts = fk_launch.raw_launcher(cuda_launcher, _Metadata(odd))
-        assert launch is cuda_launcher.launch and layouts is None
-
-
 def test_tensor_maps_are_encoded_once_per_operand(monkeypatch):
     encoded = []
     monkeypatch.setattr(fk_launch, "encode_tensor_map", lambda *args: encoded.append(args) or f"map{len(encoded)}")
@@ -452,7 +378,7 @@ def test_direct_launch_after_the_first_call():
         assert torch.equal(fusedkit.add_relu(x, y), torch.relu(x + y))
         assert len(recipe.compiled) == 1
     (entry,) = recipe.compiled.entries()
-    assert bool(entry.head) == fk_launch.RAW_LAUNCH  # Triton 3.6: its C launch function, called directly
+    assert bool(entry.flags) == fk_launch.RAW_LAUNCH  # a supported release: its C launch function, called directly
 
 
 def test_two_output_launches_are_kept_with_both_results():

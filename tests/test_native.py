@@ -73,11 +73,11 @@ def _triton_signature(recipe, bits):
 
 
 def _kept(recipe, operands, param):
-    """A stand-in kept launch of ``recipe``, as Triton 3.6's raw launch would keep it."""
+    """A stand-in kept launch of ``recipe``, as a supported release's raw launch would keep it."""
     recipe.run(operands, param)  # encodes the parameter, as a launch does
     bits = recipe.last_param[1][0]
     signature, values = _triton_signature(recipe, bits)
-    compiled = SimpleNamespace(src=SimpleNamespace(signature=signature))
+    compiled = SimpleNamespace(src=SimpleNamespace(signature=signature), packed_metadata=(4, 1, 0))
     entry = fk_launch.Entry(
         compiled=compiled,
         launcher=None,
@@ -87,6 +87,7 @@ def _kept(recipe, operands, param):
         tail=recipe.launch_tail,
         extra=None,
         head=(0, 0, None, None),
+        flags=(0, 0),
     )
     return entry, signature, values
 
@@ -100,7 +101,7 @@ def _expected_params(signature, values, pointers):
             packed.append(pointers[i])
         else:
             packed.append(value & (0xFFFFFFFF if ty == "i32" else 0xFFFFFFFFFFFFFFFF))
-    return packed + [0, 0]  # Triton 3.6's two scratch pointers
+    return packed + [0, 0]  # the two scratch pointers every supported release appends
 
 
 def test_table_packs_what_tritons_launcher_gets(table):
@@ -496,9 +497,10 @@ def test_register_needs_the_setting_and_a_plain_launch(fk_settings, table, monke
     fusedkit.add_relu(x, y)
     recipe = ew.KEPT[ew.call_key(ADD_RELU, (x, y), 1)]
     entry, _, _ = _kept(recipe, (x, y), 1)
-    assert not native.register(recipe, entry._replace(head=()), table)  # Triton's Python launcher
-    assert not native.register(recipe, entry._replace(head=(1, 0, None, None)), table)  # cooperative
-    assert not native.register(recipe, entry._replace(packed_metadata=(4, 2, 0)), table)  # a cluster
+    assert not native.register(recipe, entry._replace(flags=()), table)  # Triton's Python launcher
+    assert not native.register(recipe, entry._replace(flags=(1, 0)), table)  # cooperative
+    cluster = SimpleNamespace(src=entry.compiled.src, packed_metadata=(4, 2, 0))
+    assert not native.register(recipe, entry._replace(compiled=cluster), table)  # a cluster
     fk_settings(native_launch=False)
     assert not native.register(recipe, entry, table)
     assert len(table) == 0
@@ -700,7 +702,8 @@ def test_the_launch_path_is_reported_and_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(native.launch, "RAW_LAUNCH", False)
     assert "C++ launch table is off" in native.launch_path() and "3.6" in native.launch_path()
     monkeypatch.setattr(native.launch, "RAW_LAUNCH", True)
-    assert native.launch_path().startswith("the C++ launch table")
+    monkeypatch.setattr(native.triton_api, "ADAPTER", native.triton_api.SHARED)
+    assert native.launch_path().startswith("the C++ launch table") and "shared C launcher" in native.launch_path()
     monkeypatch.setattr(native.launch, "INTERPRETED", True)
     assert "interpreter" in native.launch_path()
     monkeypatch.setattr(native, "_PATH_LOGGED", False)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
 
 from ..kernels import activations
 from ..kernels.elementwise import elementwise_kernel
@@ -22,6 +20,7 @@ from .configs import COMPILER_OPTIONS
 from .elementwise import launch_config
 from .matmul import launch_config as matmul_config
 from .norm import backward_launch, forward_launch
+from .triton_api import ASTSource, GPUTarget, make_backend
 
 #: Hopper (H100, H200): compute capability 9.0, 32-thread warps.
 HOPPER = GPUTarget("cuda", 90, 32)

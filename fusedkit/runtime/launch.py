@@ -27,28 +27,13 @@ import threading
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
-from packaging.version import Version
-from triton.compiler.compiler import CompiledKernel
-
-try:  # the hooks a profiler (e.g. Triton's proton) installs around launches
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover - older Triton
-    _knobs = None
-try:  # Triton 3.5+ keeps launch hooks in a chain that is never None
-    from triton.knobs import HookChain as _HookChain
-except ImportError:  # pragma: no cover - older Triton
-    _HookChain = ()
 
 from .. import settings
 from ..kernels import helpers
+from . import triton_api
 from .configs import CALL_CACHE_SIZE, COMPILED_CACHE_SIZE, TENSOR_MAP_CACHE_SIZE
-
-try:  # Triton 3.6's CUDA launcher: the TMA element-type codes its descriptor encoder takes
-    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as TMA_HOST_TYPE
-except ImportError:  # pragma: no cover - another Triton or no CUDA backend
-    TMA_HOST_TYPE = None
+from .triton_api import CompiledKernel
 
 try:  # what Triton's own driver calls for the current stream and device
     from torch._C import _cuda_getCurrentRawStream as current_stream
@@ -93,11 +78,9 @@ def stream_of(index: int) -> int:
 
 #: Triton proves 16-byte accesses from pointers and integers divisible by 16.
 ALIGNMENT = 16
-#: Triton releases whose CUDA launcher object we call past (its C ``launch`` takes
-#: cooperative / PDL flags and two scratch buffers after the function handle). The
-#: object's own ``__call__`` only adds those, in Python, on every launch.
-RAW_LAUNCH_RELEASES = ((3, 6),)
-RAW_LAUNCH = Version(triton.__version__).release[:2] in RAW_LAUNCH_RELEASES
+#: Whether this Triton release's launcher can be called past its Python wrapper
+#: (``triton_api.ADAPTER``; the C++ launch table needs it too).
+RAW_LAUNCH = triton_api.ADAPTER is not None
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 #: The range of a 64-bit integer argument or parameter encoding.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -161,24 +144,8 @@ class GridRecorder:
         return self._grid_fn(meta)
 
 
-_RUNTIME = _knobs.runtime if _knobs is not None else None
-
-
-def _live(hook):
-    """``hook``, or None when it would do nothing (an empty chain)."""
-    return None if hook is None or (type(hook) is _HookChain and not hook.calls) else hook
-
-
-def _hooks():
-    if _RUNTIME is None:
-        return None, None
-    return _live(_RUNTIME.launch_enter_hook), _live(_RUNTIME.launch_exit_hook)
-
-
-def hook_source():
-    """(``triton.knobs.runtime``, the ``HookChain`` type), where the C++ launch table reads
-    the launch hooks as :func:`hooks_idle` does; Nones on a Triton without them."""
-    return _RUNTIME, _HookChain if isinstance(_HookChain, type) else None
+_hooks = triton_api.hooks
+hook_source = triton_api.hook_source
 
 
 def hooks_idle() -> bool:
@@ -192,10 +159,12 @@ class Entry(NamedTuple):
     arguments (the compile-time constants, in signature order: the compiled launcher
     skips them, but expects every parameter), and the caller's ``extra`` (e.g. a tile).
     ``head`` goes between the function handle and the packed metadata: empty for
-    Triton's launcher object, its flags and scratch buffers (None) for its C ``launch``.
+    Triton's launcher object (or a release's adapter that binds its own), the flags and
+    scratch buffers (None) for a per-kernel C ``launch`` (``triton_api.raw_launcher``).
     ``layouts``: when the launcher takes TMA descriptors already encoded (see
     :func:`tensor_map_args`), the hardware layout of each descriptor parameter, in order;
-    None when it takes ``TensorDescriptor`` objects (or the kernel has none)."""
+    None when it takes ``TensorDescriptor`` objects (or the kernel has none). ``flags``:
+    (cooperative, pdl) of a launch past Triton's wrapper, empty for one through it."""
 
     compiled: CompiledKernel
     launcher: object
@@ -206,43 +175,13 @@ class Entry(NamedTuple):
     extra: object
     head: tuple = ()
     layouts: tuple | None = None
-
-
-def _descriptor_launch(launch, metadata):
-    """``(C launch, layouts)`` when ``launch`` is the wrapper Triton 3.6 puts around its C
-    launch for a kernel with TMA descriptor parameters (it encodes every ``TensorDescriptor``
-    on every call, after the caller has built them: encoding them once per operand instead
-    halves a repeated TMA matmul's host time, docs/design.md, "Matmul calls"), else None (no
-    descriptors, or a layout this module does not encode: the wrapper stays)."""
-    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
-    cells = dict(zip(names, getattr(launch, "__closure__", None) or ()))
-    metas = getattr(metadata, "tensordesc_meta", None)
-    if "launcher" not in cells or "tensordesc_meta" not in cells or not metas or TMA_HOST_TYPE is None:
-        return None
-    if any(m is None or m.get("fp4_padded") for m in metas):
-        return None
-    layouts = tuple(
-        (m["swizzle"], m["elem_size"], TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"])) for m in metas
-    )
-    return cells["launcher"].cell_contents, layouts
+    flags: tuple = ()
 
 
 def raw_launcher(launcher, metadata=None):
-    """``(launch, head, layouts)`` for calling Triton's C launch function directly, or None
-    when this launcher needs its Python wrapper (scratch buffers to allocate, an unknown
-    release). ``layouts``: see :class:`Entry`."""
-    if not RAW_LAUNCH:
-        return None
-    try:
-        needs_scratch = launcher.global_scratch_size or launcher.profile_scratch_size
-        head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
-        launch = launcher.launch
-    except AttributeError:
-        return None
-    if needs_scratch:
-        return None
-    unwrapped = _descriptor_launch(launch, metadata)
-    return (launch, head, None) if unwrapped is None else (unwrapped[0], head, unwrapped[1])
+    """``(launch, head, layouts, flags)`` for calling Triton's C launch function directly, or
+    None when this launcher needs its Python wrapper (``triton_api.raw_launcher``)."""
+    return triton_api.raw_launcher(launcher, metadata)
 
 
 #: How to empty each process-wide cache of fusedkit's (plans, kept launches, recipes, encoded
@@ -270,9 +209,7 @@ def clear_caches() -> None:
 TENSOR_MAPS: dict = {}
 
 
-def encode_tensor_map(*args):
-    """Triton's CUtensorMap encoder (``cuTensorMapEncodeTiled``), as its launcher calls it."""
-    return triton.runtime.driver.active.utils.fill_tma_descriptor(*args)
+encode_tensor_map = triton_api.encode_tensor_map
 
 
 def tensor_map_args(address: int, shape: tuple, strides: tuple, layout: tuple) -> list:
@@ -349,14 +286,14 @@ class CompiledCache:
         compiled._init_handles()
         if len(self._entries) >= self._maxsize:
             self._entries.clear()  # rare: a process cycling through many signatures
-        launcher, head, layouts = raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None)
+        launcher, head, layouts, flags = raw_launcher(compiled.run, compiled.metadata) or (compiled.run, (), None, ())
         self._entries[key] = Entry(
-            compiled, launcher, compiled.function, compiled.packed_metadata, grid, tail, extra, head, layouts
+            compiled, launcher, compiled.function, compiled.packed_metadata, grid, tail, extra, head, layouts, flags
         )
 
     @staticmethod
     def run(entry: Entry, args: tuple, device_index: int) -> None:
-        compiled, launcher, function, packed, grid, tail, _, head, _ = entry
+        compiled, launcher, function, packed, grid, tail, _, head, _, _ = entry
         stream = current_stream(device_index)
         enter, exit_ = _hooks()
         # Launch metadata only feeds hooks; Triton builds it on every launch (a lazy dict).

@@ -19,10 +19,10 @@ of a process loads it, or builds it when it is missing (about 30 s, logged once)
 failed build warns once and leaves the Python path in charge.
 
 The table holds only launches whose kernel Triton compiled for 16-byte-aligned
-pointers, with every operand a tensor on the launch's device, on Triton 3.6 (whose
-launcher's parameter packing it repeats: the kernel's non-constant arguments, then two
-scratch pointers), one CTA per program and no cooperative or PDL launch. On any other
-Triton the Python path runs every call.
+pointers, with every operand a tensor on the launch's device, on a Triton release with an
+adapter in ``triton_api`` (3.5 - 3.9: the table repeats their launchers' parameter packing,
+the kernel's non-constant arguments, then two scratch pointers), one CTA per program and no
+cooperative or PDL launch. On any other Triton the Python path runs every call.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import triton
 
 from .. import registry, settings
 from ..kernels.elementwise import POINTER_ARGS
-from . import launch
+from . import launch, triton_api
 
 __all__ = ["TABLE", "applies", "build", "clear", "enabled", "library_path", "register", "set_backward_factory"]
 
@@ -82,8 +82,9 @@ def enabled() -> bool:
 
 
 def applies() -> bool:
-    """Whether this Triton's launches can be repeated from C++ (the table packs Triton 3.6's
-    launcher parameters) and compiled kernels run here."""
+    """Whether this Triton's launches can be repeated from C++ (a release with an adapter in
+    ``triton_api``: the table packs the parameters as its launcher does) and compiled kernels
+    run here."""
     return launch.RAW_LAUNCH and not launch.INTERPRETED
 
 
@@ -91,7 +92,7 @@ def launch_path() -> str:
     """Which launch path a repeated eager call takes on this machine, and why: what
     ``python -m fusedkit build`` prints and, once a process, the INFO log where the C++ table
     does not apply."""
-    releases = ", ".join(".".join(map(str, r)) for r in launch.RAW_LAUNCH_RELEASES)
+    releases = ", ".join(".".join(map(str, r)) for r in triton_api.ADAPTERS)
     if launch.INTERPRETED:
         return "Triton's interpreter (TRITON_INTERPRET=1): the kernels run on the CPU, every call through Triton"
     if not torch.cuda.is_available():
@@ -99,10 +100,10 @@ def launch_path() -> str:
     if not launch.RAW_LAUNCH:
         return (
             f"Python direct launches through Triton {triton.__version__}'s launcher object; the C++ launch "
-            f"table is off (it packs the launcher parameters of Triton {releases} only)"
+            f"table is off (fusedkit reads the launchers of Triton {releases} only)"
         )
     return (
-        f"the C++ launch table (Triton {triton.__version__}'s C launcher) where it is built, "
+        f"the C++ launch table (Triton {triton.__version__}: {triton_api.ADAPTER.name}) where it is built, "
         "else Python direct launches"
     )
 
@@ -274,10 +275,10 @@ def _param_encoding(param) -> tuple[int, int] | None:
 
 def launch_layout(kept, entry) -> tuple[str, list[int]] | None:
     """The table's ``kinds`` and ``values`` for the kernel parameters of a kept launch of
-    ``kept``, in the order Triton 3.6 passes them (compile-time constants dropped)."""
+    ``kept``, in the order Triton passes them (compile-time constants dropped)."""
     bits, _ = kept.last_param[1]
     values = (0,) * POINTER_ARGS + (*bits, *kept.launch_tail)  # the kernel's signature order
-    signature = entry.compiled.src.signature
+    signature = triton_api.signature(entry.compiled)
     if len(signature) != len(values):
         return None
     slots = dict(zip(_OPERAND_POINTERS, kept.tensor_slots))
@@ -302,13 +303,13 @@ def launch_layout(kept, entry) -> tuple[str, list[int]] | None:
 def register(kept, entry, table=None) -> bool:
     """Add ``entry`` (a kept launch of ``kept``, compiled for aligned pointers) to the
     table; False when it does not qualify or the table is unavailable."""
-    if not enabled() or kept.operand_signature is None or not entry.head:
+    if not enabled() or kept.operand_signature is None or not entry.flags:
         return False
     if table is None and not applies():
         _log_path_once()
         return False
-    cooperative, pdl = entry.head[:2]
-    num_warps, num_ctas, shared = entry.packed_metadata
+    cooperative, pdl = entry.flags
+    num_warps, num_ctas, shared = triton_api.geometry(entry.compiled)
     param = _param_encoding(kept.last_param[0])
     layout = launch_layout(kept, entry) if kept.last_param[1] is not None else None
     if cooperative or pdl or num_ctas != 1 or param is None or layout is None:
