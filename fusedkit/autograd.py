@@ -33,6 +33,7 @@ __all__ = [
     "EagerMatmul",
     "FuncElementwise",
     "FuncMatmul",
+    "GatedMLP",
     "MLP",
     "MLP_PROLOGUE",
     "Norm",
@@ -765,6 +766,87 @@ class MLP(torch.autograd.Function):
             )
         db2 = dy.sum(0) if ctx.has_b2 and need[4] else None
         return dx, dw1, db1, dw2, db2, None, None
+
+
+def gated_forward(x2, w_gate, w_up, b_gate, b_up, activation: str, keep: bool):
+    """``(h, gate, up)`` of a gated MLP's first GEMM on validated 2-D ``x2``: ``h = act(x2 @
+    w_gate^T + b_gate) * (x2 @ w_up^T + b_up)`` from one launch of the gated epilogue, with the
+    gate and up projections kept (``keep``) or None. Weights as ``nn.Linear`` stores them, with
+    equal strides (the kernel reads both B tiles through one set)."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    h = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    gate = torch.empty_like(h) if keep else None
+    up = torch.empty_like(h) if keep else None
+    if h.numel() == 0 or x2.shape[1] == 0:  # (K == 0: the products are the biases alone)
+        z = torch.zeros_like(h)
+        g, u = z + (0 if b_gate is None else b_gate), z + (0 if b_up is None else b_up)
+        h.copy_(matmul.torch_activation(g, activation) * u)
+        if keep:
+            gate.copy_(g), up.copy_(u)
+        return h, gate, up
+    matmul.launch_matmul(x2, w_gate.t(), b_gate, activation, h, gate, gate=matmul.Gate(w_up.t(), b_up, up))
+    return h, gate, up
+
+
+#: The registry's gate of each gated MLP activation (its two-output gradient is ``<name>_grad``).
+GATES = {"silu": "silu_mul", "gelu": "gelu_mul", "gelu_tanh": "gelu_tanh_mul"}
+
+
+class GatedMLP(torch.autograd.Function):
+    """``linear(act(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)`` on 2-D
+    ``x2``, weights as ``nn.Linear`` stores them:
+    - forward: the gate and up projections and ``act(gate) * up`` from one GEMM with the gated
+      epilogue (:func:`gated_forward`), then the down projection;
+    - backward: ``h`` again from the kept gate and up (the registry's gate, one elementwise
+      pass), ``dw_down = dy^T h``; ``dh = dy @ w_down``; both gate gradients from one launch of
+      the gate's two-output gradient kernel; ``dx = dgate @ w_gate + dup @ w_up`` (one GEMM
+      accumulating into the other), ``dw_gate = dgate^T x2``, ``dw_up = dup^T x2``.
+    Saved: ``x2``, the weights, the gate and up projections: two tensors of the hidden size
+    where eager keeps four (the gate, its activation, up and ``h``). ``recompute`` keeps ``x2``
+    and the weights (and biases) only and runs the gated GEMM again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x2, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, recompute: bool):
+        h, gate, up = gated_forward(x2, w_gate, w_up, b_gate, b_up, activation, not recompute)
+        y = torch.nn.functional.linear(h, w_down, b_down)
+        ctx.activation, ctx.recompute = activation, recompute
+        ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+        if recompute:
+            ctx.save_for_backward(x2, w_gate, w_up, w_down, b_gate, b_up)
+        else:
+            ctx.save_for_backward(x2, w_gate, w_up, w_down, gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            raise NotDifferentiableError("gated_mlp(): double backward is not supported")
+        gate_name = GATES[ctx.activation]
+        if ctx.recompute:
+            x2, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
+            h, gate, up = gated_forward(x2, w_gate, w_up, b_gate, b_up, ctx.activation, True)
+        else:
+            x2, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+            h = None
+        dy = matmul.resolve_neg(dy).to(x2.dtype)
+        need = ctx.needs_input_grad
+        dw_down = db_down = None
+        if need[3]:
+            if h is None:
+                h = elementwise.run(get(gate_name), (gate, up), None)
+            dw_down = dy.t() @ h
+        if ctx.has_bias[2] and need[6]:
+            db_down = dy.sum(0)
+        if not any(need[:3]) and not any(need[4:6]):
+            return None, None, None, dw_down, None, None, db_down, None, None
+        dh = dy @ w_down
+        dgate, dup = elementwise.run_pair(PAIRS[f"{gate_name}_grad"], (dh, gate, up), None)
+        dx = torch.addmm(dgate @ w_gate, dup, w_up) if need[0] else None
+        dw_gate = dgate.t() @ x2 if need[1] else None
+        dw_up = dup.t() @ x2 if need[2] else None
+        db_gate = dgate.sum(0) if ctx.has_bias[0] and need[4] else None
+        db_up = dup.sum(0) if ctx.has_bias[1] and need[5] else None
+        return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, None, None
 
 
 class Norm(torch.autograd.Function):

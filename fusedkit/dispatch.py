@@ -362,6 +362,82 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     return y.view(*lead, y.shape[1])
 
 
+#: ``fusedkit.gated_mlp``'s activations: (activation, approximate) -> the gated epilogue's name.
+GATED_ACTIVATIONS = {("silu", "none"): "silu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
+
+
+def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, recompute: bool):
+    """``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)`` (see
+    :func:`fusedkit.gated_mlp`): checked before anything runs; eager calls on the kernels
+    (``autograd.GatedMLP`` where a gradient is needed); traced, transformed and DTensor calls,
+    the PyTorch backend, and gate and up weights laid out differently run the composition."""
+    for name, value in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(value, torch.Tensor):
+            raise DTypeError(f"gated_mlp(): {name} must be a Tensor, got {type(value).__name__}")
+    if bias is None:
+        bias = (None, None, None)
+    if not isinstance(bias, (tuple, list)) or len(bias) != 3:
+        raise ArgumentError("gated_mlp(): bias must be None or (b_gate, b_up, b_down), each a Tensor or None")
+    for name, value in zip(("b_gate", "b_up", "b_down"), bias):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise DTypeError(f"gated_mlp(): {name} must be a Tensor or None, got {type(value).__name__}")
+    act = GATED_ACTIVATIONS.get((activation, approximate)) if type(activation) is type(approximate) is str else None
+    if act is None:
+        raise ArgumentError(
+            f"gated_mlp(): activation={activation!r}, approximate={approximate!r}: choose activation 'silu' "
+            "or 'gelu' (approximate 'none' or 'tanh')"
+        )
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast(x, w_gate, w_up, w_down, *bias)
+    if w_gate.dim() != 2 or w_up.dim() != 2 or w_down.dim() != 2:
+        raise ShapeError("gated_mlp(): w_gate, w_up and w_down must be 2-D (out, in)")
+    hidden, inner = w_gate.shape
+    if tuple(w_up.shape) != (hidden, inner):
+        raise ShapeError(f"gated_mlp(): w_up{tuple(w_up.shape)} must have w_gate's shape {(hidden, inner)}")
+    if x.dim() < 1 or x.shape[-1] != inner:
+        raise ShapeError(f"gated_mlp(): x{tuple(x.shape)} does not end in w_gate's in_features ({inner})")
+    if w_down.shape[1] != hidden:
+        raise ShapeError(f"gated_mlp(): w_down{tuple(w_down.shape)} must take the {hidden} hidden features")
+    for name, value, size in (("b_gate", b_gate, hidden), ("b_up", b_up, hidden), ("b_down", b_down, w_down.shape[0])):
+        if value is not None and tuple(value.shape) != (size,):
+            raise ShapeError(f"gated_mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
+    tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    names = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    for name, value in zip(names, tensors[1:]):
+        if value is not None and value.dtype != x.dtype:
+            raise DTypeError(f"gated_mlp(): {name} is {value.dtype}, x is {x.dtype}: they must share a dtype")
+        if value is not None and value.device != x.device:
+            raise DeviceError(f"gated_mlp(): {name} is on {value.device}, x on {x.device}")
+    if x.dtype not in mm.MATMUL_DTYPES:
+        raise DTypeError(f"gated_mlp(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
+    if (
+        _is_compiling()
+        or _functorch()
+        or _dispatch_modes()
+        or _jit_tracing()
+        or _has_tangent(tensors)
+        or sharding.has_dtensor(tensors)
+        or tracing(tensors)
+        or ew.backend_for(x.device) == "torch"
+        or w_gate.stride() != w_up.stride()  # (the kernel reads both through one set of strides)
+        or (b_gate is not None and b_up is not None and b_gate.stride() != b_up.stride())
+    ):
+        gate = mm.torch_activation(F.linear(x, w_gate, b_gate), act)
+        return F.linear(gate * F.linear(x, w_up, b_up), w_down, b_down)
+    lead = x.shape[:-1]
+    x2 = mm.resolve_neg(x).reshape(lead.numel(), inner)
+    w_gate, w_up, w_down, b_gate, b_up, b_down = (mm.resolve_neg(t) for t in tensors[1:])
+    if b_gate is None and b_up is not None:  # the epilogue adds both biases or neither
+        b_gate = torch.zeros_like(b_up)
+    elif b_up is None and b_gate is not None:
+        b_up = torch.zeros_like(b_gate)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        y = autograd.GatedMLP.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, act, bool(recompute))
+    else:
+        h = autograd.gated_forward(x2, w_gate, w_up, b_gate, b_up, act, False)[0]
+        y = F.linear(h, w_down, b_down)
+    return y.view(*lead, y.shape[1])
+
+
 def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, alpha):
     """The norm ``kernel`` (RMSNorm or LayerNorm, a residual added first where it takes one) of
     ``x`` over ``normalized_shape``: ``y``, or ``(y, h)`` with a residual (see

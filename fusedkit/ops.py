@@ -42,6 +42,7 @@ __all__ = [
     "linear_relu",
     "matmul",
     "matmul_relu",
+    "gated_mlp",
     "mlp",
     "rms_norm",
     "silu_mul",
@@ -287,6 +288,35 @@ def mlp(
     DTensor and CPU calls run the PyTorch composition.
     """
     return dispatch.mlp(x, w1, b1, w2, b2, activation, approximate, recompute)
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    activation: str = "silu",
+    approximate: str = "none",
+    bias: tuple | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)``, the gated MLP of LLaMA,
+    Mistral, Qwen and Gemma (SwiGLU with ``activation="silu"``, GeGLU with "gelu", ``approximate``
+    "none" or "tanh"), as one trainable unit. Weights as ``nn.Linear`` stores them: ``w_gate``
+    and ``w_up`` (hidden, in), ``w_down`` (out, hidden), read in place (a stacked
+    ``gate_up_proj`` weight's two halves are views, so it needs no copy either); ``bias``: None
+    or ``(b_gate, b_up, b_down)``, each a tensor or None.
+
+    The gate and up projections run as one GEMM that loads each tile of ``x`` once, multiplies
+    it by both weights' tiles and writes ``act(gate) * up`` from its epilogue: the two
+    projections are never written for inference, and for training they are the two tensors of
+    the hidden size kept for the backward (eager keeps four). ``recompute=True`` keeps only
+    ``x`` and runs that GEMM again in the backward. Follows ``torch.autocast`` as ``F.linear``
+    does. Traced, ``torch.func``, DTensor and CPU calls, and gate and up weights with different
+    strides, run the PyTorch composition.
+    """
+    return dispatch.gated_mlp(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
 
 
 # --- Normalisation over rows: RMSNorm and LayerNorm, with a residual add first -------------

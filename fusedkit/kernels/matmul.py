@@ -8,7 +8,9 @@ epilogue (:func:`grad_epilogue`) makes the same kernel an MLP's ``dh`` GEMM that
 the pre-activation's gradient, and its column sums (the bias gradient), directly; the
 prologue (:func:`prologue`) applies an activation to A's tiles as they load, so an MLP's
 down-projection and its weight gradient read the pre-activation, and the activation's
-output is never written.
+output is never written. The gated variant (``GATED``, :func:`gated_epilogue`) multiplies
+each A tile by two B operands into two accumulators, a gated MLP's gate and up projections,
+and writes ``act(gate) * up``: one GEMM where eager runs two and the gate between them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton.language as tl
 
 from . import activations, helpers
 
-__all__ = ["epilogue", "grad_epilogue", "matmul_kernel", "prologue"]
+__all__ = ["epilogue", "gated_epilogue", "grad_epilogue", "matmul_kernel", "prologue"]
 
 
 @triton.jit
@@ -30,6 +32,19 @@ def epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVA
         bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
         acc = acc + helpers.widen(bias[None, :], acc.dtype)
     return acc, activations.apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
+def gated_epilogue(
+    acc, acc2, cols, bias_ptr, bias2_ptr, N, stride_bias, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr
+):
+    """Every matmul kernel's gated epilogue, on the gate's and the up projection's accumulator
+    tiles: returns ``(gate, up, act(gate) * up)``, each bias added first. The product is taken
+    in float32 from unrounded values (eager rounds the gate, its activation and the product
+    each to the operands' dtype), so it is at least as close to the exact result as eager's."""
+    gate, act = epilogue(acc, cols, bias_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+    up, _ = epilogue(acc2, cols, bias2_ptr, N, stride_bias, HAS_BIAS, 0)
+    return gate, up, act * up
 
 
 @triton.jit
@@ -64,6 +79,7 @@ def grad_epilogue(acc, pre, mask, colsum_ptr, pid_m, cols, N, ACTIVATION: tl.con
 @triton.jit
 def _store(
     acc,
+    acc2,
     rows,
     cols,
     mask,
@@ -72,6 +88,8 @@ def _store(
     bias_ptr,
     pre_ptr,
     colsum_ptr,
+    bias2_ptr,
+    pre2_ptr,
     N,
     stride_cm,
     stride_cn,
@@ -81,11 +99,19 @@ def _store(
     STORE_PRE: tl.constexpr,
     GRAD_ACT: tl.constexpr,
     SUM_ROWS: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """The epilogue, then the pre-activation (when kept) and the result stored through pointers;
-    with ``GRAD_ACT``, the backward epilogue on ``pre`` read from ``pre_ptr`` instead."""
+    with ``GRAD_ACT``, the backward epilogue on ``pre`` read from ``pre_ptr`` instead; with
+    ``GATED``, the gated epilogue on ``acc`` and ``acc2``, the gate kept in ``pre`` and the up
+    projection in ``pre2`` (both laid out as the output)."""
     c_offsets = rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    if GRAD_ACT:
+    if GATED:
+        gate, up, out = gated_epilogue(acc, acc2, cols, bias_ptr, bias2_ptr, N, stride_bias, HAS_BIAS, ACTIVATION)
+        if STORE_PRE:
+            tl.store(pre_ptr + c_offsets, helpers.convert(gate, pre_ptr.dtype.element_ty), mask=mask)
+            tl.store(pre2_ptr + c_offsets, helpers.convert(up, pre2_ptr.dtype.element_ty), mask=mask)
+    elif GRAD_ACT:
         pre = tl.load(pre_ptr + c_offsets, mask=mask, other=0.0)
         out = grad_epilogue(acc, pre, mask, colsum_ptr, pid_m, cols, N, ACTIVATION, SUM_ROWS)
     else:
@@ -99,16 +125,17 @@ def _store(
 @triton.jit
 def matmul_kernel(
     # Pointers: a, b, c (the output), bias and pre (c's where absent), split-K's workspace and counters (c's
-    # without), the column sums' partials (SUM_ROWS; c's without).
-    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr, colsum_ptr,
+    # without), the column sums' partials (SUM_ROWS; c's without); GATED: the up projection's b2 (laid out as b),
+    # its bias and its kept product pre2 (b's, c's and c's without).
+    a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, ws_ptr, arrivals_ptr, colsum_ptr, b2_ptr, bias2_ptr, pre2_ptr,
     # Sizes: a is (M, K), b (K, N); M_BUCKET (M's power-of-two bucket, ``configs.matmul_m_bucket``) keys the tuner.
     M, N, K, M_BUCKET,
     # Strides, in elements, of a, b, c and the bias.
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    # Compile-time switches: the epilogue (GRAD_ACT: the backward one, on pre read; SUM_ROWS: its column sums)
-    # and the prologue on A; the arithmetic and the offsets; the tile.
+    # Compile-time switches: the epilogue (GRAD_ACT: the backward one, on pre read; SUM_ROWS: its column sums;
+    # GATED: act(a @ b + bias) * (a @ b2 + bias2)) and the prologue on A; the arithmetic and the offsets; the tile.
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, GRAD_ACT: tl.constexpr,
-    SUM_ROWS: tl.constexpr, PROLOGUE: tl.constexpr,
+    SUM_ROWS: tl.constexpr, PROLOGUE: tl.constexpr, GATED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
@@ -136,34 +163,50 @@ def matmul_kernel(
             k_lo = k_lo.to(tl.int64)
     k_offs = tl.arange(0, BLOCK_K)
     ks = k_lo * BLOCK_K + k_offs
+    tl.static_assert(not GATED or (SPLIT_K == 1 and not GRAD_ACT), "the gated epilogue runs without split-K")
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    b2_ptrs = b2_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn  # (GATED: b2 is laid out as b)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)  # (GATED's up projection; unused otherwise)
     for k in range(k_lo, k_hi):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+            if GATED:
+                b2 = tl.load(b2_ptrs, mask=col_ok, other=0.0)
         else:
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok & (k_offs[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
+            if GATED:
+                b2 = tl.load(b2_ptrs, mask=(k_offs[:, None] < k_left) & col_ok, other=0.0)
         a = prologue(a, PROLOGUE)
         if UPCAST_OPERANDS or (helpers.INTERPRETED and a.dtype == tl.bfloat16):
             # (the interpreter's own bf16 -> fp32 conversion flushes subnormals; widen is exact)
             a = helpers.widen(a, tl.float32)
             b = helpers.widen(b, tl.float32)
+            if GATED:
+                b2 = helpers.widen(b2, tl.float32)
         if DOT:
             acc = helpers.dot(a, b, acc, INPUT_PRECISION, ACC_DTYPE)
+            if GATED:
+                acc2 = helpers.dot(a, b2, acc2, INPUT_PRECISION, ACC_DTYPE)
         else:
             acc += helpers.outer_sum(a, b, ACC_DTYPE)
+            if GATED:
+                acc2 += helpers.outer_sum(a, b2, ACC_DTYPE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+        if GATED:
+            b2_ptrs += BLOCK_K * stride_bk
 
     mask = row_ok & col_ok
     if SPLIT_K == 1:
         _store(
             acc,
+            acc2,
             rows,
             cols,
             mask,
@@ -172,6 +215,8 @@ def matmul_kernel(
             bias_ptr,
             pre_ptr,
             colsum_ptr,
+            bias2_ptr,
+            pre2_ptr,
             N,
             stride_cm,
             stride_cn,
@@ -181,6 +226,7 @@ def matmul_kernel(
             STORE_PRE,
             GRAD_ACT,
             SUM_ROWS,
+            GATED,
         )
     else:
         # Each split writes its partial tile to the (SPLIT_K, M, N) workspace and counts
@@ -198,6 +244,7 @@ def matmul_kernel(
             tl.store(arrivals_ptr + tl.program_id(0), 0)
             _store(
                 total,
+                total,
                 rows,
                 cols,
                 mask,
@@ -206,6 +253,8 @@ def matmul_kernel(
                 bias_ptr,
                 pre_ptr,
                 colsum_ptr,
+                bias2_ptr,
+                pre2_ptr,
                 N,
                 stride_cm,
                 stride_cn,
@@ -215,4 +264,5 @@ def matmul_kernel(
                 STORE_PRE,
                 GRAD_ACT,
                 SUM_ROWS,
+                GATED,
             )

@@ -112,11 +112,13 @@ def compile_matmul_tma(
     target: GPUTarget = HOPPER,
     grad_act: bool = False,
     prologue: str | None = None,
+    gated: bool = False,
 ):
     """Compile the TMA matmul kernel for one config (sizes are runtime values; descriptors
     carry only dtype and block shape in the signature). ``precision``: the ``tl.dot``
     precision (default "tf32" for float32, else "ieee"). ``grad_act``: the backward epilogue
-    (pre read, the column sums stored); ``prologue``: an activation on A's tiles as they load."""
+    (pre read, the column sums stored); ``prologue``: an activation on A's tiles as they load;
+    ``gated``: the gated epilogue (``activation(a @ b + bias) * (a @ b2 + bias2)``)."""
     ty = _TRITON_TYPE[dtype]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     store_n = bn // 2 if tile["SUBTILE"] else bn
@@ -127,8 +129,11 @@ def compile_matmul_tma(
         "b_desc": f"tensordesc<{ty}{b_block}>",
         "c_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "pre_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
+        "b2_desc": f"tensordesc<{ty}{b_block}>",
+        "pre2_desc": f"tensordesc<{ty}[{bm}, {store_n}]>",
         "bias_ptr": "*" + ty,
         "colsum_ptr": "*fp32" if grad_act else "*" + ty,
+        "bias2_ptr": "*" + ty,
         "M": "i32",
         "N": "i32",
         "K": "i32",
@@ -142,6 +147,7 @@ def compile_matmul_tma(
         GRAD_ACT=grad_act,
         SUM_ROWS=grad_act,
         PROLOGUE=activations.ACTIVATIONS[prologue],
+        GATED=gated,
         A_MMAJOR=a_mmajor,
         B_KMAJOR=b_kmajor,
         INPUT_PRECISION=precision or ("tf32" if dtype == torch.float32 else "ieee"),

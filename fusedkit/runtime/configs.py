@@ -412,10 +412,12 @@ def matmul_tma_configs(pre_hook=None):
 HOPPER_SMEM_BYTES = 232448
 
 
-def tma_stage_bytes(config, element_size: int) -> int:
-    """Shared memory of a TMA config's operand pipeline: ``num_stages`` tiles of ``a`` and ``b``."""
+def tma_stage_bytes(config, element_size: int, gated: bool = False) -> int:
+    """Shared memory of a TMA config's operand pipeline: ``num_stages`` tiles of ``a`` and ``b``
+    (and of ``b2``, ``gated``)."""
     k = config.kwargs
-    return config.num_stages * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * element_size
+    b_tiles = 2 if gated else 1
+    return config.num_stages * (k["BLOCK_M"] + b_tiles * k["BLOCK_N"]) * k["BLOCK_K"] * element_size
 
 
 def tma_tile_of(config) -> tuple:
@@ -423,16 +425,16 @@ def tma_tile_of(config) -> tuple:
     return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_stages, config.num_warps, k["SUBTILE"]
 
 
-def prune_tma_configs(configs, named_args, **kwargs):
+def prune_tma_configs(configs, named_args, GATED=False, **kwargs):
     """Autotune pre-filter: drop the TMA configs whose operand pipeline alone overflows
-    Hopper's shared memory at this operand size (the deep bf16 tiles with fp32 operands),
-    which would otherwise each be compiled only to fail, and fp32's own tiles
-    (``TMA_FP32_TILES``) for narrower operands."""
+    Hopper's shared memory at this operand size (the deep bf16 tiles with fp32 operands, the
+    wide ones with the gated epilogue's second B tile), which would otherwise each be compiled
+    only to fail, and fp32's own tiles (``TMA_FP32_TILES``) for narrower operands."""
     size = named_args["a_desc"].base.element_size()
     return [
         c
         for c in configs
-        if tma_stage_bytes(c, size) <= HOPPER_SMEM_BYTES and (size >= 4 or tma_tile_of(c) not in TMA_FP32_TILES)
+        if tma_stage_bytes(c, size, GATED) <= HOPPER_SMEM_BYTES and (size >= 4 or tma_tile_of(c) not in TMA_FP32_TILES)
     ] or configs
 
 
@@ -440,10 +442,15 @@ def prune_tma_configs(configs, named_args, **kwargs):
 TMA_K_BYTES = 128
 
 
-def matmul_tma_fixed_tile(element_size: int) -> dict:
-    """Fixed config of the TMA kernel (FUSEDKIT_AUTOTUNE=0) for operands of ``element_size`` bytes."""
+def matmul_tma_fixed_tile(element_size: int, gated: bool = False) -> dict:
+    """Fixed config of the TMA kernel (FUSEDKIT_AUTOTUNE=0) for operands of ``element_size`` bytes
+    (``gated``: a second B tile in the pipeline and three output tiles, stored in halves)."""
     return dict(
-        BLOCK_M=128, BLOCK_N=128, BLOCK_K=TMA_K_BYTES // element_size, GROUP_M=MATMUL_GROUP_M, SUBTILE=element_size > 2
+        BLOCK_M=128,
+        BLOCK_N=128,
+        BLOCK_K=TMA_K_BYTES // element_size,
+        GROUP_M=MATMUL_GROUP_M,
+        SUBTILE=element_size > 2 or gated,
     )
 
 

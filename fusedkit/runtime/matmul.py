@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ from .elementwise import backend_for, kept_launch, launch_elementwise
 
 __all__ = [
     "ACTIVATION_NAMES",
+    "Gate",
     "KEPT",
     "activation_grad",
     "KeptMatmul",
@@ -92,7 +94,7 @@ _matmul_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLO
 matmul_tuned = triton.autotune(
     configs=matmul_configs(),
     # (the prologue and the backward epilogue in the key: each its own tuning, not the plain GEMM's)
-    key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION", "GRAD_ACT", "PROLOGUE"],
+    key=["M_BUCKET", "N", "K", "stride_bk", "INPUT_PRECISION", "GRAD_ACT", "PROLOGUE", "GATED"],
     prune_configs_by={"early_config_prune": prune_matmul_configs},
     # Each config tried writes the column sums' partials of its own tile rows: zeroed before
     # every run, so the chosen one's launch leaves no other config's rows behind (the output
@@ -145,6 +147,17 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
+class Gate(NamedTuple):
+    """The gated epilogue's second operand (``act(a @ b + bias) * (a @ b2 + bias2)``, a gated
+    MLP's gate and up projections in one GEMM): ``b2`` (K, N) with ``b``'s strides, its bias
+    (with ``bias``'s stride) or None, and where the up projection is kept for a backward (laid
+    out as the output; the gate goes to ``pre``) or None."""
+
+    b2: torch.Tensor
+    bias2: torch.Tensor | None = None
+    pre2: torch.Tensor | None = None
+
+
 def launch_config(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -156,11 +169,13 @@ def launch_config(
     grad_act: bool = False,
     colsum: torch.Tensor | None = None,
     prologue: str | None = None,
+    gate: Gate | None = None,
 ) -> tuple[tuple, dict]:
     """Kernel arguments and compile-time switches (no tile) of ``act(a @ b + bias)``, or with
     ``grad_act`` of the backward epilogue's ``(a @ b) * act'(pre)`` (``pre`` read, no bias),
     its column sums' partials into ``colsum`` when given (:func:`activation_grad`); ``prologue``:
-    an activation applied to ``a``'s tiles as they load (the product is ``act(a) @ b``).
+    an activation applied to ``a``'s tiles as they load (the product is ``act(a) @ b``);
+    ``gate``: the gated epilogue (:class:`Gate`).
 
     ``split_k``: a workspace and arrival counters (``split_k_buffers``); without them
     tuning tries no split-K config. Works on meta tensors, so the code a call would
@@ -169,7 +184,8 @@ def launch_config(
     M, K = a.shape
     N = b.shape[1]
     code = activations.ACTIVATIONS[activation]
-    int64 = max(_max_offset(t) for t in (a, b, out, bias, pre) if t is not None) > _INT32_MAX
+    b2, bias2, pre2 = gate if gate is not None else (None, None, None)
+    int64 = max(_max_offset(t) for t in (a, b, out, bias, pre, b2, bias2, pre2) if t is not None) > _INT32_MAX
     precision = fp32_precision() if a.dtype == torch.float32 else "ieee"
     ws, arrivals = split_k if split_k is not None else (out, out)  # out: "no workspace" to the pruner
     args = (
@@ -181,6 +197,9 @@ def launch_config(
         ws,
         arrivals,
         colsum if colsum is not None else out,
+        b2 if b2 is not None else b,
+        bias2 if bias2 is not None else out,
+        pre2 if pre2 is not None else out,
         M,
         N,
         K,
@@ -200,6 +219,7 @@ def launch_config(
         GRAD_ACT=grad_act,
         SUM_ROWS=colsum is not None,
         PROLOGUE=activations.ACTIVATIONS[prologue],
+        GATED=gate is not None,
         ACC_DTYPE=_ACC_DTYPE[a.dtype],
         INPUT_PRECISION=precision,
         INT64=int64,
@@ -304,14 +324,17 @@ def kmajor_copy_launch(b: torch.Tensor):
 
 
 #: The first integer argument of the pointer kernel (those before it are pointers).
-_POINTERS = 8
+_POINTERS = 11
 
 
-def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, colsum=None, prologue=None) -> Plan:
+def plan_matmul(
+    a, b, bias, activation, out, pre=None, grad_act: bool = False, colsum=None, prologue=None, gate=None
+) -> Plan:
     tuned = settings.current().autotune
     m = a.shape[0]
     copy_b = (
-        a.dtype == torch.float32
+        gate is None
+        and a.dtype == torch.float32
         and fp32_precision() == "tf32"
         and matmul_tma.transposed_product(a, b, "tf32")
         and tf32_copies_b(m)
@@ -320,12 +343,14 @@ def plan_matmul(a, b, bias, activation, out, pre=None, grad_act: bool = False, c
     if copy_b:  # plan for the K-major copy the launch makes (its layout; nothing copied here)
         copy_launch = kmajor_copy_launch(b)
         b = _kmajor_empty(b, "meta")
-    args, meta = launch_config(a, b, bias, activation, out, pre, None, grad_act, colsum, prologue)
+    args, meta = launch_config(a, b, bias, activation, out, pre, None, grad_act, colsum, prologue, gate)
     ws_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32  # the accumulator's
-    split = _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
+    split = 1 if gate is not None else _split_k_max(a, meta, tuned, b.shape[1], ws_dtype)
     transposed = matmul_tma.transposed_product(a, b, meta["INPUT_PRECISION"])
-    tma_ok = matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma" and matmul_tma.layout_ok(
-        a, b, out, pre, INTERPRETED
+    tma_ok = (
+        matmul_kernel_choice(m, transposed, a.element_size() == 2) == "tma"
+        and not (gate is not None and transposed)
+        and matmul_tma.layout_ok(a, b, out, pre, INTERPRETED, gate)
     )
     prefix = (tuned, a.device.index, a.dtype, split, *args[_POINTERS:], *meta.values())
     if _log.isEnabledFor(logging.DEBUG):
@@ -357,7 +382,7 @@ def _layout(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride())
 
 
-def _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue) -> Plan:
+def _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue, gate) -> Plan:
     key = (
         a.dtype,
         a.device,
@@ -370,12 +395,13 @@ def _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue) -> 
         activation,
         grad_act,
         prologue,
+        None if gate is None else tuple(_layout(t) for t in gate),
         settings.current(),  # (a new object on every change of the settings)
         a.dtype == torch.float32 and tf32_enabled(),
     )
     plan = PLANS.get(key)
     if plan is None:
-        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
+        plan = plan_matmul(a, b, bias, activation, out, pre, grad_act, colsum, prologue, gate)
         PLANS.keep(key, plan)
     return plan
 
@@ -391,13 +417,15 @@ def launch_matmul(
     grad_act: bool = False,
     colsum: torch.Tensor | None = None,
     prologue: str | None = None,
+    gate: Gate | None = None,
 ) -> torch.Tensor:
     """``out = act(a @ b + bias)`` for validated 2-D ``a`` (M, K), ``b`` (K, N), non-empty ``out``.
 
     ``pre``, when given, receives the pre-activation (for a backward pass); with ``grad_act``
     it is read instead, and ``out = (a @ b) * act'(pre)`` (:func:`activation_grad`). ``prologue``:
-    ``out = act(prologue(a) @ b + bias)``, the activation ``prologue`` applied to ``a`` as it loads. ``plan``:
-    this call's ``plan_matmul``, when the caller kept it.
+    ``out = act(prologue(a) @ b + bias)``, the activation ``prologue`` applied to ``a`` as it loads. ``gate``:
+    ``out = act(a @ b + bias) * (a @ gate.b2 + gate.bias2)`` (:class:`Gate`). ``plan``: this call's
+    ``plan_matmul``, when the caller kept it.
 
     The body is the kept launch of a repeated call: the plan's pointer kernel, launched
     directly once the plan keeps it for these pointers' alignment. The TMA kernel's launches
@@ -406,40 +434,43 @@ def launch_matmul(
     index = a.device.index
     if not INTERPRETED and index != launch.current_device():
         with torch.cuda.device(a.device):
-            return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum, prologue)
+            return launch_matmul(a, b, bias, activation, out, pre, plan, grad_act, colsum, prologue, gate)
     if plan is None:
-        plan = _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue)
+        plan = _kept_plan(a, b, bias, activation, out, pre, grad_act, colsum, prologue, gate)
     if plan.copy_b:
         b = kmajor_copy(b, plan.copy_launch)
     ws = arrivals = out  # no split-K: the kernel never reads these
     if plan.split_k > 1:
         ws, arrivals = split_k_buffers(a.device, plan.split_k, a.shape[0], b.shape[1], plan.ws_dtype)
-    o = out.data_ptr()
+    o, b_address = out.data_ptr(), b.data_ptr()
     addresses = (
         a.data_ptr(),
-        b.data_ptr(),
+        b_address,
         o,
         o if bias is None else bias.data_ptr(),
         o if pre is None else pre.data_ptr(),
         ws.data_ptr(),
         arrivals.data_ptr(),
         o if colsum is None else colsum.data_ptr(),
+        b_address if gate is None else gate.b2.data_ptr(),
+        o if gate is None or gate.bias2 is None else gate.bias2.data_ptr(),
+        o if gate is None or gate.pre2 is None else gate.pre2.data_ptr(),
     )
     aligned = tuple([p % launch.ALIGNMENT == 0 for p in addresses])
-    # TMA needs 16-byte-aligned bases of a, b, out (and pre) on top of the layout.
-    use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4]
+    # TMA needs 16-byte-aligned bases of a, b, out (and pre, b2, pre2) on top of the layout.
+    use_tma = plan.tma_ok and aligned[0] and aligned[1] and aligned[2] and aligned[4] and aligned[8] and aligned[10]
     entry = plan.launches.get((use_tma, aligned))  # pointer-kernel launches only (never under the interpreter)
     if entry is not None:
         launch.CompiledCache.run(entry, addresses + plan.ints, index)
     elif use_tma:
-        _launch_tma_kernel(a, b, bias, out, pre, plan, aligned, colsum)
+        _launch_tma_kernel(a, b, bias, out, pre, plan, aligned, colsum, gate)
     else:
-        _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned, colsum)
+        _first_launch(a, b, bias, out, pre, plan, (ws, arrivals), addresses, aligned, colsum, gate)
     return out
 
 
 def _first_launch(
-    a, b, bias, out, pre, plan: Plan, split_k: tuple, addresses: tuple, aligned: tuple, colsum=None
+    a, b, bias, out, pre, plan: Plan, split_k: tuple, addresses: tuple, aligned: tuple, colsum=None, gate=None
 ) -> None:
     """A pointer-kernel launch that ``plan`` has not kept: in the interpreter; the kernel kept in
     the shared cache under this launch's key (another plan's, or one cleared), which the plan
@@ -447,9 +478,11 @@ def _first_launch(
     kept under the key for the next call."""
     M, K = a.shape
     N = b.shape[1]
+    b2, bias2, pre2 = gate if gate is not None else (b, None, None)
     args = (
         (a, b, out, bias if bias is not None else out, pre if pre is not None else out, *split_k)
-        + (colsum if colsum is not None else out,)
+        + (colsum if colsum is not None else out, b2)
+        + tuple(t if t is not None else out for t in (bias2, pre2))
         + plan.ints
     )
     meta = plan.meta
@@ -490,13 +523,13 @@ def _first_launch(
     LAUNCHES.put(key, compiled, (*grid(tile), 1), tuple(constexprs[n] for n in _CONSTEXPR_NAMES))
 
 
-def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple, colsum=None) -> None:
+def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple, colsum=None, gate=None) -> None:
     """A TMA-kernel launch: its kept launches take tensor descriptors, built for each call's
     operands, so they run here rather than from ``plan.launches``; the first launch of a key
     (and any launch under the interpreter) goes through Triton's path."""
     if INTERPRETED:
         with launch.serialised():
-            _launch_tma(a, b, bias, out, pre, plan.meta, tuned=False, colsum=colsum)
+            _launch_tma(a, b, bias, out, pre, plan.meta, tuned=False, colsum=colsum, gate=gate)
         return
     key = plan.prefix + (True,) + aligned  # as :func:`_first_launch` keys the pointer kernel
     entry = TMA_LAUNCHES.get(key)
@@ -506,16 +539,16 @@ def _launch_tma_kernel(a, b, bias, out, pre, plan: Plan, aligned: tuple, colsum=
     # Triton's own launch, which passes them the descriptor objects.
     if entry is not None and (entry.layouts is None or launch.hooks_idle()):
         if entry.layouts is None:
-            descs = matmul_tma.descriptors(a, b, out, pre, tile=entry.extra)
+            descs = matmul_tma.descriptors(a, b, out, pre, entry.extra, gate)
         else:
-            descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts)
-        tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]), colsum)
+            descs = matmul_tma.encoded_args(a, b, out, pre, entry.layouts, gate)
+        tail = matmul_tma.tail_args(a, b, bias, out, matmul_m_bucket(a.shape[0]), colsum, gate)
         launch.CompiledCache.run(entry, (*descs, *tail), a.device.index)
     else:
-        _launch_tma(a, b, bias, out, pre, plan.meta, plan.tuned, key, colsum)
+        _launch_tma(a, b, bias, out, pre, plan.meta, plan.tuned, key, colsum, gate)
 
 
-def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None, colsum=None) -> None:
+def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None, colsum=None, gate=None) -> None:
     """Launch through Triton's path (tuning or compiling as needed); keep the kernel for ``key``."""
     compiled, tile, grid = matmul_tma.launch_tma(
         a,
@@ -529,11 +562,12 @@ def _launch_tma(a, b, bias, out, pre, meta, tuned: bool, key=None, colsum=None) 
         matmul_m_bucket(a.shape[0]),
         INTERPRETED,
         tuned,
-        matmul_tma_fixed_tile(a.element_size()),
+        matmul_tma_fixed_tile(a.element_size(), meta["GATED"]),
         MATMUL_TMA_FIXED_OPTIONS,
         meta["GRAD_ACT"],
         colsum,
         meta["PROLOGUE"],
+        gate,
     )
     if key is None:
         return
