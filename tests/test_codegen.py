@@ -252,6 +252,10 @@ r["grad_act"] = {str(d): facts(d, matmul_tma_fixed_tile(d.itemsize), w, s, b_kma
 r["grad_act"] |= {f"prologue:a_mmajor={m}": facts(torch.bfloat16, matmul_tma_fixed_tile(2), w, s, a_mmajor=m,
                                                    b_kmajor=not m, activation=None, prologue="gelu_tanh")
                   for m in (False, True)}
+# the gated epilogue (a gated MLP's gate and up projections): two B tiles a stage, gate and up kept or not
+r["gated"] = {f"store_pre={p}:b_kmajor={k}": facts(torch.bfloat16, matmul_tma_fixed_tile(2, gated=True), w, s,
+                                                   b_kmajor=k, activation="silu", store_pre=p, gated=True)
+              for p in (False, True) for k in (True, False)}
 # fp32 on TF32 tensor cores: the transposed product for a row-major b, not for nn.Linear's
 r["transposed"] = {f"{p}:b_kmajor={kmajor}": facts(torch.float32, matmul_tma_fixed_tile(4), w, s, b_kmajor=kmajor,
                                                       precision=p)
@@ -302,6 +306,13 @@ def test_backward_epilogue_and_prologue_compile_on_the_tma_kernel(tma_codegen):
     for case, f in tma_codegen["grad_act"].items():
         assert f["wgmma"] and f["tma"], case
         assert f["smem"] <= HOPPER_SMEM_BYTES, case
+
+
+def test_gated_epilogue_compiles_on_the_tma_kernel(tma_codegen):
+    # The fixed config with the second B tile and three output tiles fits Hopper's shared memory.
+    for case, f in tma_codegen["gated"].items():
+        assert f["wgmma"] and f["tma"], case
+        assert f["smem"] <= HOPPER_SMEM_BYTES, (case, f["smem"])
 
 
 def test_fp32_row_major_b_is_the_register_operand_of_tf32_wgmma(tma_codegen):

@@ -18,7 +18,8 @@ same model stock, eager and under ``torch.compile``, in one process:
 - ``llama_mlp``: transformers' ``LlamaMLP`` at LLaMA-7B's sizes (4096 -> 11008 -> 4096,
   SiLU gate); the fused model runs its gate, ``act_fn(gate_proj(x)) * up_proj(x)``, as one
   ``fusedkit.silu_mul``. Where Liger-Kernel imports, its SwiGLU MLP forward is a variant
-  too (``liger``).
+  too (``liger``); ``fusedkit_gated``: the whole MLP as one ``fusedkit.gated_mlp`` (gate and up
+  projections in one GEMM with the gate in its epilogue).
 
 For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
 ``compiled``: ``torch.compile`` of the stock model; blocks train with SGD and momentum):
@@ -318,6 +319,23 @@ def _fuse_llama(model, example=None) -> int:
     return len(mlps)
 
 
+def _llama_mlp_gated_forward(self, x):
+    """transformers' ``LlamaMLP.forward`` as one ``fusedkit.gated_mlp``: gate and up projections in
+    one GEMM with the gate in its epilogue, two tensors of the hidden size kept for the backward."""
+    return fusedkit.gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def _fuse_llama_gated(model, example=None) -> int:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    for m in mlps:
+        if m.config.hidden_act not in ("silu", "swish") or m.gate_proj.bias is not None:
+            raise ValueError(f"LlamaMLP activation {m.config.hidden_act!r} or biases: the peer runs bias-free SwiGLU")
+        m.forward = types.MethodType(_llama_mlp_gated_forward, m)
+    return len(mlps)
+
+
 def _fuse_llama_liger(model, example=None) -> int:
     """The peer: Liger-Kernel's SwiGLU MLP forward (its fused SiLU-mul) on each LlamaMLP."""
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
@@ -594,7 +612,7 @@ MODELS = {
             _TOKENS,
             _SMALL_TOKENS,
             lr=0.05,
-            peers=(("liger", "liger_kernel", _fuse_llama_liger),),
+            peers=(("fusedkit_gated", "fusedkit", _fuse_llama_gated), ("liger", "liger_kernel", _fuse_llama_liger)),
         ),
     )
 }

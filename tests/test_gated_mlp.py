@@ -1,0 +1,236 @@
+"""fusedkit.gated_mlp: a gated MLP's gate and up projections in one GEMM (the gated epilogue)
+against float64 PyTorch.
+
+The grid: each gate (silu, gelu, gelu_tanh) in float32 and bfloat16, with and without
+``recompute`` (quick: float32, and each gate once); gradcheck in float64 (quick: silu). The gated
+GEMM itself runs on both matmul kernels, on more than one tile row and column and odd sizes, with
+the gate and up projections kept exactly as the epilogue sees them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from helpers import rand, slow_unless
+
+import fusedkit
+from fusedkit import autograd as fk_autograd
+from fusedkit.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from fusedkit.runtime import matmul as mm
+from fusedkit.testing import assert_rel_err, matmul_rel_err
+
+GATES = [("silu", "none"), ("gelu", "none"), ("gelu", "tanh")]
+
+
+@pytest.fixture(autouse=True)
+def fixed_matmul_config(fk_settings):
+    """The fixed tile, as tests/test_matmul.py runs (tuning every test shape would compile
+    hundreds of kernels on a GPU)."""
+    fk_settings(autotune=False)
+
+
+def act_of(activation, approximate):
+    return F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate=approximate))
+
+
+def reference(x, w_gate, w_up, w_down, bias, activation, approximate):
+    b_gate, b_up, b_down = bias if bias is not None else (None, None, None)
+    gate = act_of(activation, approximate)(F.linear(x, w_gate, b_gate))
+    return F.linear(gate * F.linear(x, w_up, b_up), w_down, b_down)
+
+
+def weights(dtype, inner=24, hidden=40, out=16, biases=(True, True, True)):
+    shapes = ((hidden, inner), (hidden, inner), (out, hidden))
+    ws = [(rand(s, dtype, DEVICE) * s[1] ** -0.5).requires_grad_() for s in shapes]
+    bs = [rand((n,), dtype, DEVICE).requires_grad_() if on else None for n, on in zip((hidden, hidden, out), biases)]
+    return ws, tuple(bs)
+
+
+def _check(x, ws, bias, act, recompute, bound):
+    y = fusedkit.gated_mlp(x, *ws, activation=act[0], approximate=act[1], bias=bias, recompute=recompute)
+    g = rand(y.shape, y.dtype, DEVICE)
+    leaves = [t for t in (x, *ws, *bias) if t is not None]
+    grads = torch.autograd.grad(y, leaves, g)
+    wide = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    it = iter(wide)
+    xw, wg, wu, wd = (next(it) for _ in range(4))
+    bw = tuple(next(it) if b is not None else None for b in bias)
+    y64 = reference(xw, wg, wu, wd, bw, *act)
+    refs = torch.autograd.grad(y64, wide, g.double().cpu())
+    assert y.dtype == x.dtype and y.shape == y64.shape
+    assert_rel_err(y, y64, bound)
+    for got, ref, t in zip(grads, refs, leaves):
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert_rel_err(got, ref, bound)
+
+
+@pytest.mark.parametrize(
+    "dtype,act,recompute",
+    slow_unless(
+        lambda dtype, act, recompute: dtype == torch.float32 and (act == GATES[0] or not recompute),
+        [(d, a, r) for d in (torch.float32, torch.bfloat16) for a in GATES for r in (False, True)],
+    ),
+)
+def test_forward_and_gradients_match_torch(dtype, act, recompute):
+    # 74 rows and 40 hidden features: more than one tile row and column, the last ones part-filled
+    x = rand((2, 37, 24), dtype, DEVICE).requires_grad_()
+    ws, bias = weights(dtype)
+    bound = 3e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32) * 10
+    _check(x, ws, bias, act, recompute, bound)
+
+
+@pytest.mark.parametrize("act", slow_unless(lambda act: act == GATES[0], [(a,) for a in GATES]))
+def test_gradcheck_float64(act):
+    x = rand((3, 4), torch.float64, DEVICE).requires_grad_()
+    ws, bias = weights(torch.float64, inner=4, hidden=5, out=3)
+    for recompute in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x, wg, wu, wd, bg, bu, bd: fusedkit.gated_mlp(
+                x, wg, wu, wd, activation=act[0], approximate=act[1], bias=(bg, bu, bd), recompute=recompute
+            ),
+            (x, *ws, *bias),
+            eps=1e-6,
+            atol=1e-5,
+            rtol=1e-4,
+        )
+
+
+def test_one_bias_or_none_and_without_grad():
+    x = rand((5, 24), torch.float32, DEVICE).requires_grad_()
+    for biases in ((False, False, False), (True, False, False), (False, True, True)):
+        ws, bias = weights(torch.float32, biases=biases)
+        _check(x, ws, bias, GATES[0], False, matmul_rel_err(torch.float32) * 10)
+    ws, bias = weights(torch.float32)
+    with torch.no_grad():
+        y = fusedkit.gated_mlp(x, *ws, bias=bias)
+    assert not y.requires_grad
+    wide = [t.detach().double().cpu() for t in (x, *ws)]
+    assert_rel_err(y, reference(*wide, tuple(b.double().cpu() for b in bias), "silu", "none"), 1e-4)
+
+
+def test_saved_tensors_and_recompute():
+    """Default: x, the three weights, and the gate and up projections, two tensors of the hidden
+    size where eager keeps four (the gate, its activation, up and their product); recompute: x,
+    the weights and the first GEMM's biases, nothing of the hidden size."""
+    x = rand((8, 6), torch.float32, DEVICE).requires_grad_()
+    ws, bias = weights(torch.float32, inner=6, hidden=10, out=4)
+    for recompute, want in [
+        (False, [(8, 6), (10, 6), (10, 6), (4, 10), (8, 10), (8, 10)]),
+        (True, [(8, 6), (10, 6), (10, 6), (4, 10), (10,), (10,)]),
+    ]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            fusedkit.gated_mlp(x, *ws, bias=bias, recompute=recompute)
+        assert saved == want, recompute
+    eager = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: eager.append(tuple(t.shape)) or t, lambda t: t):
+        reference(x, *ws, bias, "silu", "none")
+    assert sum(s == (8, 10) for s in eager) == 4  # eager's four of the hidden size, against two
+
+
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_gated_gemm_on_both_kernels_keeps_gate_and_up(kernel, fk_settings, monkeypatch):
+    """The gated epilogue of both matmul kernels (the TMA one where the layout allows, as here:
+    rows of 16-byte multiples): ``act(gate) * up`` and the two projections it kept, each against
+    float64, on 100 x 72 outputs (several tiles of the interpreter's 32, odd edges)."""
+    fk_settings(matmul_kernel=kernel)
+    fusedkit.clear_caches()  # (a kept TMA launch would skip launch_tma)
+    tma_launches = []
+    launch_tma = mm.matmul_tma.launch_tma
+    monkeypatch.setattr(mm.matmul_tma, "launch_tma", lambda *a, **k: tma_launches.append(1) or launch_tma(*a, **k))
+    for dtype in (torch.float32, torch.bfloat16):
+        x, wg, wu = (rand(s, dtype, DEVICE) for s in ((100, 48), (72, 48), (72, 48)))
+        bg, bu = rand((72,), dtype, DEVICE), rand((72,), dtype, DEVICE)
+        for activation in ("silu", "gelu", "gelu_tanh"):
+            h, gate, up = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, True)
+            xd = x.double().cpu()
+            g64 = xd @ wg.double().cpu().t() + bg.double().cpu()
+            u64 = xd @ wu.double().cpu().t() + bu.double().cpu()
+            bound = 1e-2 if dtype == torch.bfloat16 else matmul_rel_err(torch.float32)
+            assert_rel_err(gate, g64, bound)
+            assert_rel_err(up, u64, bound)
+            assert_rel_err(h, mm.torch_activation(g64, activation) * u64, bound)
+            again = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, False)
+            assert torch.equal(again[0], h) and again[1] is None and again[2] is None
+    assert bool(tma_launches) == (
+        kernel == "tma" and (DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    )
+
+
+def test_a_stacked_gate_up_weight_is_read_in_place(monkeypatch):
+    """vLLM's and Megatron's stacked ``gate_up_proj`` (2H, K): its halves (and its interleaved
+    rows) are views with equal strides, passed as they are; the launch reads them, no copy."""
+    x = rand((9, 24), torch.float32, DEVICE)
+    stacked = rand((80, 24), torch.float32, DEVICE) * 0.2
+    wd = rand((16, 40), torch.float32, DEVICE)
+    seen = []
+    launch = mm.launch_matmul
+    monkeypatch.setattr(
+        mm, "launch_matmul", lambda a, b, *r, **k: seen.append((b, k["gate"].b2)) or launch(a, b, *r, **k)
+    )
+    for wg, wu in ((stacked[:40], stacked[40:]), (stacked[0::2], stacked[1::2])):
+        y = fusedkit.gated_mlp(x, wg, wu, wd)
+        b, b2 = seen.pop()
+        assert b.data_ptr() == wg.data_ptr() and b2.data_ptr() == wu.data_ptr()  # the views themselves
+        ref = reference(*(t.double().cpu() for t in (x, wg, wu, wd)), None, "silu", "none")
+        assert_rel_err(y, ref, matmul_rel_err(torch.float32) * 10)
+
+
+def test_unequal_weight_layouts_run_the_composition(monkeypatch):
+    monkeypatch.setattr(mm, "launch_matmul", lambda *a, **k: pytest.fail("the gated GEMM needs equal strides"))
+    x = rand((5, 24), torch.float32, DEVICE)
+    wg, wu, wd = (
+        rand((40, 24), torch.float32, DEVICE),
+        rand((24, 40), torch.float32, DEVICE).t(),
+        rand((16, 40), torch.float32, DEVICE),
+    )
+    y = fusedkit.gated_mlp(x, wg, wu, wd)
+    torch.testing.assert_close(y, reference(x, wg, wu, wd, None, "silu", "none"))
+
+
+def test_empty_and_zero_inner_sizes():
+    ws, bias = weights(torch.float32)
+    assert fusedkit.gated_mlp(rand((0, 24), torch.float32, DEVICE), *ws, bias=bias).shape == (0, 16)
+    x0 = rand((3, 0), torch.float32, DEVICE)
+    w0 = [rand(s, torch.float32, DEVICE) for s in ((40, 0), (40, 0), (16, 40))]
+    b = tuple(t.detach() for t in bias)
+    torch.testing.assert_close(fusedkit.gated_mlp(x0, *w0, bias=b), reference(x0, *w0, b, "silu", "none"))
+
+
+def test_autocast_follows_f_linear():
+    if DEVICE.type == "cpu":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    x = rand((6, 24), torch.float32, DEVICE)
+    ws, _ = weights(torch.float32)
+    with autocast:
+        y = fusedkit.gated_mlp(x, *ws)
+        ref = reference(x, *ws, None, "silu", "none")
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert_rel_err(y, ref.double(), 3e-2)
+
+
+def test_bad_input_is_refused_before_launch(monkeypatch):
+    monkeypatch.setattr(mm, "launch_matmul", lambda *a, **k: pytest.fail("launched on bad input"))
+    x = rand((4, 6), torch.float32, DEVICE)
+    (wg, wu, wd), (bg, bu, bd) = ([t.detach() for t in group] for group in weights(torch.float32, 6, 10, 4))
+    cases = [
+        ((x, wg, wu, wd), {"activation": "relu"}, ArgumentError, "choose activation"),
+        ((x, wg, wu, wd), {"activation": "silu", "approximate": "tanh"}, ArgumentError, "choose activation"),
+        ((x, wg, wu, wd), {"bias": (bg, bu)}, ArgumentError, "bias must be None or"),
+        ((x, wg, wu, wd), {"bias": (bg, "bu", bd)}, DTypeError, "b_up must be a Tensor or None"),
+        ((x, wg, wu, wd), {"bias": (bg[:9], bu, bd)}, ShapeError, r"b_gate must have shape \(10,\)"),
+        ((x[:, :5], wg, wu, wd), {}, ShapeError, "in_features"),
+        ((x, wg, wu[:9], wd), {}, ShapeError, "w_gate's shape"),
+        ((x, wg, wu, wd[:, :9]), {}, ShapeError, "hidden features"),
+        ((x, wg[0], wu, wd), {}, ShapeError, "2-D"),
+        ((x, wg, wu.double(), wd), {}, DTypeError, "share a dtype"),
+        ((x, "wg", wu, wd), {}, DTypeError, "w_gate must be a Tensor"),
+        ((x, wg, wu, wd.to("meta")), {}, DeviceError, "w_down is on meta"),
+        ((x.int(), wg.int(), wu.int(), wd.int()), {}, DTypeError, "not supported"),
+    ]
+    for args, kw, error, words in cases:
+        with pytest.raises(error, match=words):
+            fusedkit.gated_mlp(*args, **kw)
