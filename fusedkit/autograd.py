@@ -768,12 +768,18 @@ class MLP(torch.autograd.Function):
         return dx, dw1, db1, dw2, db2, None, None
 
 
-def gated_forward(x2, w_gate, w_up, b_gate, b_up, activation: str, keep: bool):
+def gated_forward(x2, w_gate, w_up, b_gate, b_up, activation: str, keep: bool, fused: bool | None = None):
     """``(h, gate, up)`` of a gated MLP's first GEMM on validated 2-D ``x2``: ``h = act(x2 @
-    w_gate^T + b_gate) * (x2 @ w_up^T + b_up)`` from one launch of the gated epilogue, with the
-    gate and up projections kept (``keep``) or None. Weights as ``nn.Linear`` stores them, with
-    equal strides (the kernel reads both B tiles through one set)."""
+    w_gate^T + b_gate) * (x2 @ w_up^T + b_up)``, with the gate and up projections kept
+    (``keep``) or None. ``fused`` (default: up to ``GATED_GEMM_MAX_M`` rows): one launch of the
+    gated epilogue, weights as ``nn.Linear`` stores them with equal strides (the kernel reads
+    both B tiles through one set); else two GEMMs and the registry's gate, one launch."""
     M, N = x2.shape[0], w_gate.shape[0]
+    if not (M <= matmul.GATED_GEMM_MAX_M if fused is None else fused):
+        gate = torch.nn.functional.linear(x2, w_gate, b_gate)
+        up = torch.nn.functional.linear(x2, w_up, b_up)
+        h = elementwise.run(get(GATES[activation]), (gate, up), None)
+        return (h, gate, up) if keep else (h, None, None)
     h = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     gate = torch.empty_like(h) if keep else None
     up = torch.empty_like(h) if keep else None
@@ -835,12 +841,14 @@ class GatedMLP(torch.autograd.Function):
             if h is None:
                 h = elementwise.run(get(gate_name), (gate, up), None)
             dw_down = dy.t() @ h
+        del h  # (each tensor of the hidden size freed once read: the step's peak memory)
         if ctx.has_bias[2] and need[6]:
             db_down = dy.sum(0)
         if not any(need[:3]) and not any(need[4:6]):
             return None, None, None, dw_down, None, None, db_down, None, None
         dh = dy @ w_down
         dgate, dup = elementwise.run_pair(PAIRS[f"{gate_name}_grad"], (dh, gate, up), None)
+        del dh, gate, up
         dx = torch.addmm(dgate @ w_gate, dup, w_up) if need[0] else None
         dw_gate = dgate.t() @ x2 if need[1] else None
         dw_up = dup.t() @ x2 if need[2] else None

@@ -2,9 +2,11 @@
 against float64 PyTorch.
 
 The grid: each gate (silu, gelu, gelu_tanh) in float32 and bfloat16, with and without
-``recompute`` (quick: float32, and each gate once); gradcheck in float64 (quick: silu). The gated
-GEMM itself runs on both matmul kernels, on more than one tile row and column and odd sizes, with
-the gate and up projections kept exactly as the epilogue sees them."""
+``recompute``, on both paths of the first GEMM (the gated epilogue, and past
+``GATED_GEMM_MAX_M`` rows two GEMMs and the gate) (quick: float32, and each gate once);
+gradcheck in float64 (quick: silu). The gated GEMM itself runs on both matmul kernels, on more
+than one tile row and column and odd sizes, with the gate and up projections kept exactly as
+the epilogue sees them."""
 
 from __future__ import annotations
 
@@ -65,6 +67,13 @@ def _check(x, ws, bias, act, recompute, bound):
         assert_rel_err(got, ref, bound)
 
 
+@pytest.fixture(params=["one_gemm", "two_gemms"])
+def first_gemm(request, monkeypatch):
+    """Both paths of the gate and up projections, whatever the row count."""
+    monkeypatch.setattr(mm, "GATED_GEMM_MAX_M", 2**62 if request.param == "one_gemm" else -1)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "dtype,act,recompute",
     slow_unless(
@@ -72,7 +81,7 @@ def _check(x, ws, bias, act, recompute, bound):
         [(d, a, r) for d in (torch.float32, torch.bfloat16) for a in GATES for r in (False, True)],
     ),
 )
-def test_forward_and_gradients_match_torch(dtype, act, recompute):
+def test_forward_and_gradients_match_torch(dtype, act, recompute, first_gemm):
     # 74 rows and 40 hidden features: more than one tile row and column, the last ones part-filled
     x = rand((2, 37, 24), dtype, DEVICE).requires_grad_()
     ws, bias = weights(dtype)
@@ -96,7 +105,7 @@ def test_gradcheck_float64(act):
         )
 
 
-def test_one_bias_or_none_and_without_grad():
+def test_one_bias_or_none_and_without_grad(first_gemm):
     x = rand((5, 24), torch.float32, DEVICE).requires_grad_()
     for biases in ((False, False, False), (True, False, False), (False, True, True)):
         ws, bias = weights(torch.float32, biases=biases)
@@ -109,7 +118,7 @@ def test_one_bias_or_none_and_without_grad():
     assert_rel_err(y, reference(*wide, tuple(b.double().cpu() for b in bias), "silu", "none"), 1e-4)
 
 
-def test_saved_tensors_and_recompute():
+def test_saved_tensors_and_recompute(first_gemm):
     """Default: x, the three weights, and the gate and up projections, two tensors of the hidden
     size where eager keeps four (the gate, its activation, up and their product); recompute: x,
     the weights and the first GEMM's biases, nothing of the hidden size."""
@@ -143,7 +152,7 @@ def test_gated_gemm_on_both_kernels_keeps_gate_and_up(kernel, fk_settings, monke
         x, wg, wu = (rand(s, dtype, DEVICE) for s in ((100, 48), (72, 48), (72, 48)))
         bg, bu = rand((72,), dtype, DEVICE), rand((72,), dtype, DEVICE)
         for activation in ("silu", "gelu", "gelu_tanh"):
-            h, gate, up = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, True)
+            h, gate, up = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, True, fused=True)
             xd = x.double().cpu()
             g64 = xd @ wg.double().cpu().t() + bg.double().cpu()
             u64 = xd @ wu.double().cpu().t() + bu.double().cpu()
@@ -151,7 +160,7 @@ def test_gated_gemm_on_both_kernels_keeps_gate_and_up(kernel, fk_settings, monke
             assert_rel_err(gate, g64, bound)
             assert_rel_err(up, u64, bound)
             assert_rel_err(h, mm.torch_activation(g64, activation) * u64, bound)
-            again = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, False)
+            again = fk_autograd.gated_forward(x, wg, wu, bg, bu, activation, False, fused=True)
             assert torch.equal(again[0], h) and again[1] is None and again[2] is None
     assert bool(tma_launches) == (
         kernel == "tma" and (DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
@@ -159,6 +168,7 @@ def test_gated_gemm_on_both_kernels_keeps_gate_and_up(kernel, fk_settings, monke
 
 
 def test_a_stacked_gate_up_weight_is_read_in_place(monkeypatch):
+    monkeypatch.setattr(mm, "GATED_GEMM_MAX_M", 64)  # (9 rows: one GEMM, as at decode)
     """vLLM's and Megatron's stacked ``gate_up_proj`` (2H, K): its halves (and its interleaved
     rows) are views with equal strides, passed as they are; the launch reads them, no copy."""
     x = rand((9, 24), torch.float32, DEVICE)
@@ -189,7 +199,7 @@ def test_unequal_weight_layouts_run_the_composition(monkeypatch):
     torch.testing.assert_close(y, reference(x, wg, wu, wd, None, "silu", "none"))
 
 
-def test_empty_and_zero_inner_sizes():
+def test_empty_and_zero_inner_sizes(first_gemm):
     ws, bias = weights(torch.float32)
     assert fusedkit.gated_mlp(rand((0, 24), torch.float32, DEVICE), *ws, bias=bias).shape == (0, 16)
     x0 = rand((3, 0), torch.float32, DEVICE)

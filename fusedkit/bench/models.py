@@ -654,8 +654,9 @@ def fuse(case: ModelCase, model: torch.nn.Module, example: torch.Tensor | None =
     """A copy of ``model`` (same parameter values) with fusedkit in it; ``example``: an input
     on the model's device for ``fusedkit.fuse`` (default: the case's small training batch)."""
     fused = copy.deepcopy(model)
-    if example is None:
-        example = case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True)[0]
+    if example is None:  # (on the model's device: a whole model's fuse runs it on the example)
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        example = case.batch(case.small_sizes.train, torch.Generator().manual_seed(0), True)[0].to(device)
     if case.fuse(fused, example) == 0:
         raise RuntimeError(f"{case.name}: no site to fuse found")
     return fused

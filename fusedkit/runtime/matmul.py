@@ -35,6 +35,7 @@ from ..registry import ElementwiseKernel
 from . import launch, matmul_tma
 from .configs import (
     COMPILER_OPTIONS,
+    GATED_GEMM_MAX_M,
     MATMUL_FIXED_STAGES,
     MATMUL_FIXED_TILE,
     MATMUL_FIXED_WARPS,
@@ -55,6 +56,7 @@ from .elementwise import backend_for, kept_launch, launch_elementwise
 
 __all__ = [
     "ACTIVATION_NAMES",
+    "GATED_GEMM_MAX_M",
     "Gate",
     "KEPT",
     "activation_grad",
