@@ -206,6 +206,23 @@ def test_tile_sweep_runs_and_restores_the_tuning_table():
     assert sum(cell.endswith("*") for cell in rows[0]) == 1  # one fastest
 
 
+def test_host_profile_prints_each_case_against_eager():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/host_profile.py", "--calls", "20", "--top", "2", "--rows", "256", "--n", "128"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[-4:]}
+    assert set(rows) == {"add_rms_norm", "rms_norm_no_grad", "gated_mlp_decode", "function_roundtrip"}, proc.stdout
+    # (four times in us, then eager's wall over the fused one's)
+    assert all(len(cells) == 5 and all(float(c) > 0 for c in cells[:4]) for cells in rows.values()), proc.stdout
+
+
 def test_tile_sweep_leaves_the_tuning_table_and_no_plan_behind(capsys):
     import importlib.util
 
