@@ -828,6 +828,10 @@ class GatedMLP(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise NotDifferentiableError("gated_mlp(): double backward is not supported")
         gate_name = GATES[ctx.activation]
+        need = ctx.needs_input_grad
+        if not any(need[:4]) and not any(need[4:6]):  # (only b_down's: dy's column sums)
+            db_down = dy.sum(0) if ctx.has_bias[2] and need[6] else None
+            return None, None, None, None, None, None, db_down, None, None
         if ctx.recompute:
             x2, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
             h, gate, up = gated_forward(x2, w_gate, w_up, b_gate, b_up, ctx.activation, True)
@@ -835,7 +839,6 @@ class GatedMLP(torch.autograd.Function):
             x2, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
             h = None
         dy = matmul.resolve_neg(dy).to(x2.dtype)
-        need = ctx.needs_input_grad
         dw_down = db_down = None
         if need[3]:
             if h is None:

@@ -409,7 +409,7 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
             raise DeviceError(f"gated_mlp(): {name} is on {value.device}, x on {x.device}")
     if x.dtype not in mm.MATMUL_DTYPES:
         raise DTypeError(f"gated_mlp(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
-    if (
+    composed = (
         _is_compiling()
         or _functorch()
         or _dispatch_modes()
@@ -418,18 +418,22 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         or sharding.has_dtensor(tensors)
         or tracing(tensors)
         or ew.backend_for(x.device) == "torch"
-        or w_gate.stride() != w_up.stride()  # (the kernel reads both through one set of strides)
-        or (b_gate is not None and b_up is not None and b_gate.stride() != b_up.stride())
-    ):
+    )
+    if not composed:
+        # (strides compared as the kernel will read them: a lazily negated view resolves to a copy)
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down = (mm.resolve_neg(t) for t in tensors)
+        composed = w_gate.stride() != w_up.stride()  # (the kernel reads both through one set of strides)
+    if composed:
         gate = mm.torch_activation(F.linear(x, w_gate, b_gate), act)
         return F.linear(gate * F.linear(x, w_up, b_up), w_down, b_down)
+    if (b_gate is None) != (b_up is None) or (b_gate is not None and b_gate.stride() != b_up.stride()):
+        # The epilogue adds both biases or neither, read with one stride: hidden-size vectors,
+        # made alike (the missing one zeros).
+        given = b_gate if b_gate is not None else b_up
+        zeros = torch.zeros(given.shape, dtype=given.dtype, device=given.device)
+        b_gate, b_up = (zeros if b is None else b.contiguous() for b in (b_gate, b_up))
     lead = x.shape[:-1]
-    x2 = mm.resolve_neg(x).reshape(lead.numel(), inner)
-    w_gate, w_up, w_down, b_gate, b_up, b_down = (mm.resolve_neg(t) for t in tensors[1:])
-    if b_gate is None and b_up is not None:  # the epilogue adds both biases or neither
-        b_gate = torch.zeros_like(b_up)
-    elif b_up is None and b_gate is not None:
-        b_up = torch.zeros_like(b_gate)
+    x2 = x.reshape(lead.numel(), inner)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         y = autograd.GatedMLP.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, act, bool(recompute))
     else:

@@ -244,3 +244,39 @@ def test_bad_input_is_refused_before_launch(monkeypatch):
     for args, kw, error, words in cases:
         with pytest.raises(error, match=words):
             fusedkit.gated_mlp(*args, **kw)
+
+
+def test_one_sided_and_unlike_biases_are_read_as_given(first_gemm):
+    """A bias given for one projection only, strided or expanded, or two biases of different
+    strides: the epilogue reads both with one stride, so they are made alike first (found by a
+    review: a strided one-sided bias read past its end)."""
+    x = rand((8, 24), torch.float32, DEVICE).requires_grad_()
+    ws, _ = weights(torch.float32)
+    wide = rand((80,), torch.float32, DEVICE)
+    for bias in (
+        (None, wide[::2], None),
+        (wide[::2], None, None),
+        (None, rand((1,), torch.float32, DEVICE).expand(40), None),
+        (wide[::2], wide[:40], None),
+    ):
+        y = fusedkit.gated_mlp(x, *ws, bias=bias)
+        ref = reference(
+            *(t.detach().double().cpu() for t in (x, *ws)),
+            tuple(None if b is None else b.double().cpu() for b in bias),
+            "silu",
+            "none",
+        )
+        assert_rel_err(y, ref, matmul_rel_err(torch.float32) * 10)
+
+
+def test_lazily_negated_weights_of_unlike_strides_are_read_as_given(first_gemm):
+    """Strides compared after lazily negated views resolve (a review found the kernel reading a
+    resolved, contiguous ``w_gate`` with the strides of a sliced ``w_up``)."""
+    x = rand((8, 24), torch.float32, DEVICE)
+    big_g, big_u = rand((40, 48), torch.float32, DEVICE) * 0.2, rand((40, 48), torch.float32, DEVICE) * 0.2
+    wg, wu = big_g[:, :24], big_u[:, :24]  # both (48, 1)
+    wd = rand((16, 40), torch.float32, DEVICE) * 0.2
+    for g, u in ((torch._neg_view(wg), wu), (wg, torch._neg_view(wu))):
+        y = fusedkit.gated_mlp(x, g, u, wd)
+        ref = reference(*(t.double().cpu() for t in (x, g.resolve_neg(), u.resolve_neg(), wd)), None, "silu", "none")
+        assert_rel_err(y, ref, matmul_rel_err(torch.float32) * 10)
