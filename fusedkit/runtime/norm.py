@@ -89,13 +89,7 @@ def rows_of(t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
 def _programs_per_device(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return _cuda_programs(device.index)
-
-
-@functools.cache
-def _cuda_programs(index: int) -> int:
-    """(once a device: ``get_device_properties`` is a Python call each time, in every backward)"""
-    return 4 * torch.cuda.get_device_properties(index).multi_processor_count
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
