@@ -1,5 +1,5 @@
 """Where an eager call's host time goes: the measurement behind the host-bound rows of the norms
-and models reports (an eager norm's forward + backward issues in 2-4x eager's wall time at
+and models reports (an eager norm's forward + backward issues in 2-5x eager's wall time at
 8192 x 2048 on the H200, docs/results.md, "Norms").
 
     PYTHONPATH=. python benchmarks/host_profile.py                   # every case below
