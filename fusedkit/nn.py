@@ -163,8 +163,10 @@ class SwiGLU(nn.Module):
     ``nn.Linear(hidden_features, in_features)``, each with a bias when ``bias``; state dict
     keys ``gate.weight``, ``up.weight``, ``down.weight`` (and ``.bias``). A LLaMA-style MLP's
     state dict (``gate_proj``, ``up_proj``, ``down_proj``, as transformers' ``LlamaMLP``
-    names them) loads as it is. Input (..., in_features) -> output (..., in_features);
-    follows ``torch.autocast`` as ``nn.Linear`` does.
+    names them) loads as it is, and so does one with the gate and up projections stacked in
+    one ``gate_up_proj`` (transformers' ``Phi3MLP``, vLLM: the gate's rows first), split as it
+    loads. Input (..., in_features) -> output (..., in_features); follows ``torch.autocast``
+    as ``nn.Linear`` does.
     """
 
     #: The LLaMA MLP's names for the three projections, loaded as this module's.
@@ -183,6 +185,12 @@ class SwiGLU(nn.Module):
 
     @classmethod
     def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
+        for part in ("weight", "bias"):
+            stacked = f"{prefix}gate_up_proj.{part}"
+            gate, up = f"{prefix}gate.{part}", f"{prefix}up.{part}"
+            # (this module's own keys present: the stacked one stays, and a strict load reports it)
+            if stacked in state_dict and gate not in state_dict and up not in state_dict:
+                state_dict[gate], state_dict[up] = state_dict.pop(stacked).chunk(2, dim=0)
         _rename_keys(state_dict, prefix, cls.LLAMA_NAMES)
 
     def extra_repr(self) -> str:

@@ -295,6 +295,24 @@ def test_swiglu_loads_transformers_llama_mlp():
     torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_swiglu_loads_a_stacked_gate_up_proj():
+    """transformers' ``Phi3MLP`` (vLLM likewise) stacks the gate's and up projection's rows in one
+    ``gate_up_proj``, the gate's first: split as it loads, the same outputs."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    config = transformers.Phi3Config(hidden_size=16, intermediate_size=24, hidden_act="silu")
+    ref = Phi3MLP(config).to(DEVICE)
+    ours = fusedkit.nn.SwiGLU(16, 24, device=DEVICE)
+    assert ours.load_state_dict(ref.state_dict()).missing_keys == []
+    x = rand((3, 16), torch.float32, DEVICE)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    # its own keys beside a stacked one: the stacked key is left, and a strict load names it
+    state = {**ours.state_dict(), "gate_up_proj.weight": torch.zeros(48, 16, device=DEVICE)}
+    with pytest.raises(RuntimeError, match="gate_up_proj.weight"):
+        ours.load_state_dict(state, strict=True)
+
+
 def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     m = fusedkit.nn.SwiGLU(8, 6, bias=True, device=DEVICE)
     assert m(rand((8,), torch.float32, DEVICE)).shape == (8,)
