@@ -778,7 +778,7 @@ def gated_forward(x2, w_gate, w_up, b_gate, b_up, activation: str, keep: bool, f
     if not (M <= matmul.GATED_GEMM_MAX_M if fused is None else fused):
         gate = torch.nn.functional.linear(x2, w_gate, b_gate)
         up = torch.nn.functional.linear(x2, w_up, b_up)
-        h = elementwise.run(get(GATES[activation]), (gate, up), None)
+        h = elementwise.run(get(f"{activation}_mul"), (gate, up), None)  # (the registry's gate)
         return (h, gate, up) if keep else (h, None, None)
     h = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     gate = torch.empty_like(h) if keep else None
@@ -792,10 +792,6 @@ def gated_forward(x2, w_gate, w_up, b_gate, b_up, activation: str, keep: bool, f
         return h, gate, up
     matmul.launch_matmul(x2, w_gate.t(), b_gate, activation, h, gate, gate=matmul.Gate(w_up.t(), b_up, up))
     return h, gate, up
-
-
-#: The registry's gate of each gated MLP activation (its two-output gradient is ``<name>_grad``).
-GATES = {"silu": "silu_mul", "gelu": "gelu_mul", "gelu_tanh": "gelu_tanh_mul"}
 
 
 class GatedMLP(torch.autograd.Function):
@@ -827,7 +823,7 @@ class GatedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         if torch.is_grad_enabled():
             raise NotDifferentiableError("gated_mlp(): double backward is not supported")
-        gate_name = GATES[ctx.activation]
+        gate_name = f"{ctx.activation}_mul"  # (the registry's gate; its gradient is <name>_grad)
         need = ctx.needs_input_grad
         if not any(need[:4]) and not any(need[4:6]):  # (only b_down's: dy's column sums)
             db_down = dy.sum(0) if ctx.has_bias[2] and need[6] else None
@@ -851,7 +847,7 @@ class GatedMLP(torch.autograd.Function):
             return None, None, None, dw_down, None, None, db_down, None, None
         dh = dy @ w_down
         dgate, dup = elementwise.run_pair(PAIRS[f"{gate_name}_grad"], (dh, gate, up), None)
-        del dh, gate, up
+        del dh
         dx = torch.addmm(dgate @ w_gate, dup, w_up) if need[0] else None
         dw_gate = dgate.t() @ x2 if need[1] else None
         dw_up = dup.t() @ x2 if need[2] else None

@@ -305,6 +305,33 @@ MLP_ACTIVATIONS = {
 }
 
 
+def _check_like_x(op: str, x, named) -> None:
+    """An MLP op's operands (``named``: (name, tensor or None) pairs) share ``x``'s dtype and
+    device, one the matmul kernels take."""
+    for name, value in named:
+        if value is not None and value.dtype != x.dtype:
+            raise DTypeError(f"{op}(): {name} is {value.dtype}, x is {x.dtype}: they must share a dtype")
+        if value is not None and value.device != x.device:
+            raise DeviceError(f"{op}(): {name} is on {value.device}, x on {x.device}")
+    if x.dtype not in mm.MATMUL_DTYPES:
+        raise DTypeError(f"{op}(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
+
+
+def _composes(x, tensors) -> bool:
+    """Whether an MLP op runs PyTorch's composition rather than the kernels: traced, transformed,
+    watched by a dispatch mode, carrying a tangent, on DTensors, or on the PyTorch backend."""
+    return (
+        _is_compiling()
+        or _functorch()
+        or _dispatch_modes()
+        or _jit_tracing()
+        or _has_tangent(tensors)
+        or sharding.has_dtensor(tensors)
+        or tracing(tensors)
+        or ew.backend_for(x.device) == "torch"
+    )
+
+
 def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     """``F.linear(act(F.linear(x, w1, b1)), w2, b2)`` (see :func:`fusedkit.mlp`): checked before
     anything runs; eager calls on the kernels (``autograd.MLP`` where a gradient is needed);
@@ -333,23 +360,8 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
         if value is not None and tuple(value.shape) != (size,):
             raise ShapeError(f"mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
     tensors = (x, w1, b1, w2, b2)
-    for name, value in zip(("w1", "b1", "w2", "b2"), tensors[1:]):
-        if value is not None and value.dtype != x.dtype:
-            raise DTypeError(f"mlp(): {name} is {value.dtype}, x is {x.dtype}: they must share a dtype")
-        if value is not None and value.device != x.device:
-            raise DeviceError(f"mlp(): {name} is on {value.device}, x on {x.device}")
-    if x.dtype not in mm.MATMUL_DTYPES:
-        raise DTypeError(f"mlp(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
-    if (
-        _is_compiling()
-        or _functorch()
-        or _dispatch_modes()
-        or _jit_tracing()
-        or _has_tangent(tensors)
-        or sharding.has_dtensor(tensors)
-        or tracing(tensors)
-        or ew.backend_for(x.device) == "torch"
-    ):
+    _check_like_x("mlp", x, zip(("w1", "b1", "w2", "b2"), tensors[1:]))
+    if _composes(x, tensors):
         return F.linear(mm.torch_activation(F.linear(x, w1, b1), act), w2, b2)
     lead = x.shape[:-1]
     x2 = mm.resolve_neg(x).reshape(lead.numel(), inner)
@@ -401,24 +413,8 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         if value is not None and tuple(value.shape) != (size,):
             raise ShapeError(f"gated_mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
     tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    names = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-    for name, value in zip(names, tensors[1:]):
-        if value is not None and value.dtype != x.dtype:
-            raise DTypeError(f"gated_mlp(): {name} is {value.dtype}, x is {x.dtype}: they must share a dtype")
-        if value is not None and value.device != x.device:
-            raise DeviceError(f"gated_mlp(): {name} is on {value.device}, x on {x.device}")
-    if x.dtype not in mm.MATMUL_DTYPES:
-        raise DTypeError(f"gated_mlp(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
-    composed = (
-        _is_compiling()
-        or _functorch()
-        or _dispatch_modes()
-        or _jit_tracing()
-        or _has_tangent(tensors)
-        or sharding.has_dtensor(tensors)
-        or tracing(tensors)
-        or ew.backend_for(x.device) == "torch"
-    )
+    _check_like_x("gated_mlp", x, zip(("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"), tensors[1:]))
+    composed = _composes(x, tensors)
     if not composed:
         # (strides compared as the kernel will read them: a lazily negated view resolves to a copy)
         x, w_gate, w_up, w_down, b_gate, b_up, b_down = (mm.resolve_neg(t) for t in tensors)
