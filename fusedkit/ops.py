@@ -279,13 +279,15 @@ def mlp(
     b2 (out,) or None. ``activation``: "gelu" (``approximate`` "none" or "tanh"), "relu" or
     "silu", as ``F.gelu`` / ``F.relu`` / ``F.silu``.
 
-    The up-projection's bias and activation run in its GEMM's epilogue; in the backward, the
-    GEMM that makes ``dy @ w2`` multiplies by the activation's derivative and sums the bias
-    gradient in its epilogue, so the activation's gradient is written once and never read
-    back. Saved for the backward: ``x``, the activation's input (its output for ReLU) and
-    output, as eager saves; ``recompute=True`` keeps only ``x`` and runs the first GEMM again
-    in the backward. Follows ``torch.autocast`` as ``F.linear`` does. Traced, ``torch.func``,
-    DTensor and CPU calls run the PyTorch composition.
+    The up-projection's bias runs in its GEMM's epilogue. For GELU and SiLU the activation runs
+    in the next GEMMs' prologue, as ``pre``'s tiles load, so its output is never written; ReLU's
+    runs in the first epilogue. In the backward, the GEMM that makes ``dy @ w2`` multiplies by
+    the activation's derivative and sums the bias gradient in its epilogue, so the activation's
+    gradient is written once and never read back. Saved for the backward: ``x`` and the
+    activation's input (ReLU: its output), where eager keeps GELU's and SiLU's input and
+    output; ``recompute=True`` keeps only ``x`` and runs the first GEMM again in the backward.
+    Follows ``torch.autocast`` as ``F.linear`` does. Traced, ``torch.func``, DTensor and CPU
+    calls run the PyTorch composition.
     """
     return dispatch.mlp(x, w1, b1, w2, b2, activation, approximate, recompute)
 
