@@ -75,10 +75,9 @@ MATMUL_INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, DO
 #: Programs along M that share a band of B before moving on (L2 reuse).
 MATMUL_GROUP_M = 8
 #: The most rows a gated MLP's gate and up projections run as one GEMM (the gated epilogue) for;
-#: more run as two cuBLAS GEMMs and the registry's gate. LLaMA-7B's 4096 -> 11008, bf16, triton
-#: 3.6: on the H200 the one GEMM ran eager's two GEMMs, SiLU and mul 1.02-1.21x faster at M = 1-64
-#: and tied two GEMMs and the fused gate at M = 128 (68.3 against 67.5 us); on an H100 at M = 8192
-#: it took 1.22x their time, its best tile (128 x 128 x 64, 3 stages) 1.29x two cuBLAS GEMMs'.
+#: more run as two cuBLAS GEMMs and the registry's gate. With two accumulators the one GEMM was
+#: up to 1.2x faster than eager's two GEMMs, SiLU and mul at M <= 64 (H200, LLaMA-7B's widths,
+#: bf16, triton 3.6), and slower than two cuBLAS GEMMs and the gate from M = 256 (docs/matmul.md).
 GATED_GEMM_MAX_M = 64
 #: Largest M bucket: every M above it shares one tuning result.
 MATMUL_MAX_M_BUCKET = 8192
