@@ -10,7 +10,9 @@ For each case: the host's time to issue one call (forward, or forward + backward
 same call's eager PyTorch composition; then the Python functions that take the most of it
 (``cProfile``, its own overhead included). The ``function_roundtrip`` case is a Python
 ``torch.autograd.Function`` that does nothing, forward and backward, beside ``x * 1``: what any
-op whose backward runs in Python pays on this machine, whatever its kernels. On a CPU the
+op whose backward runs in Python pays on this machine, whatever its kernels; ``*_one_thread``
+runs the backward on the calling thread rather than autograd's CUDA device thread, and
+``silu_mul_grad`` is an op whose autograd node is C++ (the launch table's). On a CPU the
 kernels run in the interpreter, so only the script itself is checked there.
 """
 
@@ -48,10 +50,30 @@ def _cases(rows: int, n: int, device, dtype):
     def grad(y, inputs):
         torch.autograd.grad(y, inputs, dy if y.shape == dy.shape else torch.ones_like(y))
 
+    def on_calling_thread(fn):
+        # (autograd runs a CUDA backward on its device thread; this runs it on the caller's)
+        def call():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+
+        return call
+
     return {
         "add_rms_norm": (
             lambda: grad(fusedkit.add_rms_norm(x, r, w, 1e-6)[0], (x, r, w)),
             lambda: grad(F.rms_norm(x + r, (n,), w, 1e-6), (x, r, w)),
+        ),
+        "add_rms_norm_one_thread": (
+            on_calling_thread(lambda: grad(fusedkit.add_rms_norm(x, r, w, 1e-6)[0], (x, r, w))),
+            on_calling_thread(lambda: grad(F.rms_norm(x + r, (n,), w, 1e-6), (x, r, w))),
+        ),
+        "add_rms_norm_forward": (
+            lambda: fusedkit.add_rms_norm(x, r, w, 1e-6),
+            lambda: F.rms_norm(x + r, (n,), w, 1e-6),
+        ),
+        "silu_mul_grad": (
+            lambda: grad(fusedkit.silu_mul(x, r), (x, r)),
+            lambda: grad(F.silu(x) * r, (x, r)),
         ),
         "rms_norm_no_grad": (
             lambda: fusedkit.rms_norm(x.detach(), (n,), w.detach(), 1e-6),
@@ -84,7 +106,11 @@ def _issue_us(fn, calls: int, sync) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="add_rms_norm,rms_norm_no_grad,gated_mlp_decode,function_roundtrip")
+    parser.add_argument(
+        "--cases",
+        default="add_rms_norm,add_rms_norm_one_thread,add_rms_norm_forward,silu_mul_grad,rms_norm_no_grad,"
+        "gated_mlp_decode,function_roundtrip",
+    )
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--n", type=int, default=768)
     parser.add_argument("--calls", type=int, default=200)
@@ -111,9 +137,9 @@ def main(argv=None) -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
     where = torch.cuda.get_device_name() if gpu else "CPU (Triton's interpreter: a check of the script only)"
     print(f"{where}, torch {torch.__version__}, {rows} x {n}, {dtype}; us a call")
-    print(f"{'case':<20} {'fused host':>11} {'fused wall':>11} {'eager host':>11} {'eager wall':>11} {'x wall':>7}")
+    print(f"{'case':<24} {'fused host':>11} {'fused wall':>11} {'eager host':>11} {'eager wall':>11} {'x wall':>7}")
     for name, f_host, f_wall, e_host, e_wall in table:
-        print(f"{name:<20} {f_host:11.1f} {f_wall:11.1f} {e_host:11.1f} {e_wall:11.1f} {e_wall / f_wall:7.2f}")
+        print(f"{name:<24} {f_host:11.1f} {f_wall:11.1f} {e_host:11.1f} {e_wall:11.1f} {e_wall / f_wall:7.2f}")
 
 
 if __name__ == "__main__":
