@@ -6,11 +6,13 @@ import numbers
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
-from .ops import add_relu, layer_norm, linear_relu, mlp, rms_norm, silu_mul
+from .errors import ArgumentError
+from .ops import add_relu, gated_mlp, gelu_mul, layer_norm, linear_relu, mlp, rms_norm, silu_mul
 from .runtime.layout import broadcast_shape
 
-__all__ = ["LinearReLU", "AddReLU", "MLP", "SwiGLU", "RMSNorm", "LayerNorm"]
+__all__ = ["LinearReLU", "AddReLU", "MLP", "SwiGLU", "GeGLU", "RMSNorm", "LayerNorm"]
 
 
 def _rename_keys(state_dict: dict, prefix: str, names: dict, transpose_weights: bool = False) -> None:
@@ -155,9 +157,35 @@ class MLP(nn.Module):
         )
 
 
+def _runs_as_modules(*layers: nn.Module) -> bool:
+    """Whether ``layers`` must each be called as a module: one is not a plain ``nn.Linear`` (an
+    adapter or quantised layer replacing it; a parametrized one's weight is read as usual) or a
+    hook would see its call, its own or a global one."""
+    from torch.nn.modules import module as _module
+
+    if (
+        _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    ):
+        return True
+    return any(
+        type(m) is not nn.Linear
+        and not (parametrize.is_parametrized(m) and isinstance(m, nn.Linear))
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or m._backward_hooks
+        or m._backward_pre_hooks
+        for m in layers
+    )
+
+
 class SwiGLU(nn.Module):
-    """The LLaMA MLP: ``down(silu_mul(gate(x), up(x)))``, its gate in one kernel
-    (``fusedkit.silu_mul``) where the eager ``F.silu(gate(x)) * up(x)`` runs two.
+    """The LLaMA MLP, ``down(silu(gate(x)) * up(x))``, through :func:`fusedkit.gated_mlp`: at
+    decode sizes the gate and up projections are one GEMM with ``silu(gate) * up`` in its
+    epilogue; for training it keeps ``x``, the gate and up projections where eager keeps four
+    tensors of the hidden size (``recompute=True``: ``x`` only).
 
     ``gate`` and ``up`` are ``nn.Linear(in_features, hidden_features)``, ``down`` is
     ``nn.Linear(hidden_features, in_features)``, each with a bias when ``bias``; state dict
@@ -166,22 +194,52 @@ class SwiGLU(nn.Module):
     names them) loads as it is, and so does one with the gate and up projections stacked in
     one ``gate_up_proj`` (transformers' ``Phi3MLP``, vLLM: the gate's rows first), split as it
     loads. Input (..., in_features) -> output (..., in_features); follows ``torch.autocast``
-    as ``nn.Linear`` does.
+    as ``nn.Linear`` does. Where a hook is registered on a projection (or a global module
+    hook), or a projection was replaced by another layer (an adapter's), the three run as
+    modules and the gate as one kernel (``fusedkit.silu_mul``), so every hook and layer sees
+    its call; parametrizations apply either way.
     """
 
     #: The LLaMA MLP's names for the three projections, loaded as this module's.
     LLAMA_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    activation, approximate = "silu", "none"
 
-    def __init__(self, in_features: int, hidden_features: int, bias: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        recompute: bool = False,
+    ):
         super().__init__()
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.gate = nn.Linear(in_features, hidden_features, **kw)
         self.up = nn.Linear(in_features, hidden_features, **kw)
         self.down = nn.Linear(hidden_features, in_features, **kw)
+        self.recompute = recompute
         self.register_load_state_dict_pre_hook(self._llama_keys)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate(x), self.up(x)))
+        gate, up, down = self.gate, self.up, self.down
+        if _runs_as_modules(gate, up, down):
+            return down(self._gate(gate(x), up(x)))
+        biases = (gate.bias, up.bias, down.bias)
+        return gated_mlp(
+            x,
+            gate.weight,
+            up.weight,
+            down.weight,
+            activation=self.activation,
+            approximate=self.approximate,
+            bias=None if biases == (None, None, None) else biases,
+            recompute=self.recompute,
+        )
+
+    def _gate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return silu_mul(g, u)
 
     @classmethod
     def _llama_keys(cls, module, state_dict, prefix, *args) -> None:
@@ -196,8 +254,36 @@ class SwiGLU(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.gate.in_features}, hidden_features={self.gate.out_features}, "
-            f"bias={self.gate.bias is not None}"
+            f"bias={self.gate.bias is not None}, recompute={self.recompute}"
         )
+
+
+class GeGLU(SwiGLU):
+    """The GeGLU MLP (Gemma's, T5 v1.1's), ``down(gelu(gate(x)) * up(x))``: :class:`SwiGLU`
+    with GELU for SiLU, exact (``approximate="none"``) or tanh (Gemma's ``gelu_pytorch_tanh``);
+    the same layers, state dict keys, loading and options."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        approximate: str = "none",
+        recompute: bool = False,
+    ):
+        if approximate not in ("none", "tanh"):
+            raise ArgumentError(f"GeGLU(): approximate must be 'none' or 'tanh', got {approximate!r}")
+        super().__init__(in_features, hidden_features, bias, device, dtype, recompute=recompute)
+        self.activation, self.approximate = "gelu", approximate
+
+    def _gate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return gelu_mul(g, u, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, approximate={self.approximate!r}"
 
 
 class RMSNorm(nn.RMSNorm):

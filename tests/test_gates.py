@@ -313,6 +313,98 @@ def test_swiglu_loads_a_stacked_gate_up_proj():
         ours.load_state_dict(state, strict=True)
 
 
+def _saved_shapes(fn):
+    """The shapes of the tensors autograd saves while ``fn()`` runs forward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_swiglu_keeps_the_gated_mlps_tensors(recompute):
+    # One gated_mlp call: x, gate and up kept (recompute: x), where the three modules and the
+    # gate kernel would keep x twice, gate, up and h.
+    m = fusedkit.nn.SwiGLU(8, 12, recompute=recompute, device=DEVICE)
+    x = rand((5, 8), torch.float32, DEVICE).requires_grad_()
+    y, shapes = _saved_shapes(lambda: m(x))
+    hidden = [s for s in shapes if s == (5, 12)]
+    assert len(hidden) == (0 if recompute else 2), shapes
+    assert "recompute=" + str(recompute) in repr(m)
+    want = F.linear(F.silu(F.linear(x, m.gate.weight)) * F.linear(x, m.up.weight), m.down.weight)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad(y.square().sum(), (x, m.gate.weight, m.up.weight, m.down.weight))
+    ref = torch.autograd.grad(want.square().sum(), (x, m.gate.weight, m.up.weight, m.down.weight))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_calls_its_layers_as_modules_where_a_hook_would_see_them():
+    m = fusedkit.nn.SwiGLU(8, 12, bias=True, device=DEVICE)
+    x = rand((3, 8), torch.float32, DEVICE)
+    plain = m(x)
+    seen = []
+    handle = m.up.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    torch.testing.assert_close(m(x), plain, rtol=1e-5, atol=1e-6)
+    assert seen == [(3, 12)]
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(type(mod)))
+    try:
+        m(x)
+    finally:
+        handle.remove()
+    assert seen.count(torch.nn.Linear) == 3
+    # a layer put in a projection's place (an adapter's) runs as itself
+    m.down = torch.nn.Sequential(m.down, torch.nn.Identity())
+    torch.testing.assert_close(m(x), plain, rtol=1e-5, atol=1e-6)
+    # a parametrization applies on either path
+    m = fusedkit.nn.SwiGLU(8, 12, device=DEVICE)
+    plain = m(x)
+    torch.nn.utils.parametrize.register_parametrization(m.gate, "weight", _Double())
+    with torch.no_grad():
+        doubled = F.linear(
+            F.silu(F.linear(x, 2 * m.gate.parametrizations.weight.original)) * F.linear(x, m.up.weight), m.down.weight
+        )
+    torch.testing.assert_close(m(x), doubled, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(m(x), plain)
+
+
+class _Double(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_geglu_is_the_gelu_gated_mlp(approximate):
+    m = fusedkit.nn.GeGLU(8, 12, bias=True, approximate=approximate, device=DEVICE)
+    x = rand((2, 3, 8), torch.float32, DEVICE)
+    gate = F.gelu(F.linear(x, m.gate.weight, m.gate.bias), approximate=approximate)
+    want = F.linear(gate * F.linear(x, m.up.weight, m.up.bias), m.down.weight, m.down.bias)
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+    m.gate.register_forward_pre_hook(lambda mod, args: None)  # (the module path: gelu_mul)
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+    assert f"approximate={approximate!r}" in repr(m)
+    with pytest.raises(fusedkit.ArgumentError, match="approximate"):
+        fusedkit.nn.GeGLU(8, 12, approximate="erf")
+
+
+def test_geglu_loads_transformers_gemma_mlp():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    config = transformers.GemmaConfig(hidden_size=16, intermediate_size=24, hidden_act="gelu_pytorch_tanh")
+    ref = GemmaMLP(config).to(DEVICE)
+    ours = fusedkit.nn.GeGLU(16, 24, approximate="tanh", device=DEVICE)
+    assert ours.load_state_dict(ref.state_dict()).missing_keys == []
+    x = rand((3, 16), torch.float32, DEVICE)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
 def test_swiglu_takes_what_linear_takes_and_follows_autocast():
     m = fusedkit.nn.SwiGLU(8, 6, bias=True, device=DEVICE)
     assert m(rand((8,), torch.float32, DEVICE)).shape == (8,)
