@@ -28,6 +28,17 @@ import torch.nn.functional as F
 
 import fusedkit
 
+#: The cases a run times by default (``--cases``).
+CASES = (
+    "add_rms_norm",
+    "add_rms_norm_one_thread",
+    "add_rms_norm_forward",
+    "silu_mul_grad",
+    "rms_norm_no_grad",
+    "gated_mlp_decode",
+    "function_roundtrip",
+)
+
 
 class _Nothing(torch.autograd.Function):
     @staticmethod
@@ -106,11 +117,7 @@ def _issue_us(fn, calls: int, sync) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--cases",
-        default="add_rms_norm,add_rms_norm_one_thread,add_rms_norm_forward,silu_mul_grad,rms_norm_no_grad,"
-        "gated_mlp_decode,function_roundtrip",
-    )
+    parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--n", type=int, default=768)
     parser.add_argument("--calls", type=int, default=200)
