@@ -7,8 +7,10 @@ submodule fx cannot trace through kept whole); each chain fusedkit has one kerne
 - ``add -> relu`` (``out += identity; relu(out)``, ``F.relu(a + b)``): ``fusedkit.add_relu``;
 - ``linear -> act`` (``nn.Linear``, ``F.linear`` or ``torch.addmm``, then ReLU, GELU, tanh
   GELU or SiLU): ``fusedkit.matmul`` with the activation in its epilogue;
-- ``silu * mul`` / ``gelu * mul`` (a SwiGLU or GeGLU gate): ``fusedkit.silu_mul`` /
-  ``fusedkit.gelu_mul``;
+- ``gated mlp`` (``down(act(gate(x)) * up(x))``: three linear layers on one ``x`` around a SiLU
+  or GELU gate, LLaMA's and Gemma's MLP): ``fusedkit.gated_mlp``;
+- ``silu * mul`` / ``gelu * mul`` (any other SwiGLU or GeGLU gate, or one whose layers have
+  hooks): ``fusedkit.silu_mul`` / ``fusedkit.gelu_mul``;
 - ``add -> gelu`` (a bias or residual before a GELU): ``fusedkit.add_gelu``;
 - ``add -> layer_norm`` / ``add -> rms_norm`` (a residual join and the norm that reads it:
   ``nn.LayerNorm``, ``nn.RMSNorm``, ``F.layer_norm``, ``F.rms_norm``, transformers'
@@ -51,7 +53,17 @@ from .dispatch import norm_dtype
 from .errors import FusedkitError, SignatureError, TracingError
 from .fusion_call import FIXED_TYPES, CallSpec
 from .memory import MemoryCounterMode
-from .ops import add_gelu, add_layer_norm, add_relu, add_rms_norm, gelu_mul, matmul, rms_norm, silu_mul
+from .ops import (
+    add_gelu,
+    add_layer_norm,
+    add_relu,
+    add_rms_norm,
+    gated_mlp,
+    gelu_mul,
+    matmul,
+    rms_norm,
+    silu_mul,
+)
 from .registry import FLOAT_DTYPES, OPERAND_DTYPES, get
 from .runtime.matmul import MATMUL_DTYPES
 
@@ -526,6 +538,11 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
             other = user.args[1] if user.args[0] is node else user.args[0]
             if other is node or (_in_place(node, modules) and not _fresh(node.args[0], node)):
                 continue  # (an in-place activation whose input is used again: the rewrite would not mutate it)
+            gated = _gated_site(node, user, other, gate, modules)
+            if gated is not None and not (used & set(gated.nodes)):
+                sites.append(gated)
+                used.update(gated.nodes)
+                continue
             call = "silu_mul" if gate == "silu" else "gelu_mul"
             extra = ", approximate='tanh'" if gate == "gelu_tanh" else ""
             site = (f"{gate} * mul", f"fusedkit.{call}({_name(node.args[0])}, {_name(other)}{extra})")
@@ -546,6 +563,40 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
         kept = last if site[0].endswith("* mul") else node
         sites.append(FusionSite(site[0], _common_module(node, last), _bytes_saved(nodes, kept), site[1], nodes))
     return sites
+
+
+def _gated_site(act: fx.Node, mul: fx.Node, other, gate: str, modules: dict) -> FusionSite | None:
+    """A whole gated MLP around the gate ``act * other`` (``mul``), as LLaMA's MLP writes it,
+    ``down(act(gate(x)) * up(x))``: the three linear layers on one ``x`` (the down projection
+    on the product), each intermediate used only by the next op; None where any part differs, or
+    where ``fusedkit.gated_mlp`` would drop a hook or refuse a dtype (the gate alone is then
+    fused). Its ``bytes_saved`` is the gate's: what the two GEMMs and the fused gate save,
+    which ``gated_mlp`` runs past ``GATED_GEMM_MAX_M`` rows (fewer rows save more: one GEMM
+    writes neither projection for inference)."""
+    gate_lin, up_lin, down_lin = act.args[0], other, _only_user(mul)
+    if not all(isinstance(n, fx.Node) for n in (gate_lin, up_lin, down_lin)):
+        return None
+    parts = [_linear_operands(n, modules) for n in (gate_lin, up_lin, down_lin)]
+    if None in parts or _only_user(gate_lin) is not act or _only_user(up_lin) is not mul:
+        return None
+    (x, *_), (x_up, *_), (h, *_) = parts
+    if x is not x_up or h is not mul or not isinstance(x, fx.Node):
+        return None
+    nodes = (gate_lin, act, up_lin, mul, down_lin)
+    if any(n.op == "call_module" and _has_hooks(modules[n.target]) for n in nodes):
+        return None
+    if _dtype(gate_lin) not in MATMUL_DTYPES or _dtype(down_lin) not in MATMUL_DTYPES:
+        return None
+    order = {n: i for i, n in enumerate(act.graph.nodes)}
+    nodes = tuple(sorted(nodes, key=order.__getitem__))
+    weights = [f"{_name(w)}{'' if transposed else '.t()'}" for _, w, _, transposed in parts]
+    biases = [b for *_, b, _ in parts]
+    approximate = ", approximate='tanh'" if gate == "gelu_tanh" else ""
+    bias = "" if biases == [None] * 3 else f", bias=({', '.join(map(_name, biases))})"
+    activation = "silu" if gate == "silu" else "gelu"
+    replacement = f"fusedkit.gated_mlp({_name(x)}, {', '.join(weights)}, activation={activation!r}{approximate}{bias})"
+    where = _common_module(*nodes)
+    return FusionSite(f"gated mlp ({gate})", where, _bytes_saved((act, mul), mul), replacement, nodes)
 
 
 def _nbytes(node) -> int:
@@ -765,9 +816,44 @@ def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
         graph.erase_node(add[0])
 
 
+def _rewrite_gated(gm: fx.GraphModule, site: FusionSite) -> None:
+    """A gated MLP's five nodes (:func:`_gated_site`) as one ``fusedkit.gated_mlp`` call."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    by_op = {}
+    for n in site.nodes:
+        by_op["act" if _activation(n, modules) else "mul" if _is_mul(n) else n] = n
+    act, mul = by_op.pop("act"), by_op.pop("mul")
+    gate_lin = act.args[0]
+    up_lin = mul.args[1] if mul.args[0] is act else mul.args[0]
+    (down_lin,) = [n for n in by_op if n not in (gate_lin, up_lin)]
+    gate = site.pattern[len("gated mlp (") : -1]
+    with graph.inserting_before(down_lin):
+        operands = []
+        for lin in (gate_lin, up_lin, down_lin):
+            x, w, b, transposed = _linear_operands(lin, modules)
+            w = graph.get_attr(w) if isinstance(w, str) else w
+            b = graph.get_attr(b) if isinstance(b, str) else b
+            operands.append((x, w if transposed else graph.call_method("t", (w,)), b))
+        biases = tuple(b for _, _, b in operands)
+        kwargs = {
+            "activation": "silu" if gate == "silu" else "gelu",
+            "approximate": "tanh" if gate == "gelu_tanh" else "none",
+            "bias": None if biases == (None, None, None) else biases,
+        }
+        new = graph.call_function(gated_mlp, (operands[0][0], *(w for _, w, _ in operands)), kwargs)
+    new.meta = dict(down_lin.meta)
+    down_lin.replace_all_uses_with(new)
+    for n in (down_lin, mul, up_lin, act, gate_lin):
+        graph.erase_node(n)
+
+
 def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
     if "norm" in site.pattern:
         _rewrite_norm(gm, site)
+        return
+    if site.pattern.startswith("gated"):
+        _rewrite_gated(gm, site)
         return
     first, *middle, last = site.nodes
     modules = dict(gm.named_modules())

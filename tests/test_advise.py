@@ -92,7 +92,7 @@ def test_advise_finds_every_site_with_its_bytes():
         ("linear -> gelu_tanh", "mlp"),
         ("gelu * mul", "mlp"),
         ("add -> gelu", "mlp"),
-        ("silu * mul", "llama"),
+        ("gated mlp (silu)", "llama"),
     ]
     # each saves the write and the read of its intermediate: the join's (2, 8, 5, 5), the
     # MLP's (2, 32) hidden activations and (2, 16) output, the gate's (2, 24)
@@ -105,7 +105,11 @@ def test_advise_finds_every_site_with_its_bytes():
     ]
     assert sites[0].replacement.startswith("fusedkit.add_relu(")
     assert sites[1].replacement.startswith("fusedkit.matmul(") and "activation='gelu_tanh'" in sites[1].replacement
-    assert "approximate" not in sites[2].replacement and sites[4].replacement.startswith("fusedkit.silu_mul(")
+    assert "approximate" not in sites[2].replacement
+    assert sites[4].replacement == (
+        "fusedkit.gated_mlp(gelu_1, llama.gate_proj.weight, llama.up_proj.weight, llama.down_proj.weight, "
+        "activation='silu')"
+    )
 
 
 def test_fuse_gives_the_same_outputs_and_gradients():
@@ -115,7 +119,7 @@ def test_fuse_gives_the_same_outputs_and_gradients():
     assert fused is net and type(net) is Net and list(net.state_dict()) == keys  # the user's model
     assert len(fused.fusion_sites) == 5
     code = fusion.fused_code(net)
-    for op in ("add_relu", "matmul", "gelu_mul", "add_gelu", "silu_mul"):
+    for op in ("add_relu", "matmul", "gelu_mul", "add_gelu", "gated_mlp"):
         assert op in code
     assert code.count("self.block.relu(") == 1  # the join's ReLU is gone; bn1's stays
     net.eval()
@@ -163,7 +167,7 @@ def test_transformers_mlps():
     llama = LlamaMLP(
         transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_attention_heads=4, num_key_value_heads=4)
     )
-    for model, pattern, hidden in ((gpt2, "linear -> gelu_tanh", 128), (llama, "silu * mul", 88)):
+    for model, pattern, hidden in ((gpt2, "linear -> gelu_tanh", 128), (llama, "gated mlp (silu)", 88)):
         model = model.to(DEVICE).eval()
         (site,) = fusedkit.advise(model, x)
         act = model.act if hasattr(model, "act") else model.act_fn
@@ -173,7 +177,7 @@ def test_transformers_mlps():
         # the activation's own ops: SiLU one kernel (its output written and read back),
         # transformers' gelu_new eight (each reading and writing the hidden activations)
         assert site.pattern == pattern and site.bytes_saved == counter.get_total_bytes()
-        assert site.bytes_saved == (2 if pattern == "silu * mul" else 18) * 10 * hidden * F32
+        assert site.bytes_saved == (2 if pattern == "gated mlp (silu)" else 18) * 10 * hidden * F32
         want = model(x)
         torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
 
@@ -283,10 +287,10 @@ def test_the_advise_command_on_the_report_models(tmp_path):
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     (site,) = data["sites"]
-    assert site["model"] == "llama_mlp" and site["pattern"] == "silu * mul" and site["bytes_saved"] > 0
+    assert site["model"] == "llama_mlp" and site["pattern"] == "gated mlp (silu)" and site["bytes_saved"] > 0
     (timing,) = data["timings"]
     assert timing["fused_forward_ms"] > 0 and timing["original_train_ms"] > 0
-    assert "silu * mul" in run.stdout
+    assert "gated mlp (silu)" in run.stdout
     # the forwards' GPU busy times: the kernels' durations on a GPU, none elsewhere
     busy = (timing["original_forward_gpu_ms"], timing["fused_forward_gpu_ms"])
     if torch.cuda.is_available():
@@ -579,7 +583,7 @@ def test_a_decoder_with_eager_attention_fuses():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fusedkit.fuse(model, ids)
-    assert [s.pattern for s in model.fusion_sites] == ["rms_norm", "add -> rms_norm", "silu * mul"] * 2
+    assert [s.pattern for s in model.fusion_sites] == ["rms_norm", "add -> rms_norm", "gated mlp (silu)"] * 2
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -740,7 +744,7 @@ def _tiny_transformers():
                 )
             ),
             ids,
-            ["rms_norm", "add -> rms_norm", "silu * mul"] * 2,
+            ["rms_norm", "add -> rms_norm", "gated mlp (silu)"] * 2,
         ),
         "bert": (
             transformers.BertForMaskedLM(
@@ -815,3 +819,63 @@ def test_a_call_spec_tells_calls_apart_by_sign_and_keeps_odd_keys_whole():
     keyed = CallSpec((t, {torch.float32: t, float("nan"): t}), {})
     assert keyed.classes == [torch.Tensor, dict]
     assert keyed.inputs((t, {1: t}), {}) is not None and keyed.inputs((t, [t]), {}) is None
+
+
+class _GatedSpellings(nn.Module):
+    """Gated MLPs as models write them: modules (LLaMA), functions with biases, tanh GELU (Gemma)."""
+
+    def __init__(self, d=12, h=20):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.randn(*s) / 4) for s in ((h, d), (h, d), (d, h)))
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        a = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        g = F.gelu(F.linear(a, self.w_gate), approximate="tanh")
+        return F.linear(F.linear(a, self.w_up) * g, self.w_down)  # (the product's operands either way round)
+
+
+def test_gated_mlps_become_one_gated_mlp_call_outputs_and_gradients_equal():
+    torch.manual_seed(0)
+    model, x = _GatedSpellings().to(DEVICE), rand((3, 4, 12), torch.float32, DEVICE)
+    want = model(x)
+    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    sites = fusedkit.advise(model, x)
+    assert [s.pattern for s in sites] == ["gated mlp (silu)", "gated mlp (gelu_tanh)"]
+    assert sites[0].replacement == (
+        "fusedkit.gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, activation='silu', "
+        "bias=(gate_proj.bias, up_proj.bias, down_proj.bias))"
+    )
+    assert "activation='gelu', approximate='tanh'" in sites[1].replacement
+    fused = fusedkit.fuse(model, x)
+    code = fusion.fused_code(fused)
+    assert code.count("gated_mlp(") == 2 and "silu" not in code.replace("activation = 'silu'", "")
+    got = fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_gated_mlp_with_a_hooked_layer_or_a_shared_projection_keeps_its_layers():
+    # A hook on a projection would stop running, and a projection read elsewhere would be
+    # computed twice: the gate alone is fused (its layers stay).
+    model, x = _LlamaLike().to(DEVICE), rand((5, 8), torch.float32, DEVICE)
+    model.up_proj.register_forward_hook(lambda *a: None)
+    assert [s.pattern for s in fusedkit.advise(model, x)] == ["silu * mul"]
+
+    class Shared(_LlamaLike):
+        def forward(self, x):
+            up = self.up_proj(x)
+            return self.down_proj(F.silu(self.gate_proj(x)) * up), up
+
+    assert [s.pattern for s in fusedkit.advise(Shared().to(DEVICE), x)] == ["silu * mul"]
+
+
+class _LlamaLike(nn.Module):
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (nn.Linear(*s, bias=False) for s in ((d, h), (d, h), (h, d)))
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -280,3 +280,20 @@ def test_lazily_negated_weights_of_unlike_strides_are_read_as_given(first_gemm):
         y = fusedkit.gated_mlp(x, g, u, wd)
         ref = reference(*(t.double().cpu() for t in (x, g.resolve_neg(), u.resolve_neg(), wd)), None, "silu", "none")
         assert_rel_err(y, ref, matmul_rel_err(torch.float32) * 10)
+
+
+def test_gated_mlp_and_swiglu_compile_whole():
+    # Under torch.compile the composition is traced (no graph break): Inductor fuses the gate.
+    torch._dynamo.reset()
+    x = rand((6, 16), torch.float32, DEVICE)
+    w_gate, w_up, w_down = (rand(s, torch.float32, DEVICE) / 4 for s in ((24, 16), (24, 16), (16, 24)))
+    fn = torch.compile(
+        lambda x: fusedkit.gated_mlp(x, w_gate, w_up, w_down, activation="gelu", approximate="tanh"),
+        backend="eager",
+        fullgraph=True,
+    )
+    want = reference(x.double(), w_gate.double(), w_up.double(), w_down.double(), None, "gelu", "tanh")
+    assert_rel_err(fn(x), want, 1e-5)
+    module = fusedkit.nn.SwiGLU(16, 24, device=DEVICE)
+    compiled = torch.compile(module, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-6)
