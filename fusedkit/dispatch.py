@@ -456,7 +456,12 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         key = rn.call_key(name, x, residual, normalized_shape, weight, bias, eps, alpha, state)
         kept = rn.KEPT.get(key) if key is not None else None
         if kept is not None:
-            return _kept_norm(kept, x, residual, weight, bias)
+            recipe = None if kept.grad else rn.RECIPES.get(key)
+            if recipe is not None:
+                out = rn.run_recipe(recipe, x, residual, weight, bias)
+                if out is not None:
+                    return out
+            return _kept_norm(kept, x, residual, weight, bias, key)
     for arg, value in (("input", x), ("residual", residual if kernel.residual else x)):
         if not isinstance(value, torch.Tensor):
             raise DTypeError(f"{name}(): {arg} must be a tensor, got {type(value).__name__}")
@@ -521,7 +526,7 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
     )
     if key is not None:
         rn.keep(key, plan)
-    return _kept_norm(plan, x, residual, weight, bias)
+    return _kept_norm(plan, x, residual, weight, bias, key)
 
 
 def _plain_eager() -> bool:
@@ -532,9 +537,10 @@ def _plain_eager() -> bool:
     )
 
 
-def _kept_norm(plan, x, residual, weight, bias):
+def _kept_norm(plan, x, residual, weight, bias, key=None):
     """An eager norm on the kernels by a settled plan: the rows views, one launch (autograd's
-    Function where a gradient is needed)."""
+    Function where a gradient is needed); without one, the call's recipe kept under ``key``
+    (``rn.RECIPES``) for the next call of its signature."""
     rows, n = plan.rows, plan.n
     x2 = rn.rows_of(x, rows, n)
     r2 = None if residual is None else rn.rows_of(residual, rows, n)
@@ -546,6 +552,10 @@ def _kept_norm(plan, x, residual, weight, bias):
         y, h = out if residual is not None else (out, None)
     else:
         y, h, _, _ = rn.forward(*args, False)
+        if key is not None and key not in rn.RECIPES:
+            kept = rn.recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan.eps, plan.alpha, plan.rms)
+            if kept is not None:
+                rn.RECIPES[key] = kept
     y = y.view(*plan.lead, *plan.shape)
     return y if residual is None else (y, h.view(*plan.lead, *plan.shape))
 

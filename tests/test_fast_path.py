@@ -454,6 +454,63 @@ def test_matmul_direct_launch_and_alignment(dtype):
     assert torch.equal(fusedkit.linear_relu(a, w, bias), first)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_a_norm_recipe_launches_what_the_ordinary_path_launches(monkeypatch, residual):
+    # A kept norm without a gradient launches from its recipe (runtime.norm.run_recipe) with the
+    # same kernel arguments the ordinary path (_launch) passes for the same call, its new
+    # results' addresses in their places; checked on the CPU with a recording launcher.
+    from fusedkit.kernels.norm import norm_forward_kernel
+    from fusedkit.runtime import norm as rn
+
+    calls = []
+    entry = fk_launch.Entry(None, lambda *a: calls.append(a), 7, "packed", (5, 1, 1), ("tail",), None)
+    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: None)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
+    base = rand((6, 36), torch.float32, DEVICE)
+    x, r = base[:, :32], rand((6, 32), torch.float32, DEVICE) if residual else None  # (rows at a stride)
+    w = rand((32,), torch.float32, DEVICE)
+    x2, r2, w1 = rn.rows_of(x, 6, 32), None if r is None else rn.rows_of(r, 6, 32), w.reshape(32)
+    y, h, _, _ = rn.forward(x2, r2, w1, None, 1e-6, 1.0, True, torch.float32, torch.float32, False)
+    _, args, meta = rn.forward_launch(x2, r2, w1, None, y, h, None, None, 1e-6, 1.0, True)
+    key, pointers, scalars = rn._launch_key(norm_forward_kernel, args, meta, x2.device.index)
+    rn.LAUNCHES._entries[key] = entry
+    recipe = rn.recipe(x, r, w, None, x2, r2, w1, None, y, h, 1e-6, 1.0, True)
+    assert recipe is not None and recipe.scalars == scalars
+    out = rn.run_recipe(recipe, x, r, w, None)
+    y2, h2 = out if residual else (out, None)
+    assert y2.shape == h2.shape == x.shape if residual else y2.shape == x.shape
+    (call,) = calls
+    fresh = {y.data_ptr(): y2.data_ptr(), **({h.data_ptr(): h2.data_ptr()} if residual else {})}
+    want = (*[fresh.get(p, p) for p in pointers], *scalars, "tail")
+    assert call[:5] == (5, 1, 1, 99, 7) and call[-len(want) :] == want
+    # a rows view that is a copy keeps no recipe; a call aligned otherwise takes the ordinary path
+    assert rn.recipe(x.clone(), r, w, None, x2, r2, w1, None, y, h, 1e-6, 1.0, True) is None
+    shifted = base[:, 1:33]  # (4 bytes off: the kernel was compiled for 16-byte-aligned rows)
+    assert rn.run_recipe(recipe, shifted, r, w, None) is None and len(calls) == 1
+
+
+@gpu_only
+def test_norm_recipe_on_the_gpu():
+    # The second no-grad call of a signature launches from its recipe: the same bits as the
+    # first; a call at another alignment takes the ordinary path, and is right too.
+    from fusedkit.runtime import norm as rn
+
+    base = rand((64, 129), torch.bfloat16, DEVICE)
+    r = rand((64, 128), torch.bfloat16, DEVICE)
+    w = rand((128,), torch.bfloat16, DEVICE)
+    with torch.no_grad():
+        first = fusedkit.add_rms_norm(base[:, :128], r, w, 1e-6)
+        assert len(rn.RECIPES) == 1
+        again = fusedkit.add_rms_norm(base[:, :128], r, w, 1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        shifted = fusedkit.add_rms_norm(base[:, 1:], r, w, 1e-6)
+    h = base[:, 1:].double() + r.double()
+    torch.testing.assert_close(shifted[1].double(), h, atol=2e-2, rtol=2e-2)
+    want = torch.nn.functional.rms_norm(h, (128,), w.double(), 1e-6)
+    torch.testing.assert_close(shifted[0].double(), want, atol=3e-2, rtol=3e-2)
+
+
 @gpu_only
 def test_norm_direct_launch_and_alignment():
     # A norm's repeated launch goes straight to its compiled kernel, kept per pointer

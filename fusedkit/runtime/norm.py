@@ -146,6 +146,24 @@ _POINTERS = {
 }
 
 
+def _launch_key(kernel, args: tuple, meta: dict, index: int) -> tuple[tuple, list, tuple]:
+    """``(key, pointers, scalars)`` of a launch: its kept-launch key (see :func:`_launch`), the
+    pointer arguments' addresses and the scalar arguments."""
+    count = _POINTERS[kernel]
+    tensors, scalars = args[:count], args[count:]
+    pointers = [t.data_ptr() for t in tensors]
+    key = (kernel, index, tuple([t.dtype for t in tensors]), _alignment(pointers), scalars, tuple(meta.values()))
+    return key, pointers, scalars
+
+
+def _alignment(pointers) -> int:
+    """One bit a pointer, first pointer highest: whether it is 16-byte aligned (Triton specialises on it)."""
+    aligned = 0
+    for p in pointers:
+        aligned = (aligned << 1) | (p % launch.ALIGNMENT == 0)
+    return aligned
+
+
 def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``: directly (``launch.CompiledCache``) when a launch of
     the same key ran before, the key being everything Triton specialises on: the pointers'
@@ -161,13 +179,7 @@ def _launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     if index != launch.current_device():
         with torch.cuda.device(index):
             return _launch(kernel, grid, args, meta)
-    count = _POINTERS[kernel]
-    tensors, scalars = args[:count], args[count:]
-    pointers = [t.data_ptr() for t in tensors]
-    aligned = 0
-    for p in pointers:
-        aligned = (aligned << 1) | (p % launch.ALIGNMENT == 0)
-    key = (kernel, index, tuple([t.dtype for t in tensors]), aligned, scalars, tuple(meta.values()))
+    key, pointers, scalars = _launch_key(kernel, args, meta, index)
     entry = LAUNCHES.get(key)
     if entry is not None:
         launch.CompiledCache.run(entry, (*pointers, *scalars), index)
@@ -192,6 +204,72 @@ def forward(x2, residual2, weight, bias, eps: float, alpha: float, rms: bool, y_
         return y, h, mean, rstd
     _launch(norm_forward_kernel, *forward_launch(x2, residual2, weight, bias, y, h, mean, rstd, eps, alpha, rms))
     return y, h, mean, rstd
+
+
+class Recipe(NamedTuple):
+    """A kept eager call's forward without a gradient, settled by its first run (:func:`recipe`):
+    what :func:`run_recipe` needs to allocate the results and launch the kept kernel, with no
+    rows views, argument tuple or launch key built again (in a decode step a norm is all host
+    time, and these were half of it)."""
+
+    entry: launch.Entry
+    index: int
+    device: torch.device
+    shape: tuple  # the results' (the input's)
+    y_dtype: torch.dtype
+    h_dtype: torch.dtype | None  # None: no residual
+    aligned: int  # the pointers' 16-byte alignment the kernel was compiled for (:func:`_alignment`)
+    scalars: tuple
+
+
+def recipe(x, residual, weight, bias, x2, residual2, weight1, bias1, y, h, eps, alpha, rms) -> Recipe | None:
+    """The :class:`Recipe` of a forward that just ran on rows ``x2`` (``residual2``) with results
+    ``y`` and ``h``, when every rows view reads its tensor in place (the same address: the
+    kernel's pointers are the call's tensors') and the launch was kept; else None."""
+    if launch.INTERPRETED or y.numel() == 0:
+        return None
+    for t, view in ((x, x2), (residual, residual2), (weight, weight1), (bias, bias1)):
+        if t is not None and t.data_ptr() != view.data_ptr():
+            return None
+    grid, args, meta = forward_launch(x2, residual2, weight1, bias1, y, h, None, None, eps, alpha, rms)
+    index = x2.device.index
+    key, pointers, scalars = _launch_key(norm_forward_kernel, args, meta, index)
+    entry = LAUNCHES.get(key)
+    if entry is None:
+        return None
+    h_dtype = None if h is None else h.dtype
+    return Recipe(entry, index, x.device, tuple(x.shape), y.dtype, h_dtype, _alignment(pointers), scalars)
+
+
+def run_recipe(r: Recipe, x, residual, weight, bias):
+    """``y`` (or ``(y, h)``) of a call whose signature kept ``r``, launched directly; None where
+    this call's pointers are aligned otherwise or another device is current (the caller then
+    takes the ordinary path)."""
+    if r.index != launch.current_device():
+        return None
+    y = torch.empty(r.shape, dtype=r.y_dtype, device=r.device)
+    h = None if r.h_dtype is None else torch.empty(r.shape, dtype=r.h_dtype, device=r.device)
+    any_ = y.data_ptr()
+    # (forward_launch's order: x, residual, weight, bias, y, h, mean, rstd; an absent one y's)
+    pointers = (
+        x.data_ptr(),
+        any_ if residual is None else residual.data_ptr(),
+        any_ if weight is None else weight.data_ptr(),
+        any_ if bias is None else bias.data_ptr(),
+        any_,
+        any_ if h is None else h.data_ptr(),
+        any_,
+        any_,
+    )
+    if _alignment(pointers) != r.aligned:
+        return None
+    launch.CompiledCache.run(r.entry, (*pointers, *r.scalars), r.index)
+    return y if h is None else (y, h)
+
+
+#: Recipes of kept calls without a gradient, by call signature (:func:`call_key`).
+RECIPES: dict = {}
+launch.register_cache(RECIPES.clear)
 
 
 def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms: bool, per_program: int):
@@ -310,6 +388,7 @@ def call_key(name: str, x, residual, normalized_shape, weight, bias, eps, alpha,
 def keep(key, plan: Kept) -> None:
     if len(KEPT) >= _KEPT_SIZE:
         KEPT.clear()  # rare: a process cycling through many signatures
+        RECIPES.clear()
     KEPT[key] = plan
 
 
@@ -331,12 +410,16 @@ __all__ = [
     "KEPT",
     "KERNEL_DTYPES",
     "Kept",
+    "RECIPES",
+    "Recipe",
     "NORM_DTYPES",
     "backward",
     "call_key",
     "forward",
     "keep",
     "normalized_size",
+    "recipe",
     "reference",
     "rows_of",
+    "run_recipe",
 ]
