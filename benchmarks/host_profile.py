@@ -35,6 +35,7 @@ CASES = (
     "add_rms_norm_forward",
     "silu_mul_grad",
     "rms_norm_no_grad",
+    "add_rms_norm_no_grad",
     "gated_mlp_decode",
     "function_roundtrip",
 )
@@ -89,6 +90,10 @@ def _cases(rows: int, n: int, device, dtype):
         "rms_norm_no_grad": (
             lambda: fusedkit.rms_norm(x.detach(), (n,), w.detach(), 1e-6),
             lambda: F.rms_norm(x.detach(), (n,), w.detach(), 1e-6),
+        ),
+        "add_rms_norm_no_grad": (
+            lambda: fusedkit.add_rms_norm(x.detach(), r.detach(), w.detach(), 1e-6),
+            lambda: F.rms_norm(x.detach() + r.detach(), (n,), w.detach(), 1e-6),
         ),
         "gated_mlp_decode": (
             lambda: fusedkit.gated_mlp(one, wg.detach(), wu.detach(), wd.detach()),
