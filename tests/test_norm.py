@@ -495,3 +495,7 @@ def test_every_call_path_gives_the_same_bits(op):
         registered = run()
     for a, k, g in zip(first, kept, registered):
         assert torch.equal(a, k) and torch.equal(a, g)
+    with torch.no_grad():  # (the second call without a gradient launches from its recipe on a GPU)
+        for _ in range(2):
+            y, h = _call(op, x, r, w, b, 1e-5, 0.5)
+            assert all(torch.equal(a, o) for a, o in zip(first, [y] if h is None else [y, h]))
