@@ -297,3 +297,33 @@ def test_gated_mlp_and_swiglu_compile_whole():
     module = fusedkit.nn.SwiGLU(16, 24, device=DEVICE)
     compiled = torch.compile(module, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_repeated_call_takes_its_kept_plan():
+    # The second call of a signature skips the checks (dispatch.GATED_KEPT): the same results
+    # and gradients; calls whose tensors the first call had to change on the way (autocast, a
+    # one-sided bias made alike) are not kept, and grad mode is part of the signature.
+    from fusedkit import dispatch
+
+    fusedkit.clear_caches()
+    x = rand((3, 16), torch.float32, DEVICE).requires_grad_()
+    w_gate, w_up, w_down = (rand(s, torch.float32, DEVICE).requires_grad_() for s in ((24, 16), (24, 16), (16, 24)))
+    runs = []
+    for _ in range(2):
+        y = fusedkit.gated_mlp(x, w_gate, w_up, w_down)
+        runs.append((y, *torch.autograd.grad(y.square().sum(), (x, w_gate, w_up, w_down))))
+    assert len(dispatch.GATED_KEPT) == 1 and all(torch.equal(a, b) for a, b in zip(*runs))
+    with torch.no_grad():
+        assert torch.equal(fusedkit.gated_mlp(x, w_gate, w_up, w_down), runs[0][0])
+    assert len(dispatch.GATED_KEPT) == 2
+    b = rand((24,), torch.float32, DEVICE)
+    want = reference(x, w_gate, w_up, w_down, (b, None, None), "silu", "none")
+    for _ in range(2):
+        assert_rel_err(fusedkit.gated_mlp(x, w_gate, w_up, w_down, bias=(b, None, None)), want, 1e-5)
+    device_type = "cuda" if DEVICE.type == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        for _ in range(2):
+            assert fusedkit.gated_mlp(x, w_gate, w_up, w_down).dtype == torch.bfloat16
+    assert len(dispatch.GATED_KEPT) == 2
+    with pytest.raises(ShapeError):  # (another signature: checked again)
+        fusedkit.gated_mlp(x[:, :8], w_gate, w_up, w_down)
