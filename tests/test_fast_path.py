@@ -462,11 +462,6 @@ def test_a_norm_recipe_launches_what_the_ordinary_path_launches(monkeypatch, res
     from fusedkit.kernels.norm import norm_forward_kernel
     from fusedkit.runtime import norm as rn
 
-    calls = []
-    entry = fk_launch.Entry(None, lambda *a: calls.append(a), 7, "packed", (5, 1, 1), ("tail",), None)
-    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
-    monkeypatch.setattr(fk_launch, "current_device", lambda: None)
-    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
     base = rand((6, 36), torch.float32, DEVICE)
     x, r = base[:, :32], rand((6, 32), torch.float32, DEVICE) if residual else None  # (rows at a stride)
     w = rand((32,), torch.float32, DEVICE)
@@ -474,7 +469,12 @@ def test_a_norm_recipe_launches_what_the_ordinary_path_launches(monkeypatch, res
     y, h, _, _ = rn.forward(x2, r2, w1, None, 1e-6, 1.0, True, torch.float32, torch.float32, False)
     _, args, meta = rn.forward_launch(x2, r2, w1, None, y, h, None, None, 1e-6, 1.0, True)
     key, pointers, scalars = rn._launch_key(norm_forward_kernel, args, meta, x2.device.index)
-    rn.LAUNCHES._entries[key] = entry
+    calls = []
+    entry = fk_launch.Entry(None, lambda *a: calls.append(a), 7, "packed", (5, 1, 1), ("tail",), None)
+    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: x2.device.index)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
+    monkeypatch.setitem(rn.LAUNCHES._entries, key, entry)  # (on a GPU, in the kept kernel's place: put back after)
     recipe = rn.recipe(x, r, w, None, x2, r2, w1, None, y, h, 1e-6, 1.0, True)
     assert recipe is not None and recipe.scalars == scalars
     out = rn.run_recipe(recipe, x, r, w, None)
