@@ -477,7 +477,7 @@ def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute
     try:
         device = x.device.type
         tensors = (x, w_gate, w_up, w_down, *(bias or (None, None, None)))
-        autocast_on = device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
+        autocast = device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
         key = (
             tuple(
                 None
@@ -489,7 +489,7 @@ def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute
             approximate,
             bool(recompute),
             torch.is_grad_enabled(),
-            autocast_on,
+            autocast and torch.get_autocast_dtype(device),
         )
         hash(key)
     except (TypeError, AttributeError):

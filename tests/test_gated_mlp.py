@@ -299,7 +299,7 @@ def test_gated_mlp_and_swiglu_compile_whole():
     torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_repeated_call_takes_its_kept_plan():
+def test_a_repeated_call_takes_its_kept_plan(monkeypatch):
     # The second call of a signature skips the checks (dispatch.GATED_KEPT): the same results
     # and gradients; calls whose tensors the first call had to change on the way (autocast, a
     # one-sided bias made alike) are not kept, and grad mode is part of the signature.
@@ -325,5 +325,17 @@ def test_a_repeated_call_takes_its_kept_plan():
         for _ in range(2):
             assert fusedkit.gated_mlp(x, w_gate, w_up, w_down).dtype == torch.bfloat16
     assert len(dispatch.GATED_KEPT) == 2
+    # bf16 tensors under bf16 autocast reach the kernels as they are (kept); under float16
+    # autocast the same call is another signature, cast as F.linear would cast it
+    half = [t.detach().bfloat16() for t in (x, w_gate, w_up, w_down)]
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        for _ in range(2):
+            assert fusedkit.gated_mlp(*half).dtype == torch.bfloat16
+    assert len(dispatch.GATED_KEPT) == 3
+    seen, forward = [], fk_autograd.gated_forward
+    monkeypatch.setattr(fk_autograd, "gated_forward", lambda x2, *a: seen.append(x2.dtype) or forward(x2, *a))
+    with torch.autocast(device_type, dtype=torch.float16):
+        assert fusedkit.gated_mlp(*half).dtype == torch.float16
+    assert seen == [torch.float16]
     with pytest.raises(ShapeError):  # (another signature: checked again)
         fusedkit.gated_mlp(x[:, :8], w_gate, w_up, w_down)
