@@ -803,9 +803,10 @@ class GatedMLP(torch.autograd.Function):
       pass), ``dw_down = dy^T h``; ``dh = dy @ w_down``; both gate gradients from one launch of
       the gate's two-output gradient kernel; ``dx = dgate @ w_gate + dup @ w_up`` (one GEMM
       accumulating into the other), ``dw_gate = dgate^T x2``, ``dw_up = dup^T x2``.
-    Saved: ``x2``, the weights, the gate and up projections: two tensors of the hidden size
-    where eager keeps four (the gate, its activation, up and ``h``). ``recompute`` keeps ``x2``
-    and the weights (and biases) only and runs the gated GEMM again in the backward."""
+    Saved: ``x2``, the weights and biases, the gate and up projections: two tensors of the
+    hidden size where eager keeps four (the gate, its activation, up and ``h``). ``recompute``
+    keeps ``x2``, the weights and biases only and runs the gated GEMM again in the backward. A
+    gradient of the gradient differentiates PyTorch's composition on the kept inputs."""
 
     @staticmethod
     def forward(ctx, x2, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, recompute: bool):
@@ -813,27 +814,23 @@ class GatedMLP(torch.autograd.Function):
         y = torch.nn.functional.linear(h, w_down, b_down)
         ctx.activation, ctx.recompute = activation, recompute
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-        if recompute:
-            ctx.save_for_backward(x2, w_gate, w_up, w_down, b_gate, b_up)
-        else:
-            ctx.save_for_backward(x2, w_gate, w_up, w_down, gate, up)
+        # (the biases too, for a gradient of the gradient: no copies)
+        ctx.save_for_backward(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled():
-            raise NotDifferentiableError("gated_mlp(): double backward is not supported")
+            return (*_composed_gated_grads(ctx, dy), None, None)
         gate_name = f"{ctx.activation}_mul"  # (the registry's gate; its gradient is <name>_grad)
         need = ctx.needs_input_grad
         if not any(need[:4]) and not any(need[4:6]):  # (only b_down's: dy's column sums)
             db_down = dy.sum(0) if ctx.has_bias[2] and need[6] else None
             return None, None, None, None, None, None, db_down, None, None
+        x2, w_gate, w_up, w_down, b_gate, b_up, _, gate, up = ctx.saved_tensors
+        h = None
         if ctx.recompute:
-            x2, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
             h, gate, up = gated_forward(x2, w_gate, w_up, b_gate, b_up, ctx.activation, True)
-        else:
-            x2, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-            h = None
         dy = matmul.resolve_neg(dy).to(x2.dtype)
         dw_down = db_down = None
         if need[3]:
@@ -854,6 +851,26 @@ class GatedMLP(torch.autograd.Function):
         db_gate = dgate.sum(0) if ctx.has_bias[0] and need[4] else None
         db_up = dup.sum(0) if ctx.has_bias[1] and need[5] else None
         return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, None, None
+
+
+def _composed_gated_grads(ctx, dy) -> list:
+    """The seven input gradients of :class:`GatedMLP` as differentiable PyTorch ops (a gradient
+    of the gradient, under ``create_graph``): the forward recomputed as its composition on the
+    kept inputs, differentiated."""
+    x2, w_gate, w_up, w_down, b_gate, b_up, b_down, _, _ = ctx.saved_tensors
+    inputs = (x2, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    wanted = [i for i, (t, need) in enumerate(zip(inputs, ctx.needs_input_grad)) if need and t is not None]
+    grads = [None] * 7
+    if dy is None or not wanted:
+        return grads
+    F = torch.nn.functional
+    with torch.enable_grad():
+        gate = matmul.torch_activation(F.linear(x2, w_gate, b_gate), ctx.activation)
+        y = F.linear(gate * F.linear(x2, w_up, b_up), w_down, b_down)
+        got = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, got):
+        grads[i] = g
+    return grads
 
 
 class Norm(torch.autograd.Function):

@@ -472,7 +472,9 @@ def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute
     """Everything a gated MLP call's checks and path depend on (the tensors' classes, shapes,
     strides, dtypes, devices, whether they require grad and carry a negation bit; the
     arguments; grad mode and autocast), or None where it cannot be a key."""
-    if bias is not None and (type(bias) is not tuple or len(bias) != 3):
+    if (bias is not None and (type(bias) is not tuple or len(bias) != 3)) or not (
+        type(activation) is type(approximate) is str
+    ):
         return None
     try:
         device = x.device.type

@@ -331,7 +331,11 @@ def _linear_operands(node: fx.Node, modules: dict):
     """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node that
     ``fusedkit.matmul`` takes (a 2-D weight, a bias of one value per output), or None: an
     ``nn.Linear`` (its weight is read transposed), ``F.linear`` or a plain ``torch.addmm``."""
-    if node.op == "call_module" and type(modules[node.target]) is torch.nn.Linear:
+    if (
+        node.op == "call_module"
+        and type(modules[node.target]) is torch.nn.Linear
+        and "forward" not in vars(modules[node.target])  # (a forward set on the instance runs as itself)
+    ):
         m = modules[node.target]
         x = _arg(node, 0, "input")  # (``self.lin(input=x)``)
         return x, f"{node.target}.weight", f"{node.target}.bias" if m.bias is not None else None, True
@@ -582,6 +586,8 @@ def _gated_site(act: fx.Node, mul: fx.Node, other, gate: str, modules: dict) -> 
     (x, *_), (x_up, *_), (h, *_) = parts
     if x is not x_up or h is not mul or not isinstance(x, fx.Node):
         return None
+    if _shape(gate_lin) is None or not _shape(gate_lin) == _shape(up_lin) == _shape(mul):
+        return None  # (a gate or up projection that broadcasts against the other)
     nodes = (gate_lin, act, up_lin, mul, down_lin)
     if any(n.op == "call_module" and _has_hooks(modules[n.target]) for n in nodes):
         return None

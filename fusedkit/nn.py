@@ -6,7 +6,6 @@ import numbers
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from .errors import ArgumentError
 from .ops import add_relu, gated_mlp, gelu_mul, layer_norm, linear_relu, mlp, rms_norm, silu_mul
@@ -158,9 +157,10 @@ class MLP(nn.Module):
 
 
 def _runs_as_modules(*layers: nn.Module) -> bool:
-    """Whether ``layers`` must each be called as a module: one is not a plain ``nn.Linear`` (an
-    adapter or quantised layer replacing it; a parametrized one's weight is read as usual) or a
-    hook would see its call, its own or a global one."""
+    """Whether ``layers`` must each be called as a module: one does not run ``nn.Linear``'s own
+    forward (an adapter or quantised layer in its place, a forward set on the instance; a
+    parametrized ``nn.Linear``'s weight is read as usual) or a hook would see its call, its own
+    or a global one."""
     from torch.nn.modules import module as _module
 
     if (
@@ -171,8 +171,9 @@ def _runs_as_modules(*layers: nn.Module) -> bool:
     ):
         return True
     return any(
-        type(m) is not nn.Linear
-        and not (parametrize.is_parametrized(m) and isinstance(m, nn.Linear))
+        not isinstance(m, nn.Linear)
+        or type(m).forward is not nn.Linear.forward  # (a subclass's own forward, parametrized or not)
+        or "forward" in vars(m)  # (a forward set on the instance: an offloading or adapter wrapper)
         or m._forward_hooks
         or m._forward_pre_hooks
         or m._backward_hooks

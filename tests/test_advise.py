@@ -879,3 +879,20 @@ class _LlamaLike(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_gate_that_broadcasts_against_up_is_fused_as_a_gate():
+    # A one-wide gate (or up) projection broadcasts in the product: not a gated MLP's (gated_mlp
+    # takes equal projections); the gate alone is fused.
+    class Broadcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 1), nn.Linear(16, 24), nn.Linear(24, 16)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    model, x = Broadcast().to(DEVICE), rand((4, 16), torch.float32, DEVICE)
+    want = model(x)
+    assert [s.pattern for s in fusedkit.advise(model, x)] == ["silu * mul"]
+    torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)

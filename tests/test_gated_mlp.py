@@ -119,15 +119,13 @@ def test_one_bias_or_none_and_without_grad(first_gemm):
 
 
 def test_saved_tensors_and_recompute(first_gemm):
-    """Default: x, the three weights, and the gate and up projections, two tensors of the hidden
-    size where eager keeps four (the gate, its activation, up and their product); recompute: x,
-    the weights and the first GEMM's biases, nothing of the hidden size."""
+    """Default: x, the three weights and biases (no copies: for a gradient of the gradient), and
+    the gate and up projections, two tensors of the hidden size where eager keeps four (the
+    gate, its activation, up and their product); recompute: nothing of the hidden size."""
     x = rand((8, 6), torch.float32, DEVICE).requires_grad_()
     ws, bias = weights(torch.float32, inner=6, hidden=10, out=4)
-    for recompute, want in [
-        (False, [(8, 6), (10, 6), (10, 6), (4, 10), (8, 10), (8, 10)]),
-        (True, [(8, 6), (10, 6), (10, 6), (4, 10), (10,), (10,)]),
-    ]:
+    inputs = [(8, 6), (10, 6), (10, 6), (4, 10), (10,), (10,), (4,)]
+    for recompute, want in [(False, [*inputs, (8, 10), (8, 10)]), (True, inputs)]:
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
             fusedkit.gated_mlp(x, *ws, bias=bias, recompute=recompute)
@@ -339,3 +337,32 @@ def test_a_repeated_call_takes_its_kept_plan(monkeypatch):
     assert seen == [torch.float16]
     with pytest.raises(ShapeError):  # (another signature: checked again)
         fusedkit.gated_mlp(x[:, :8], w_gate, w_up, w_down)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_a_gradient_of_the_gradient_is_the_compositions(recompute):
+    # Under create_graph the backward differentiates PyTorch's composition on the kept inputs
+    # (as eager's modules allowed: nn.SwiGLU ran them before it ran gated_mlp).
+    x = rand((5, 16), torch.float32, DEVICE).requires_grad_()
+    shapes = ((24, 16), (24, 16), (16, 24), (24,), (24,), (16,))
+    params = [rand(s, torch.float32, DEVICE).requires_grad_() for s in shapes]
+    w_gate, w_up, w_down, *bias = params
+
+    def second(x, w_gate, w_up, w_down, *bias, fn):
+        y = fn(x, w_gate, w_up, w_down, tuple(bias))
+        (dw,) = torch.autograd.grad(y.square().sum(), (w_gate,), create_graph=True)
+        return torch.autograd.grad(dw.square().sum(), (x, w_up, *bias))
+
+    got = second(x, *params, fn=lambda *a: fusedkit.gated_mlp(*a[:4], bias=a[4], recompute=recompute))
+    ref = [t.detach().double().requires_grad_() for t in (x, *params)]
+    want = second(*ref, fn=lambda x, wg, wu, wd, b: reference(x, wg, wu, wd, b, "silu", "none"))
+    for g, w in zip(got, want):
+        assert_rel_err(g, w, 1e-4)
+
+
+def test_a_kept_plan_answers_only_the_argument_types_the_checks_take():
+    np = pytest.importorskip("numpy")
+    x, w_gate, w_up, w_down = (rand(s, torch.float32, DEVICE) for s in ((2, 8), (12, 8), (12, 8), (8, 12)))
+    fusedkit.gated_mlp(x, w_gate, w_up, w_down, activation="silu")
+    with pytest.raises(ArgumentError):
+        fusedkit.gated_mlp(x, w_gate, w_up, w_down, activation=np.str_("silu"))

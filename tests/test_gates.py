@@ -374,6 +374,25 @@ def test_swiglu_calls_its_layers_as_modules_where_a_hook_would_see_them():
     assert not torch.allclose(m(x), plain)
 
 
+def test_swiglu_runs_a_layer_that_is_not_linears_own_forward():
+    # A forward set on the instance (an offloading or adapter wrapper), or a parametrized
+    # subclass with its own forward: the layer runs as itself.
+    x = rand((3, 8), torch.float32, DEVICE)
+    m = fusedkit.nn.SwiGLU(8, 12, device=DEVICE)
+    forward = m.up.forward
+    m.up.forward = lambda t: 0 * forward(t)
+    assert torch.equal(m(x), torch.zeros(3, 8, device=DEVICE))
+
+    class Silenced(torch.nn.Linear):
+        def forward(self, t):
+            return 0 * super().forward(t)
+
+    m = fusedkit.nn.SwiGLU(8, 12, device=DEVICE)
+    m.up = Silenced(8, 12, device=DEVICE)
+    torch.nn.utils.parametrize.register_parametrization(m.up, "weight", _Double())
+    assert torch.equal(m(x), torch.zeros(3, 8, device=DEVICE))
+
+
 class _Double(torch.nn.Module):
     def forward(self, w):
         return 2 * w
