@@ -499,3 +499,24 @@ def test_every_call_path_gives_the_same_bits(op):
         for _ in range(2):
             y, h = _call(op, x, r, w, b, 1e-5, 0.5)
             assert all(torch.equal(a, o) for a, o in zip(first, [y] if h is None else [y, h]))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_lazily_negated_views_are_read_as_their_values(op):
+    # A negation bit (torch._neg_view; what conj of a real view gives) is resolved before the
+    # kernels read memory: the values and gradients are the view's, the first call and a repeat.
+    x, r, w, b = _inputs(op, 9, 24, torch.float32, grad=True)
+    neg = [None if t is None else torch._neg_view(t) for t in (x, r, w, b)]
+    assert neg[0].is_neg()
+    wide = [None if t is None else -_wide(t) for t in (x, r, w, b)]
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    want = _call("torch:" + op, *wide, 1e-5)
+    want_grads = torch.autograd.grad([o.sum() for o in want if o is not None], [t for t in wide if t is not None])
+    for _ in range(2):
+        got = _call(op, *neg, 1e-5)
+        for g, e in zip(got, want):
+            if e is not None:
+                torch.testing.assert_close(g.double(), e, atol=1e-4, rtol=1e-4)
+        grads = torch.autograd.grad([o.sum() for o in got if o is not None], leaves)
+        for g, e in zip(grads, want_grads):  # (d/dt of f(-t) is -f'(-t))
+            torch.testing.assert_close(g.double(), -e, atol=1e-4, rtol=1e-4)

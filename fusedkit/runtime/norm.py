@@ -351,13 +351,14 @@ _KEPT_SIZE = 1024
 
 
 def _meta(t):
-    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg())
 
 
 def call_key(name: str, x, residual, normalized_shape, weight, bias, eps, alpha, state) -> tuple | None:
     """Everything a norm call's checks and path depend on: the tensors' classes, shapes,
-    strides, dtypes, devices and whether they require grad, the arguments (with their types:
-    ``True`` is no alpha), and ``state`` (grad mode, autocast); None where it cannot be a key."""
+    strides, dtypes, devices, whether they require grad and carry a negation bit, the arguments
+    (with their types: ``True`` is no alpha), and ``state`` (grad mode, autocast); None where it
+    cannot be a key."""
     # (ints only: 6.0 and True equal 6 and 1 as keys, and the checks refuse them)
     if type(normalized_shape) in (tuple, list, torch.Size):
         if not all(type(d) is int for d in normalized_shape):
