@@ -316,7 +316,7 @@ def gated_mlp(
     the hidden size kept for the backward (eager keeps four). ``recompute=True`` keeps only
     ``x`` and runs that GEMM again in the backward. Follows ``torch.autocast`` as ``F.linear``
     does. Traced, ``torch.func``, DTensor and CPU calls, and gate and up weights with different
-    strides, run the PyTorch composition.
+    strides, run the PyTorch composition; a gradient of the gradient differentiates it.
     """
     return dispatch.gated_mlp(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
 
