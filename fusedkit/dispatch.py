@@ -551,8 +551,9 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         return norm(plain, h, None, normalized_shape, weight, bias, eps, 1), h
     shape, n = rn.normalized_size(x, normalized_shape, name)
     rn.validate(name, x, residual, weight, bias, shape, eps)
-    if any(t is not None and t.is_neg() for t in (x, residual, weight, bias)):
+    if not _is_compiling() and any(t is not None and t.is_neg() for t in (x, residual, weight, bias)):
         # a lazily negated view (the kernels read memory as it is): resolved, this call not kept
+        # (Dynamo traces no negation bit: compiled code runs on values)
         x, residual, weight, bias = (mm.resolve_neg(t) for t in (x, residual, weight, bias))
         key = None
     _no_jit_trace(name)
