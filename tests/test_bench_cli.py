@@ -19,10 +19,18 @@ pytestmark = pytest.mark.slow  # each test runs a report in a new process
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_ok(cmd: list, env: dict) -> subprocess.CompletedProcess:
+    """``cmd`` run from the repository root as a user would, with ``env``; it must succeed (the
+    tail of its stderr shown where it does not)."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def test_bench_report_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
     out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
-    proc = subprocess.run(
+    proc = run_ok(
         [
             sys.executable,
             "-m",
@@ -42,13 +50,8 @@ def test_bench_report_runs(tmp_path):
             "--plots",
             str(tmp_path / "plots"),
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     on_gpu = torch.cuda.is_available()
     assert ("NOT GPU times" in proc.stdout) != on_gpu
     data = json.loads(out_json.read_text())
@@ -69,7 +72,7 @@ def test_matmul_report_runs(tmp_path):
     args = (
         ["--dtypes", "bf16", "--shapes", "256x256x128,1x512x256"] if torch.cuda.is_available() else ["--dtypes", "fp32"]
     )
-    proc = subprocess.run(
+    run_ok(
         [
             sys.executable,
             "-m",
@@ -82,13 +85,8 @@ def test_matmul_report_runs(tmp_path):
             "--plots",
             str(tmp_path),
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out_json.read_text())["matmul"]
     assert rows and all(r["fusedkit_us"] > 0 and r["cublaslt_epilogue_us"] > 0 for r in rows)
     assert (tmp_path / "matmul_tflops.png").exists()
@@ -98,15 +96,10 @@ def bench_cli(tmp_path, *args) -> tuple[str, dict]:
     """Run ``python -m fusedkit bench *args --json F`` as a user would; (stdout, the JSON)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI must turn it on itself
     out_json = tmp_path / "report.json"
-    proc = subprocess.run(
+    proc = run_ok(
         [sys.executable, "-m", "fusedkit", "bench", *args, "--json", str(out_json)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out_json.read_text())
 
 
@@ -177,7 +170,7 @@ def test_benchmark_suite_runs_on_the_cpu():
 def test_tile_sweep_runs_and_restores_the_tuning_table():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must turn it on itself
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(
+    proc = run_ok(
         [
             sys.executable,
             "benchmarks/tile_sweep.py",
@@ -194,13 +187,8 @@ def test_tile_sweep_runs_and_restores_the_tuning_table():
             "--warps",
             "4",
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("silu_mul")]
     assert [r[2] for r in rows] == ["contiguous", "bias"], proc.stdout
     assert rows[0][4].startswith("1024/4:") and rows[0][5].startswith("4096/4:")  # both blocks timed
@@ -217,15 +205,10 @@ def host_profile_cases() -> tuple[str, ...]:
 
 def test_host_profile_prints_each_case_against_eager():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
+    proc = run_ok(
         [sys.executable, "benchmarks/host_profile.py", "--calls", "20", "--top", "2", "--rows", "256", "--n", "128"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     cases = host_profile_cases()
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[-len(cases) :]}
     assert set(rows) == set(cases) and "function_roundtrip" in cases, proc.stdout
