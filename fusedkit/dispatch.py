@@ -319,6 +319,26 @@ def _check_like_x(op: str, x, named) -> None:
         raise DTypeError(f"{op}(): dtype {x.dtype} is not supported; supported: {mm.MATMUL_DTYPES}")
 
 
+def _check_tensors(op: str, named, optional: bool = False) -> None:
+    """``DTypeError`` for an argument of ``op`` (name, value) that is not a tensor (or None, where
+    ``optional``)."""
+    for name, value in named:
+        if not isinstance(value, torch.Tensor) and not (optional and value is None):
+            kind = "a Tensor or None" if optional else "a Tensor"
+            raise DTypeError(f"{op}(): {name} must be {kind}, got {type(value).__name__}")
+
+
+def _mlp_activation(op: str, table: dict, activation, approximate, choices: str) -> str:
+    """The activation ``table`` names for ``(activation, approximate)`` (both strings), else
+    ``ArgumentError`` listing ``choices``."""
+    act = table.get((activation, approximate)) if type(activation) is type(approximate) is str else None
+    if act is None:
+        raise ArgumentError(
+            f"{op}(): activation={activation!r}, approximate={approximate!r}: choose activation {choices}"
+        )
+    return act
+
+
 def _composes(x, tensors) -> bool:
     """Whether an MLP op runs PyTorch's composition rather than the kernels: traced, transformed,
     watched by a dispatch mode, carrying a tangent, on DTensors, or on the PyTorch backend."""
@@ -338,18 +358,11 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     """``F.linear(act(F.linear(x, w1, b1)), w2, b2)`` (see :func:`fusedkit.mlp`): checked before
     anything runs; eager calls on the kernels (``autograd.MLP`` where a gradient is needed);
     traced, transformed and DTensor calls, and the PyTorch backend, run the composition."""
-    for name, value in (("x", x), ("w1", w1), ("w2", w2)):
-        if not isinstance(value, torch.Tensor):
-            raise DTypeError(f"mlp(): {name} must be a Tensor, got {type(value).__name__}")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise DTypeError(f"mlp(): {name} must be a Tensor or None, got {type(value).__name__}")
-    act = MLP_ACTIVATIONS.get((activation, approximate)) if type(activation) is type(approximate) is str else None
-    if act is None:
-        raise ArgumentError(
-            f"mlp(): activation={activation!r}, approximate={approximate!r}: choose activation 'gelu' "
-            "(approximate 'none' or 'tanh'), 'relu' or 'silu'"
-        )
+    _check_tensors("mlp", (("x", x), ("w1", w1), ("w2", w2)))
+    _check_tensors("mlp", (("b1", b1), ("b2", b2)), optional=True)
+    act = _mlp_activation(
+        "mlp", MLP_ACTIVATIONS, activation, approximate, "'gelu' (approximate 'none' or 'tanh'), 'relu' or 'silu'"
+    )
     x, w1, b1, w2, b2 = autocast(x, w1, b1, w2, b2)
     if w1.dim() != 2 or w2.dim() != 2:
         raise ShapeError(f"mlp(): w1 and w2 must be 2-D (out, in), got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -393,22 +406,15 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         kept = GATED_KEPT.get(key) if key is not None else None
         if kept is not None:
             return _gated_run(kept, x, w_gate, w_up, w_down, *(bias or (None, None, None)))
-    for name, value in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(value, torch.Tensor):
-            raise DTypeError(f"gated_mlp(): {name} must be a Tensor, got {type(value).__name__}")
+    _check_tensors("gated_mlp", (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     if bias is None:
         bias = (None, None, None)
     if not isinstance(bias, (tuple, list)) or len(bias) != 3:
         raise ArgumentError("gated_mlp(): bias must be None or (b_gate, b_up, b_down), each a Tensor or None")
-    for name, value in zip(("b_gate", "b_up", "b_down"), bias):
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise DTypeError(f"gated_mlp(): {name} must be a Tensor or None, got {type(value).__name__}")
-    act = GATED_ACTIVATIONS.get((activation, approximate)) if type(activation) is type(approximate) is str else None
-    if act is None:
-        raise ArgumentError(
-            f"gated_mlp(): activation={activation!r}, approximate={approximate!r}: choose activation 'silu' "
-            "or 'gelu' (approximate 'none' or 'tanh')"
-        )
+    _check_tensors("gated_mlp", zip(("b_gate", "b_up", "b_down"), bias), optional=True)
+    act = _mlp_activation(
+        "gated_mlp", GATED_ACTIVATIONS, activation, approximate, "'silu' or 'gelu' (approximate 'none' or 'tanh')"
+    )
     given = (x, w_gate, w_up, w_down, *bias)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast(*given)
     if w_gate.dim() != 2 or w_up.dim() != 2 or w_down.dim() != 2:
