@@ -826,14 +826,12 @@ def _rewrite_gated(gm: fx.GraphModule, site: FusionSite) -> None:
     """A gated MLP's five nodes (:func:`_gated_site`) as one ``fusedkit.gated_mlp`` call."""
     modules = dict(gm.named_modules())
     graph = gm.graph
-    by_op = {}
-    for n in site.nodes:
-        by_op["act" if _activation(n, modules) else "mul" if _is_mul(n) else n] = n
-    act, mul = by_op.pop("act"), by_op.pop("mul")
-    gate_lin = act.args[0]
-    up_lin = mul.args[1] if mul.args[0] is act else mul.args[0]
-    (down_lin,) = [n for n in by_op if n not in (gate_lin, up_lin)]
-    gate = site.pattern[len("gated mlp (") : -1]
+    # (the down projection is the last node; its input the product of the activation, the one
+    # operand that is one, and the up projection)
+    down_lin = site.nodes[-1]
+    mul = _linear_operands(down_lin, modules)[0]
+    act, up_lin = sorted(mul.args, key=lambda n: _activation(n, modules) is None)
+    gate_lin, gate = act.args[0], _activation(act, modules)
     with graph.inserting_before(down_lin):
         operands = []
         for lin in (gate_lin, up_lin, down_lin):
