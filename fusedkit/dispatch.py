@@ -632,10 +632,8 @@ def _kept_norm(plan, x, residual, weight, bias, key=None):
         y, h = out if residual is not None else (out, None)
     else:
         y, h, _, _ = rn.forward(*args, False)
-        if key is not None and key not in rn.RECIPES:
-            kept = rn.recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan.eps, plan.alpha, plan.rms)
-            if kept is not None:
-                rn.RECIPES[key] = kept
+        if key is not None and key not in rn.RECIPES:  # (None kept too: a signature tried once)
+            rn.RECIPES[key] = rn.recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan.eps, plan.alpha, plan.rms)
     y = y.view(*plan.lead, *plan.shape)
     return y if residual is None else (y, h.view(*plan.lead, *plan.shape))
 

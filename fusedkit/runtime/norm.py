@@ -267,7 +267,8 @@ def run_recipe(r: Recipe, x, residual, weight, bias):
     return y if h is None else (y, h)
 
 
-#: Recipes of kept calls without a gradient, by call signature (:func:`call_key`).
+#: Recipes of kept calls without a gradient, by call signature (:func:`call_key`); None where a
+#: signature has none (its rows views copy, or it was not kept), so that it is not tried again.
 RECIPES: dict = {}
 launch.register_cache(RECIPES.clear)
 
