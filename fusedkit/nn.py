@@ -6,6 +6,7 @@ import numbers
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from .errors import ArgumentError
 from .ops import add_relu, gated_mlp, gelu_mul, layer_norm, linear_relu, mlp, rms_norm, silu_mul
@@ -161,8 +162,6 @@ def _runs_as_modules(*layers: nn.Module) -> bool:
     forward (an adapter or quantised layer in its place, a forward set on the instance; a
     parametrized ``nn.Linear``'s weight is read as usual) or a hook would see its call, its own
     or a global one."""
-    from torch.nn.modules import module as _module
-
     if (
         _module._global_forward_hooks
         or _module._global_forward_pre_hooks
