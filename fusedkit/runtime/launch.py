@@ -60,6 +60,7 @@ __all__ = [
     "hook_source",
     "hooks_idle",
     "int_class",
+    "pointer_count",
     "register_cache",
     "stream_of",
     "tensor_map_args",
@@ -124,6 +125,15 @@ def constexpr_names(kernel) -> tuple[str, ...]:
     # when the constexprs come last.
     assert all(flags[first:]), f"{fn.__name__}: compile-time parameters must come last"
     return tuple(name for (name, _), flag in zip(params, flags) if flag)
+
+
+def pointer_count(kernel) -> int:
+    """How many leading parameters of a ``@triton.jit`` function are pointers (named ``*_ptr``:
+    fusedkit's kernels take their pointers first, then scalars)."""
+    fn = kernel
+    while not inspect.isfunction(fn):  # JITFunction / InterpretedFunction / Heuristics / Autotuner
+        fn = fn.fn
+    return sum(1 for name in inspect.signature(fn).parameters if name.endswith("_ptr"))
 
 
 class GridRecorder:

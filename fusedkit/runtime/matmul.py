@@ -326,7 +326,7 @@ def kmajor_copy_launch(b: torch.Tensor):
 
 
 #: The first integer argument of the pointer kernel (those before it are pointers).
-_POINTERS = 11
+_POINTERS = launch.pointer_count(matmul_kernel)
 
 
 def plan_matmul(

@@ -10,7 +10,6 @@ stride reaches (a transposed last dim) is copied once; float64 runs PyTorch's co
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import operator
 from typing import NamedTuple
@@ -140,10 +139,7 @@ LAUNCHES = launch.CompiledCache()
 launch.register_cache(LAUNCHES.clear)
 _CONSTEXPRS = {k: launch.constexpr_names(k) for k in (norm_forward_kernel, norm_backward_kernel)}
 #: Each kernel's pointer parameters: its leading ones (``*_ptr``), then scalars.
-_POINTERS = {
-    k: sum(1 for name in inspect.signature(k.fn).parameters if name.endswith("_ptr"))
-    for k in (norm_forward_kernel, norm_backward_kernel)
-}
+_POINTERS = {k: launch.pointer_count(k) for k in (norm_forward_kernel, norm_backward_kernel)}
 
 
 def _launch_key(kernel, args: tuple, meta: dict, index: int) -> tuple[tuple, list, tuple]:
