@@ -246,9 +246,31 @@ def autocast(*tensors) -> tuple:
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        _cast(t, dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
         for t in tensors
     )
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` as autocast's ``F.linear`` gets it: a model's weight (a float32 leaf that
+    requires grad) from autocast's cast cache, so that it is cast once per autocast region, not
+    once a call: a decode loop under one region re-cast the 1B LLaMA's MLP weights every token
+    (3.3 GB of traffic a token, modelled), where ``F.linear`` casts them once."""
+    if (
+        t.dtype is torch.float32
+        and t.requires_grad
+        and t.is_leaf
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+        and torch.is_autocast_cache_enabled()
+        and not _is_compiling()
+    ):
+        # autocast casts a lower-precision op's arguments through its cache; einsum is one on
+        # CUDA, and with one operand and the identity equation it is a view of its (cached)
+        # argument, no kernel. (Not one on the CPU: there the view is float32, and t casts.)
+        view = torch.einsum("...->...", t)
+        if view.dtype is dtype:
+            return view
+    return t.to(dtype)
 
 
 def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
@@ -405,7 +427,8 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         key = _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
         kept = GATED_KEPT.get(key) if key is not None else None
         if kept is not None:
-            return _gated_run(kept, x, w_gate, w_up, w_down, *(bias or (None, None, None)))
+            tensors = (x, w_gate, w_up, w_down, *(bias or (None, None, None)))
+            return _gated_run(kept, *(autocast(*tensors) if kept.cast else tensors))
     _check_tensors("gated_mlp", (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     if bias is None:
         bias = (None, None, None)
@@ -416,7 +439,8 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         "gated_mlp", GATED_ACTIVATIONS, activation, approximate, "'silu' or 'gelu' (approximate 'none' or 'tanh')"
     )
     given = (x, w_gate, w_up, w_down, *bias)
-    x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast(*given)
+    cast = autocast(*given)
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down = cast
     if w_gate.dim() != 2 or w_up.dim() != 2 or w_down.dim() != 2:
         raise ShapeError("gated_mlp(): w_gate, w_up and w_down must be 2-D (out, in)")
     hidden, inner = w_gate.shape
@@ -450,11 +474,12 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         b_gate, b_up = (zeros if b is None else b.contiguous() for b in (b_gate, b_up))
         alike = False
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    plan = GatedPlan(x.shape[:-1], inner, act, grad, bool(recompute))
-    # (kept where the call's own tensors go to the kernels: no autocast copy, negated view or bias
-    # made alike on the way)
+    recast = any(a is not b for a, b in zip(given, cast))
+    plan = GatedPlan(x.shape[:-1], inner, act, grad, bool(recompute), recast)
+    # (kept where the call's own tensors, or autocast's casts of them, go to the kernels: no
+    # negated view resolved or bias made alike on the way)
     used = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    if key is not None and alike and all(a is b for a, b in zip(given, used)):
+    if key is not None and alike and all(a is b for a, b in zip(cast, used)):
         GATED_KEPT.keep(key, plan)
     return _gated_run(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
 
@@ -468,6 +493,7 @@ class GatedPlan(NamedTuple):
     act: str
     grad: bool
     recompute: bool
+    cast: bool  # autocast casts the tensors (its dtype is in the call's key)
 
 
 #: Kept gated MLP plans by call signature (:func:`_gated_key`), for eager calls on plain tensors.

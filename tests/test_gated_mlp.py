@@ -220,6 +220,27 @@ def test_autocast_follows_f_linear():
     assert_rel_err(y, ref.double(), 3e-2)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CPU autocast has no view op: a weight casts each call")
+def test_autocast_casts_a_weight_once_a_region_as_f_linear_does():
+    # A decode loop runs every token's MLP under one autocast region: the weights' casts come
+    # from autocast's cache (made once, dropped when the region ends), as F.linear's do.
+    from fusedkit import dispatch
+
+    x = rand((2, 24), torch.float32, DEVICE)
+    w = torch.nn.Parameter(rand((40, 24), torch.float32, DEVICE))
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        first, again = (dispatch.autocast(x, w)[1] for _ in range(2))
+        assert first.dtype == torch.bfloat16 and first.data_ptr() == again.data_ptr()
+        assert dispatch.autocast(x, w.detach())[1].data_ptr() != first.data_ptr()  # (autocast caches weights only)
+    with torch.no_grad():
+        w.add_(1)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(dispatch.autocast(x, w)[1], w.detach().bfloat16(), rtol=0, atol=0)
+        y = fusedkit.gated_mlp(x, w, w, rand((16, 40), torch.float32, DEVICE))
+        (grad,) = torch.autograd.grad(y.float().square().sum(), w)  # (through the cached cast)
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
 def test_bad_input_is_refused_before_launch(monkeypatch):
     monkeypatch.setattr(mm, "launch_matmul", lambda *a, **k: pytest.fail("launched on bad input"))
     x = rand((4, 6), torch.float32, DEVICE)
@@ -299,8 +320,9 @@ def test_gated_mlp_and_swiglu_compile_whole():
 
 def test_a_repeated_call_takes_its_kept_plan(monkeypatch):
     # The second call of a signature skips the checks (dispatch.GATED_KEPT): the same results
-    # and gradients; calls whose tensors the first call had to change on the way (autocast, a
-    # one-sided bias made alike) are not kept, and grad mode is part of the signature.
+    # and gradients; calls whose tensors the first call had to change on the way (a one-sided
+    # bias made alike) are not kept, autocast's casts are made again, and grad mode and the
+    # autocast dtype are part of the signature.
     from fusedkit import dispatch
 
     fusedkit.clear_caches()
@@ -320,16 +342,16 @@ def test_a_repeated_call_takes_its_kept_plan(monkeypatch):
         assert_rel_err(fusedkit.gated_mlp(x, w_gate, w_up, w_down, bias=(b, None, None)), want, 1e-5)
     device_type = "cuda" if DEVICE.type == "cuda" else "cpu"
     with torch.autocast(device_type, dtype=torch.bfloat16):
-        for _ in range(2):
-            assert fusedkit.gated_mlp(x, w_gate, w_up, w_down).dtype == torch.bfloat16
-    assert len(dispatch.GATED_KEPT) == 2
+        cast = [fusedkit.gated_mlp(x, w_gate, w_up, w_down) for _ in range(2)]
+    assert [y.dtype for y in cast] == [torch.bfloat16] * 2 and torch.equal(*cast)
+    assert len(dispatch.GATED_KEPT) == 3
     # bf16 tensors under bf16 autocast reach the kernels as they are (kept); under float16
     # autocast the same call is another signature, cast as F.linear would cast it
     half = [t.detach().bfloat16() for t in (x, w_gate, w_up, w_down)]
     with torch.autocast(device_type, dtype=torch.bfloat16):
         for _ in range(2):
             assert fusedkit.gated_mlp(*half).dtype == torch.bfloat16
-    assert len(dispatch.GATED_KEPT) == 3
+    assert len(dispatch.GATED_KEPT) == 4
     seen, forward = [], fk_autograd.gated_forward
     monkeypatch.setattr(fk_autograd, "gated_forward", lambda x2, *a: seen.append(x2.dtype) or forward(x2, *a))
     with torch.autocast(device_type, dtype=torch.float16):
