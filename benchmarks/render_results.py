@@ -492,6 +492,7 @@ def whole(data: dict) -> str:
                     ratio(base.get("decode1_ms"), r.get("decode1_ms")),
                     ms(r.get("decode16_ms")) + ("*" if r.get("decode_equal") is False else ""),
                     ratio(base.get("decode16_ms"), r.get("decode16_ms")),
+                    "-" if r.get("decode_agree") is None else str(r["decode_agree"]),
                     ms(r["peak_mb"], 1, ".0f"),
                     f"{r['max_loss_rel_diff']:.1e}",
                     f"{rows['eager2']['max_loss_rel_diff']:.1e}" if "eager2" in rows else "-",
@@ -513,13 +514,17 @@ def whole(data: dict) -> str:
         "x eager",
         "batch 16",
         "x eager",
+        "tokens agree",
         "peak MiB",
         "loss diff",
         "control",
     ]
-    text = table(head, body, "llrrrrrrrrrrrrrrrr")
+    text = table(head, body, "llrrrrrrrrrrrrrrrrr")
     if any(r.get("decode_equal") is False for r in data["models"]):
-        text += "\n\n\\* its greedy tokens differ from stock eager's (from the same weights)."
+        text += (
+            "\n\n\\* its greedy tokens differ from stock eager's (from the same weights); tokens agree: the new "
+            "tokens equal to stock eager's before the first that differs."
+        )
     for name, reason in (data.get("skipped") or {}).items():
         text += f"\n\n`{name}` did not run: {reason}."
     processes = max((r.get("processes", 1) for r in data["models"]), default=1)

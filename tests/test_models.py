@@ -129,6 +129,22 @@ def test_the_decode_step_of_a_fused_lm_gives_stocks_tokens():
         assert ms > 0 and torch.equal(out, want) and out.shape == (batch, 6)
 
 
+def test_decode_rows_count_the_tokens_that_agree_before_the_first_that_differs():
+    class Canned(torch.nn.Module):  # a causal LM whose generate returns its canned tokens
+        def __init__(self, new):
+            super().__init__()
+            self.new = torch.tensor(new)
+
+        def generate(self, ids, **_):
+            return torch.cat([ids, self.new.expand(ids.shape[0], -1)], 1)
+
+    stock, fused, same = Canned([5, 6, 7, 8]), Canned([5, 6, 9, 8]), Canned([5, 6, 7, 8])
+    rows = [models.Result("m", v) for v in ("eager", "fusedkit", "eager2")]
+    live = [(r, m, m, None) for r, m in zip(rows, (stock, fused, same))]
+    models._decode_rows(live, {}, torch.zeros(1, 3, dtype=torch.long), torch.device("cpu"), small=True)
+    assert [(r.decode_agree, r.decode_equal) for r in rows] == [(4, True), (2, False), (4, True)]
+
+
 def test_unavailable_names_the_package():
     case = dataclasses.replace(models.MODELS["resnet50"], package="no_such_package_fusedkit")
     assert "no_such_package_fusedkit" in models.unavailable(case)
@@ -187,17 +203,18 @@ def test_processes_merge_to_medians_with_each_rows_own_count():
     """A row's numbers are medians over the processes that gave it; a case that failed in one
     process counts the others only; the range is stock eager / the variant's step per process."""
 
-    def row(model, variant, train, equal=None):
-        return {"model": model, "variant": variant, "train_ms": train, "decode_equal": equal}
+    def row(model, variant, train, agree=None):
+        equal = None if agree is None else agree == 32
+        return {"model": model, "variant": variant, "train_ms": train, "decode_equal": equal, "decode_agree": agree}
 
     runs = [
-        [row("a", "eager", 10.0), row("a", "fusedkit", 5.0, True), row("b", "eager", 4.0)],
-        [row("a", "eager", 12.0), row("a", "fusedkit", 8.0, False)],
-        [row("a", "eager", 9.0), row("a", "fusedkit", 9.0, True)],
+        [row("a", "eager", 10.0), row("a", "fusedkit", 5.0, 32), row("b", "eager", 4.0)],
+        [row("a", "eager", 12.0), row("a", "fusedkit", 8.0, 17)],
+        [row("a", "eager", 9.0), row("a", "fusedkit", 9.0, 32)],
     ]
     merged = {(m["model"], m["variant"]): m for m in models.merge_processes(runs)}
     fused = merged[("a", "fusedkit")]
-    assert (fused["train_ms"], fused["processes"], fused["decode_equal"]) == (8.0, 3, False)
+    assert (fused["train_ms"], fused["processes"], fused["decode_equal"], fused["decode_agree"]) == (8.0, 3, False, 17)
     assert fused["train_x_range"] == [1.0, 2.0]
     assert (merged[("b", "eager")]["processes"], merged[("b", "eager")]["train_ms"]) == (1, 4.0)
 

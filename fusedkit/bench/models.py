@@ -677,6 +677,9 @@ class Result:
     decode1_ms: float | None = None  # a decode step (generate, KV cache) at batch one, per token
     decode16_ms: float | None = None  # the same at batch 16
     decode_equal: bool | None = None  # greedy tokens equal to stock eager's, both batches
+    # new tokens equal to stock eager's before the first that differs (the least over batches and
+    # rows): bf16 rounding parts a random-weight model's near-tied tokens, stock's own included
+    decode_agree: int | None = None
     sites: int | None = None  # the sites fusedkit (or a peer) fused
     processes: int = 1  # processes the numbers are medians over
     train_x_range: list | None = None  # (least, most) stock eager / this train step, one a process
@@ -940,15 +943,15 @@ def _decode_rows(live, weights, ids, device, small: bool) -> None:
         if run is not module:
             continue
         module.load_state_dict(weights)
-        equal = True
+        agree = tokens
         for batch in DECODE_BATCHES:
             ms, out = decode(
                 module, prompt.expand(batch, -1).contiguous(), device, tokens, 1 if small else DECODE_CALLS
             )
             setattr(r, f"decode{batch}_ms", ms)
-            reference.setdefault(batch, out)
-            equal = equal and torch.equal(out, reference[batch])
-        r.decode_equal = equal
+            same = (out == reference.setdefault(batch, out)).all(0)[prompt.shape[1] :].tolist()
+            agree = min(agree, same.index(False) if False in same else tokens)
+        r.decode_equal, r.decode_agree = agree == tokens, agree
 
 
 def run_models(names, device, use_compile=True, small: bool | None = None, progress=True, rounds: int | None = None):
@@ -1073,7 +1076,9 @@ def merge_processes(runs: list[list[dict]]) -> list[dict]:
         base = {r["model"]: r for r in rows if r["variant"] == "eager"}
         for r in rows:
             key = (r["model"], r["variant"])
-            m = merged.setdefault(key, {**r, "_samples": {k: [] for k in _MEASURED}, "_x": [], "_equal": [], "_n": 0})
+            m = merged.setdefault(
+                key, {**r, "_samples": {k: [] for k in _MEASURED}, "_x": [], "_equal": [], "_agree": [], "_n": 0}
+            )
             m["_n"] += 1
             for k in _MEASURED:
                 if r.get(k) is not None:
@@ -1083,10 +1088,13 @@ def merge_processes(runs: list[list[dict]]) -> list[dict]:
                 m["_x"].append(b["train_ms"] / r["train_ms"])
             if r.get("decode_equal") is not None:
                 m["_equal"].append(r["decode_equal"])
+            if r.get("decode_agree") is not None:
+                m["_agree"].append(r["decode_agree"])
     out = []
     for m in merged.values():
-        samples, ratios, equal = m.pop("_samples"), m.pop("_x"), m.pop("_equal")
+        samples, ratios, equal, agree = m.pop("_samples"), m.pop("_x"), m.pop("_equal"), m.pop("_agree")
         m["decode_equal"] = all(equal) if equal else None
+        m["decode_agree"] = min(agree) if agree else None
         for k, v in samples.items():
             m[k] = statistics.median(v) if v else None
         m["processes"] = m.pop("_n")  # the processes that gave this row (a failed case leaves some out)
@@ -1107,7 +1115,7 @@ def format_models_table(results, skipped: dict) -> str:
     head = (
         f"{'model':<14} {'variant':<17} {'sites':>5} {'train ms':>9} {'x eager':>7} {'x range':>9} {'GPU ms':>8} "
         f"{'host ms':>8} {'bs1 ms':>8} {'x eager':>7} {'serve ms':>9} {'x eager':>7} {'dec1 ms':>7} {'dec16 ms':>8} "
-        f"{'x eager':>7} {'peak MiB':>8} {'loss diff':>9}"
+        f"{'x eager':>7} {'agree':>5} {'peak MiB':>8} {'loss diff':>9}"
     )
     over = f"medians over {processes} processes; " if processes > 1 else ""
     lines = [
@@ -1115,7 +1123,8 @@ def format_models_table(results, skipped: dict) -> str:
         f"batch ({over}ms: do_bench medians; x = stock eager time / this time; x range: its least and most "
         f"in one process; GPU ms = the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the "
         "host's time to issue a step, the GPU idle; dec ms: a decode step through generate, ms a token, at "
-        f"batch {' and '.join(map(str, DECODE_BATCHES))} (* tokens differ from stock eager's); loss diff = "
+        f"batch {' and '.join(map(str, DECODE_BATCHES))} (* tokens differ from stock eager's; agree: the new "
+        f"tokens of {DECODE_TOKENS} equal to stock eager's before the first that differs); loss diff = "
         "largest relative difference from stock eager's loss; eager2 = stock again, the nondeterminism control)",
         head,
         "-" * len(head),
@@ -1140,7 +1149,8 @@ def format_models_table(results, skipped: dict) -> str:
                 f"{_ratio(base.get('bs1_ms'), r['bs1_ms']):>7} {num(r['serve_ms'], '.3f'):>9} "
                 f"{_ratio(base.get('serve_ms'), r['serve_ms']):>7} {num(r.get('decode1_ms'), '.2f') + unequal:>7} "
                 f"{num(r.get('decode16_ms'), '.2f') + unequal:>8} "
-                f"{_ratio(base.get('decode16_ms'), r.get('decode16_ms')):>7} {num(r['peak_mb'], '.0f'):>8} "
+                f"{_ratio(base.get('decode16_ms'), r.get('decode16_ms')):>7} {num(r.get('decode_agree'), 'd'):>5} "
+                f"{num(r['peak_mb'], '.0f'):>8} "
                 f"{num(r['max_loss_rel_diff'], '.1e'):>9}"
             )
     for name, reason in skipped.items():
