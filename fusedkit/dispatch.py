@@ -258,15 +258,17 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (3.3 GB of traffic a token, modelled), where ``F.linear`` casts them once."""
     if (
         t.dtype is torch.float32
+        and t.is_cuda  # (CPU autocast has no lower-precision op that is a view: there t casts)
         and t.requires_grad
         and t.is_leaf
         and type(t) in (torch.Tensor, torch.nn.Parameter)
         and torch.is_autocast_cache_enabled()
         and not _is_compiling()
+        and not _functorch()  # (a transform's wrapped weight casts as it did)
     ):
         # autocast casts a lower-precision op's arguments through its cache; einsum is one on
         # CUDA, and with one operand and the identity equation it is a view of its (cached)
-        # argument, no kernel. (Not one on the CPU: there the view is float32, and t casts.)
+        # argument, no kernel
         view = torch.einsum("...->...", t)
         if view.dtype is dtype:
             return view
