@@ -129,20 +129,29 @@ def test_the_decode_step_of_a_fused_lm_gives_stocks_tokens():
         assert ms > 0 and torch.equal(out, want) and out.shape == (batch, 6)
 
 
-def test_decode_rows_count_the_tokens_that_agree_before_the_first_that_differs():
+def test_decode_rows_take_turns_and_count_the_tokens_that_agree():
+    # Each variant's timed calls alternate with the others' (a drifting host moves all alike);
+    # a row counts its new tokens equal to stock eager's before the first that differs.
+    calls = []
+
     class Canned(torch.nn.Module):  # a causal LM whose generate returns its canned tokens
-        def __init__(self, new):
+        def __init__(self, name, new):
             super().__init__()
-            self.new = torch.tensor(new)
+            self.name, self.new = name, torch.tensor(new)
 
         def generate(self, ids, **_):
+            calls.append(self.name)
             return torch.cat([ids, self.new.expand(ids.shape[0], -1)], 1)
 
-    stock, fused, same = Canned([5, 6, 7, 8]), Canned([5, 6, 9, 8]), Canned([5, 6, 7, 8])
+    lms = Canned("s", [5, 6, 7, 8]), Canned("f", [5, 6, 9, 8]), Canned("e", [5, 6, 7, 8])
     rows = [models.Result("m", v) for v in ("eager", "fusedkit", "eager2")]
-    live = [(r, m, m, None) for r, m in zip(rows, (stock, fused, same))]
+    live = [(r, m, m, None) for r, m in zip(rows, lms)]
     models._decode_rows(live, {}, torch.zeros(1, 3, dtype=torch.long), torch.device("cpu"), small=True)
     assert [(r.decode_agree, r.decode_equal) for r in rows] == [(4, True), (2, False), (4, True)]
+    assert calls == list("sfesfe") * len(models.DECODE_BATCHES)  # (warm-ups, then a round of timed calls)
+    calls.clear()
+    models.decode_side_by_side(lms[:2], torch.zeros(2, 3, dtype=torch.long), torch.device("cpu"), 4, calls=3)
+    assert calls == list("sf" * 4)
 
 
 def test_unavailable_names_the_package():

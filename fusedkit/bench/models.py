@@ -70,6 +70,7 @@ __all__ = [
     "VARIANTS",
     "case_variants",
     "decode",
+    "decode_side_by_side",
     "merge_processes",
     "run_processes",
     "ModelCase",
@@ -811,8 +812,9 @@ def case_variants(case: ModelCase, use_compile: bool = True) -> list[str]:
 
 #: New tokens a decode timing generates (greedy, KV cache) after a prompt of ``DECODE_PROMPT``.
 DECODE_TOKENS, DECODE_PROMPT = 32, 16
-#: Batches of the decode timing, and its timed calls (the median is reported).
-DECODE_BATCHES, DECODE_CALLS = (1, 16), 3
+#: Batches of the decode timing, and its timed calls (the median is reported): a decode step is
+#: host time, and one host's calls of the same step spread by a third (the 1B LLaMA on an H100).
+DECODE_BATCHES, DECODE_CALLS = (1, 16), 5
 
 
 def _generate(model, ids, tokens):
@@ -825,18 +827,28 @@ def decode(model, prompt, device, tokens: int = DECODE_TOKENS, calls: int = DECO
     """(ms a new token, tokens): greedy ``generate`` of ``tokens`` tokens after ``prompt`` with
     the KV cache, inference mode and autocast, the wall time of a call (synchronised) over
     ``tokens``, median of ``calls`` after one warm-up call."""
-    model.eval()
-    times = []
+    (ms,), (out,) = decode_side_by_side([model], prompt, device, tokens, calls)
+    return ms, out
+
+
+def decode_side_by_side(models, prompt, device, tokens: int = DECODE_TOKENS, calls: int = DECODE_CALLS):
+    """:func:`decode` of each model, their timed calls taken in turn (a host that drifts during
+    the rounds moves every model's median alike): ([ms a new token], [tokens])."""
+    times = [[] for _ in models]
+    for model in models:
+        model.eval()
     with torch.inference_mode(), autocast_for(device):
-        out = _generate(model, prompt, tokens)
+        outs = [_generate(model, prompt, tokens) for model in models]
         for _ in range(calls):
-            _sync(device)
-            start = time.perf_counter()
-            _generate(model, prompt, tokens)
-            _sync(device)
-            times.append((time.perf_counter() - start) * 1e3 / tokens)
-    model.train()
-    return statistics.median(times), out
+            for model, took in zip(models, times):
+                _sync(device)
+                start = time.perf_counter()
+                _generate(model, prompt, tokens)
+                _sync(device)
+                took.append((time.perf_counter() - start) * 1e3 / tokens)
+    for model in models:
+        model.train()
+    return [statistics.median(t) for t in times], outs
 
 
 def prepared(case: ModelCase, small: bool, device):
@@ -932,26 +944,30 @@ def run_case(
 
 
 def _decode_rows(live, weights, ids, device, small: bool) -> None:
-    """Each eager-run variant's decode step at ``DECODE_BATCHES`` (a compiled variant's
-    ``generate`` runs its module eagerly: left out), and whether its tokens are stock eager's.
-    Every variant decodes from the same ``weights`` (the stock state dict): the timing rounds
-    trained each a different number of steps."""
+    """Each eager-run variant's decode step at ``DECODE_BATCHES``, their calls in turn (a
+    compiled variant's ``generate`` runs its module eagerly: left out), and how many of its
+    tokens agree with stock eager's. Every variant decodes from the same ``weights`` (the stock
+    state dict): the timing rounds trained each a different number of steps."""
     tokens = 4 if small else DECODE_TOKENS
     prompt = ids[:1, : min(DECODE_PROMPT, ids.shape[1])]
-    reference = {}
-    for r, module, run, _step in live:
-        if run is not module:
-            continue
+    rows = [(r, module) for r, module, run, _step in live if run is module]
+    for _, module in rows:
         module.load_state_dict(weights)
-        agree = tokens
-        for batch in DECODE_BATCHES:
-            ms, out = decode(
-                module, prompt.expand(batch, -1).contiguous(), device, tokens, 1 if small else DECODE_CALLS
-            )
-            setattr(r, f"decode{batch}_ms", ms)
-            same = (out == reference.setdefault(batch, out)).all(0)[prompt.shape[1] :].tolist()
-            agree = min(agree, same.index(False) if False in same else tokens)
-        r.decode_equal, r.decode_agree = agree == tokens, agree
+    agree = [tokens] * len(rows)
+    for batch in DECODE_BATCHES:
+        ms, outs = decode_side_by_side(
+            [module for _, module in rows],
+            prompt.expand(batch, -1).contiguous(),
+            device,
+            tokens,
+            1 if small else DECODE_CALLS,
+        )
+        for i, ((r, _), took, out) in enumerate(zip(rows, ms, outs)):
+            setattr(r, f"decode{batch}_ms", took)
+            same = (out == outs[0]).all(0)[prompt.shape[1] :].tolist()  # (stock eager's: the first row)
+            agree[i] = min(agree[i], same.index(False) if False in same else tokens)
+    for (r, _), n in zip(rows, agree):
+        r.decode_equal, r.decode_agree = n == tokens, n
 
 
 def run_models(names, device, use_compile=True, small: bool | None = None, progress=True, rounds: int | None = None):
