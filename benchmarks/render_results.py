@@ -521,9 +521,11 @@ def whole(data: dict) -> str:
     ]
     text = table(head, body, "llrrrrrrrrrrrrrrrrr")
     if any(r.get("decode_equal") is False for r in data["models"]):
+        text += "\n\n\\* its greedy tokens differ from stock eager's (from the same weights)."
+    if any(r.get("decode_agree") is not None for r in data["models"]):
         text += (
-            "\n\n\\* its greedy tokens differ from stock eager's (from the same weights); tokens agree: the new "
-            "tokens equal to stock eager's before the first that differs."
+            "\n\nTokens agree: the new tokens equal to stock eager's before the first that differs (the least over "
+            "processes)."
         )
     for name, reason in (data.get("skipped") or {}).items():
         text += f"\n\n`{name}` did not run: {reason}."

@@ -253,9 +253,9 @@ def autocast(*tensors) -> tuple:
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype`` as autocast's ``F.linear`` gets it: a model's weight (a float32 leaf that
-    requires grad) from autocast's cast cache, so that it is cast once per autocast region, not
-    once a call: a decode loop under one region re-cast the 1B LLaMA's MLP weights every token
-    (3.3 GB of traffic a token, modelled), where ``F.linear`` casts them once."""
+    requires grad) through autocast's cast cache where autocast keeps one, so that it is cast
+    once per autocast region, as ``F.linear``'s is (a decode loop under one region calls every
+    layer once a token)."""
     if (
         t.dtype is torch.float32
         and t.is_cuda  # (CPU autocast has no lower-precision op that is a view: there t casts)
@@ -265,14 +265,27 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         and torch.is_autocast_cache_enabled()
         and not _is_compiling()
         and not _functorch()  # (a transform's wrapped weight casts as it did)
+        and not _jit_tracing()
+        and (not torch.is_inference_mode_enabled() or _autocast_caches_in_inference_mode(t.device.type))
     ):
         # autocast casts a lower-precision op's arguments through its cache; einsum is one on
-        # CUDA, and with one operand and the identity equation it is a view of its (cached)
-        # argument, no kernel
+        # CUDA, and with one operand and the identity equation it is a view of its argument's
+        # cast (a cached one: no kernel)
         view = torch.einsum("...->...", t)
         if view.dtype is dtype:
             return view
     return t.to(dtype)
+
+
+@functools.cache
+def _autocast_caches_in_inference_mode(device_type: str) -> bool:
+    """Whether autocast keeps its weight casts under ``torch.inference_mode`` (recent PyTorch does
+    not: there every call casts again, ``F.linear``'s too, and the einsum would only add host
+    time): learnt once from torch itself, on a two-element weight, in the caller's region."""
+    with torch.inference_mode(False):
+        probe = torch.nn.Parameter(torch.ones(2, device=device_type))
+    first, again = torch.einsum("...->...", probe), torch.einsum("...->...", probe)  # (both held)
+    return first.dtype != probe.dtype and first.data_ptr() == again.data_ptr()
 
 
 def matmul(a, b, bias=None, activation=None) -> torch.Tensor:
@@ -475,7 +488,10 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
         zeros = torch.zeros(one.shape, dtype=one.dtype, device=one.device)
         b_gate, b_up = (zeros if b is None else b.contiguous() for b in (b_gate, b_up))
         alike = False
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    # (from the call's own tensors, as its key: where autocast hands a grad-mode call the cast it
+    # cached under no_grad, without grad history (pytorch#158232), a plan kept without autograd
+    # would lose every later region's gradients, not that region's alone, as F.linear's are)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in given)
     recast = any(a is not b for a, b in zip(given, cast))
     plan = GatedPlan(x.shape[:-1], inner, act, grad, bool(recompute), recast)
     # (kept where the call's own tensors, or autocast's casts of them, go to the kernels: no

@@ -223,7 +223,8 @@ def test_autocast_follows_f_linear():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CPU autocast has no view op: a weight casts each call")
 def test_autocast_casts_a_weight_once_a_region_as_f_linear_does():
     # A decode loop runs every token's MLP under one autocast region: the weights' casts come
-    # from autocast's cache (made once, dropped when the region ends), as F.linear's do.
+    # from autocast's cache where it keeps one (made once, dropped when the region ends), as
+    # F.linear's do; under inference_mode PyTorch may keep none, and then neither do we.
     from fusedkit import dispatch
 
     x = rand((2, 24), torch.float32, DEVICE)
@@ -232,13 +233,45 @@ def test_autocast_casts_a_weight_once_a_region_as_f_linear_does():
         first, again = (dispatch.autocast(x, w)[1] for _ in range(2))
         assert first.dtype == torch.bfloat16 and first.data_ptr() == again.data_ptr()
         assert dispatch.autocast(x, w.detach())[1].data_ptr() != first.data_ptr()  # (autocast caches weights only)
-    with torch.no_grad():
-        w.add_(1)
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.inference_mode():
+        first, again = (dispatch.autocast(x, w)[1] for _ in range(2))
+        assert (first.data_ptr() == again.data_ptr()) == dispatch._autocast_caches_in_inference_mode("cuda")
+    w_down = torch.nn.Parameter(rand((16, 40), torch.float32, DEVICE))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        torch.testing.assert_close(dispatch.autocast(x, w)[1], w.detach().bfloat16(), rtol=0, atol=0)
-        y = fusedkit.gated_mlp(x, w, w, rand((16, 40), torch.float32, DEVICE))
-        (grad,) = torch.autograd.grad(y.float().square().sum(), w)  # (through the cached cast)
-    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+        y = fusedkit.gated_mlp(x, w, w, w_down)  # (one weight as gate and up: one cast, shared)
+        ref = reference(x, w, w, w_down, None, "silu", "none")
+    got, want = (torch.autograd.grad(out.float().square().sum(), (w, w_down)) for out in (y, ref))
+    for g, r in zip(got, want):  # (through the cached cast, into the float32 weights)
+        assert g.dtype == torch.float32
+        assert_rel_err(g, r.double(), 3e-2)
+
+
+def test_a_cast_without_grad_history_keeps_no_plan_without_autograd(monkeypatch):
+    # Where autocast hands a grad-mode call the cast it cached under no_grad (pytorch#158232),
+    # that call gets no gradient, as F.linear's does; its kept plan must not take autograd
+    # away from later regions, whose casts have it again.
+    from fusedkit import dispatch
+
+    cache = {}  # (one region's cache, as autocast kept it: the first cast of a weight, whatever grad mode)
+
+    def stale_cast(t, dtype):
+        if t.requires_grad and t.is_leaf:
+            return cache.setdefault(id(t), t.to(dtype))
+        return t.to(dtype)
+
+    monkeypatch.setattr(dispatch, "_cast", stale_cast)
+    fusedkit.clear_caches()
+    x = rand((3, 16), torch.float32, DEVICE)
+    ws = [torch.nn.Parameter(rand(s, torch.float32, DEVICE)) for s in ((24, 16), (24, 16), (16, 24))]
+    device_type = "cuda" if DEVICE.type == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.no_grad():
+            fusedkit.gated_mlp(x, *ws)
+        assert not fusedkit.gated_mlp(x, *ws).requires_grad  # (the stale casts: none, as F.linear's)
+    cache.clear()  # (the region ended)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        y = fusedkit.gated_mlp(x, *ws)
+    assert all(g.abs().sum() > 0 for g in torch.autograd.grad(y.float().sum(), ws))
 
 
 def test_bad_input_is_refused_before_launch(monkeypatch):

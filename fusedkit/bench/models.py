@@ -833,17 +833,20 @@ def decode(model, prompt, device, tokens: int = DECODE_TOKENS, calls: int = DECO
 
 def decode_side_by_side(models, prompt, device, tokens: int = DECODE_TOKENS, calls: int = DECODE_CALLS):
     """:func:`decode` of each model, their timed calls taken in turn (a host that drifts during
-    the rounds moves every model's median alike): ([ms a new token], [tokens])."""
+    the rounds moves every model's median alike), each call its own autocast region, as a
+    user's: ([ms a new token], [tokens])."""
     times = [[] for _ in models]
     for model in models:
         model.eval()
-    with torch.inference_mode(), autocast_for(device):
-        outs = [_generate(model, prompt, tokens) for model in models]
+    with torch.inference_mode():
+        with autocast_for(device):
+            outs = [_generate(model, prompt, tokens) for model in models]
         for _ in range(calls):
             for model, took in zip(models, times):
                 _sync(device)
                 start = time.perf_counter()
-                _generate(model, prompt, tokens)
+                with autocast_for(device):
+                    _generate(model, prompt, tokens)
                 _sync(device)
                 took.append((time.perf_counter() - start) * 1e3 / tokens)
     for model in models:
@@ -951,6 +954,7 @@ def _decode_rows(live, weights, ids, device, small: bool) -> None:
     tokens = 4 if small else DECODE_TOKENS
     prompt = ids[:1, : min(DECODE_PROMPT, ids.shape[1])]
     rows = [(r, module) for r, module, run, _step in live if run is module]
+    rows.sort(key=lambda row: row[0].variant != "eager")  # (stock eager's tokens first: the reference)
     for _, module in rows:
         module.load_state_dict(weights)
     agree = [tokens] * len(rows)
@@ -964,7 +968,7 @@ def _decode_rows(live, weights, ids, device, small: bool) -> None:
         )
         for i, ((r, _), took, out) in enumerate(zip(rows, ms, outs)):
             setattr(r, f"decode{batch}_ms", took)
-            same = (out == outs[0]).all(0)[prompt.shape[1] :].tolist()  # (stock eager's: the first row)
+            same = (out == outs[0]).all(0)[prompt.shape[1] :].tolist() if out.shape == outs[0].shape else [False]
             agree[i] = min(agree[i], same.index(False) if False in same else tokens)
     for (r, _), n in zip(rows, agree):
         r.decode_equal, r.decode_agree = n == tokens, n
@@ -1140,7 +1144,7 @@ def format_models_table(results, skipped: dict) -> str:
         f"in one process; GPU ms = the kernels' summed time a step, over {GPU_BUSY_STEPS} steps; host ms = the "
         "host's time to issue a step, the GPU idle; dec ms: a decode step through generate, ms a token, at "
         f"batch {' and '.join(map(str, DECODE_BATCHES))} (* tokens differ from stock eager's; agree: the new "
-        f"tokens of {DECODE_TOKENS} equal to stock eager's before the first that differs); loss diff = "
+        "tokens equal to stock eager's before the first that differs, the least over processes); loss diff = "
         "largest relative difference from stock eager's loss; eager2 = stock again, the nondeterminism control)",
         head,
         "-" * len(head),
