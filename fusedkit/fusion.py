@@ -41,6 +41,7 @@ import operator
 import types
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -569,38 +570,117 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
     return sites
 
 
-def _gated_site(act: fx.Node, mul: fx.Node, other, gate: str, modules: dict) -> FusionSite | None:
-    """A whole gated MLP around the gate ``act * other`` (``mul``), as LLaMA's MLP writes it,
-    ``down(act(gate(x)) * up(x))``: the three linear layers on one ``x`` (the down projection
-    on the product), each intermediate used only by the next op; None where any part differs, or
-    where ``fusedkit.gated_mlp`` would drop a hook or refuse a dtype (the gate alone is then
-    fused). Its ``bytes_saved`` is the gate's: what the two GEMMs and the fused gate save,
-    which ``gated_mlp`` runs past ``GATED_GEMM_MAX_M`` rows (fewer rows save more: one GEMM
-    writes neither projection for inference)."""
-    gate_lin, up_lin, down_lin = act.args[0], other, _only_user(mul)
-    if not all(isinstance(n, fx.Node) for n in (gate_lin, up_lin, down_lin)):
+class _Gated(NamedTuple):
+    """A gated MLP's parts (:func:`_gated_parts`): ``x``; the gate's, the up's and the down
+    projection's ``(x, weight, bias, transposed)`` (:func:`_linear_operands`), the gate's and
+    the up's with ``rows``, the slice of a stacked projection's output features each reads
+    (None: a layer of its own); and the nodes the site replaces."""
+
+    x: fx.Node
+    gate: tuple
+    up: tuple
+    down: tuple
+    rows: tuple
+    nodes: tuple
+
+
+def _gated_parts(act: fx.Node, mul: fx.Node, other, modules: dict) -> _Gated | None:
+    """``down(act(gate(x)) * up(x))`` around the gate ``act * other`` (``mul``), as the models
+    write it: the gate and up projections two linear layers on one ``x`` (LLaMA's MLP) or the
+    halves of one (``chunk(2, dim=-1)``: timm's ``GluMlp``, Phi-3's ``gate_up_proj``), no-op
+    modules between the product and the down projection (timm's ``Dropout(0)`` and
+    ``Identity`` norm), each intermediate used only by the next op; None where any part
+    differs."""
+    down_lin, passes = mul, []
+    while True:
+        down_lin = _only_user(down_lin)
+        if down_lin is None or not _no_op(down_lin, modules):
+            break
+        passes.append(down_lin)
+    if not all(isinstance(n, fx.Node) for n in (act.args[0], other, down_lin)):
         return None
-    parts = [_linear_operands(n, modules) for n in (gate_lin, up_lin, down_lin)]
-    if None in parts or _only_user(gate_lin) is not act or _only_user(up_lin) is not mul:
+    down = _linear_operands(down_lin, modules)
+    if down is None or down[0] is not (passes[-1] if passes else mul):
         return None
-    (x, *_), (x_up, *_), (h, *_) = parts
-    if x is not x_up or h is not mul or not isinstance(x, fx.Node):
+    halves = _halves(act.args[0], other, modules)
+    if halves is not None:
+        lin, chunk, parts, rows = halves
+        nodes = (lin, chunk, act.args[0], other)
+    else:
+        parts = [_linear_operands(n, modules) for n in (act.args[0], other)]
+        if None in parts or parts[0][0] is not parts[1][0]:
+            return None
+        rows, nodes = (None, None), (act.args[0], other)
+    if _only_user(act.args[0]) is not act or _only_user(other) is not mul or not isinstance(parts[0][0], fx.Node):
         return None
-    if _shape(gate_lin) is None or not _shape(gate_lin) == _shape(up_lin) == _shape(mul):
+    if _shape(act.args[0]) is None or not _shape(act.args[0]) == _shape(other) == _shape(mul):
         return None  # (a gate or up projection that broadcasts against the other)
-    nodes = (gate_lin, act, up_lin, mul, down_lin)
-    if any(n.op == "call_module" and _has_hooks(modules[n.target]) for n in nodes):
+    return _Gated(parts[0][0], parts[0], parts[1], down, rows, (*nodes, act, mul, *passes, down_lin))
+
+
+def _no_op(node: fx.Node, modules: dict) -> bool:
+    """An identity the gated MLP may skip: an ``nn.Identity``, or dropout of probability 0 (as
+    modules without hooks, or ``F.dropout``)."""
+    if node.op == "call_module":
+        m = modules[node.target]
+        return not _has_hooks(m) and (type(m) is torch.nn.Identity or (type(m) is torch.nn.Dropout and m.p == 0))
+    return node.op == "call_function" and node.target is F.dropout and _arg(node, 1, "p", 0.5) == 0
+
+
+def _halves(gate_in, up_in, modules: dict):
+    """``(linear, chunk, (gate_operands, up_operands), (gate_rows, up_rows))`` where the gate and
+    up projections are the two halves of one ``nn.Linear``'s output (``chunk(2, dim=-1)``, in
+    either order), or None."""
+    picks = [n.args if isinstance(n, fx.Node) and n.target is operator.getitem else None for n in (gate_in, up_in)]
+    if None in picks or picks[0][0] is not picks[1][0] or {picks[0][1], picks[1][1]} != {0, 1}:
         return None
-    if _dtype(gate_lin) not in MATMUL_DTYPES or _dtype(down_lin) not in MATMUL_DTYPES:
+    chunk = picks[0][0]
+    if not (
+        isinstance(chunk, fx.Node)
+        and ((chunk.op == "call_method" and chunk.target == "chunk") or chunk.target is torch.chunk)
+        and _arg(chunk, 1, "chunks") == 2
+        and _arg(chunk, 2, "dim", 0) in (-1, len(_shape(chunk.args[0]) or ()) - 1)
+        and len(chunk.users) == 2
+    ):
+        return None
+    lin = chunk.args[0]
+    operands = _linear_operands(lin, modules) if isinstance(lin, fx.Node) else None
+    out = _shape(lin)
+    if operands is None or not operands[3] or _only_user(lin) is not chunk or not out or out[-1] % 2:
+        return None  # (a weight stored (in, out), or an odd width: chunk's halves differ)
+    half = out[-1] // 2
+    rows = [slice(half * i, half * (i + 1)) for i in (picks[0][1], picks[1][1])]
+    return lin, chunk, (operands, operands), tuple(rows)
+
+
+def _gated_site(act: fx.Node, mul: fx.Node, other, gate: str, modules: dict) -> FusionSite | None:
+    """A whole gated MLP around the gate ``act * other`` (``mul``; :func:`_gated_parts`) as one
+    ``fusedkit.gated_mlp``; None where it is not one, or where ``gated_mlp`` would drop a hook
+    or refuse a dtype (the gate alone is then fused). Its ``bytes_saved`` is the gate's: what
+    the two GEMMs and the fused gate save, which ``gated_mlp`` runs past ``GATED_GEMM_MAX_M``
+    rows (fewer rows save more: one GEMM writes neither projection for inference)."""
+    parts = _gated_parts(act, mul, other, modules)
+    if parts is None:
+        return None
+    if any(n.op == "call_module" and _has_hooks(modules[n.target]) for n in parts.nodes):
+        return None
+    if _dtype(parts.nodes[0]) not in MATMUL_DTYPES or _dtype(parts.nodes[-1]) not in MATMUL_DTYPES:
         return None
     order = {n: i for i, n in enumerate(act.graph.nodes)}
-    nodes = tuple(sorted(nodes, key=order.__getitem__))
-    weights = [f"{_name(w)}{'' if transposed else '.t()'}" for _, w, _, transposed in parts]
-    biases = [b for *_, b, _ in parts]
+    nodes = tuple(sorted(parts.nodes, key=order.__getitem__))
+
+    def rows(name, r):
+        return name if r is None or name is None else f"{name}[{r.start}:{r.stop}]"
+
+    projections = (parts.gate, parts.up, parts.down)
+    weights = [f"{rows(_name(w), r)}{'' if t else '.t()'}" for (_, w, _, t), r in zip(projections, (*parts.rows, None))]
+    biases = [rows(_name(b), r) if b is not None else None for (*_, b, _), r in zip(projections, (*parts.rows, None))]
     approximate = ", approximate='tanh'" if gate == "gelu_tanh" else ""
-    bias = "" if biases == [None] * 3 else f", bias=({', '.join(map(_name, biases))})"
+    bias = "" if biases == [None] * 3 else f", bias=({', '.join(map(str, biases))})"
     activation = "silu" if gate == "silu" else "gelu"
-    replacement = f"fusedkit.gated_mlp({_name(x)}, {', '.join(weights)}, activation={activation!r}{approximate}{bias})"
+    replacement = (
+        f"fusedkit.gated_mlp({_name(parts.x)}, {', '.join(weights)}, activation={activation!r}{approximate}{bias})"
+    )
     where = _common_module(*nodes)
     return FusionSite(f"gated mlp ({gate})", where, _bytes_saved((act, mul), mul), replacement, nodes)
 
@@ -823,32 +903,31 @@ def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
 
 
 def _rewrite_gated(gm: fx.GraphModule, site: FusionSite) -> None:
-    """A gated MLP's five nodes (:func:`_gated_site`) as one ``fusedkit.gated_mlp`` call."""
+    """A gated MLP's nodes (:func:`_gated_site`) as one ``fusedkit.gated_mlp`` call."""
     modules = dict(gm.named_modules())
     graph = gm.graph
-    # (the down projection is the last node; its input the product of the activation, the one
-    # operand that is one, and the up projection)
-    down_lin = site.nodes[-1]
-    mul = _linear_operands(down_lin, modules)[0]
-    act, up_lin = sorted(mul.args, key=lambda n: _activation(n, modules) is None)
-    gate_lin, gate = act.args[0], _activation(act, modules)
-    with graph.inserting_before(down_lin):
+    mul = next(n for n in site.nodes if _is_mul(n))  # (the product: the activation is one operand)
+    act, other = sorted(mul.args, key=lambda n: _activation(n, modules) is None)
+    gate, parts = _activation(act, modules), _gated_parts(act, mul, other, modules)
+    with graph.inserting_before(parts.nodes[-1]):
         operands = []
-        for lin in (gate_lin, up_lin, down_lin):
-            x, w, b, transposed = _linear_operands(lin, modules)
+        for (_, w, b, transposed), rows in zip((parts.gate, parts.up, parts.down), (*parts.rows, None)):
             w = graph.get_attr(w) if isinstance(w, str) else w
             b = graph.get_attr(b) if isinstance(b, str) else b
-            operands.append((x, w if transposed else graph.call_method("t", (w,)), b))
-        biases = tuple(b for _, _, b in operands)
+            if rows is not None:  # (a half of a stacked projection: views of its weight and bias)
+                w = graph.call_function(operator.getitem, (w, rows))
+                b = None if b is None else graph.call_function(operator.getitem, (b, rows))
+            operands.append((w if transposed else graph.call_method("t", (w,)), b))
+        biases = tuple(b for _, b in operands)
         kwargs = {
             "activation": "silu" if gate == "silu" else "gelu",
             "approximate": "tanh" if gate == "gelu_tanh" else "none",
             "bias": None if biases == (None, None, None) else biases,
         }
-        new = graph.call_function(gated_mlp, (operands[0][0], *(w for _, w, _ in operands)), kwargs)
-    new.meta = dict(down_lin.meta)
-    down_lin.replace_all_uses_with(new)
-    for n in (down_lin, mul, up_lin, act, gate_lin):
+        new = graph.call_function(gated_mlp, (parts.x, *(w for w, _ in operands)), kwargs)
+    new.meta = dict(parts.nodes[-1].meta)
+    parts.nodes[-1].replace_all_uses_with(new)
+    for n in reversed(parts.nodes):
         graph.erase_node(n)
 
 

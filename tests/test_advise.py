@@ -857,6 +857,50 @@ def test_gated_mlps_become_one_gated_mlp_call_outputs_and_gradients_equal():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+class _StackedGlu(nn.Module):
+    """Gated MLPs whose gate and up projections are the halves of one layer, with no-op modules
+    before the down projection: timm's GluMlp (``x1 * act(x2)``, Dropout(0), an Identity norm)
+    and Phi-3's ``gate_up_proj`` (``up * act(gate)``, the gate's half first)."""
+
+    def __init__(self, d=12, h=10):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * h), nn.Linear(h, d)
+        self.act, self.drop, self.norm = nn.SiLU(), nn.Dropout(0.0), nn.Identity()
+        self.gate_up_proj, self.down_proj = nn.Linear(d, 2 * h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        x1, x2 = self.fc1(x).chunk(2, dim=-1)
+        x = self.fc2(self.norm(self.drop(x1 * self.act(x2))))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.gelu(gate))
+
+
+def test_the_halves_of_one_projection_become_a_gated_mlp_on_views_of_its_weight():
+    torch.manual_seed(0)
+    model, x = _StackedGlu().to(DEVICE), rand((3, 4, 12), torch.float32, DEVICE)
+    keys = list(model.state_dict())
+    want = model(x)
+    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    sites = fusedkit.advise(model, x)
+    assert [s.pattern for s in sites] == ["gated mlp (silu)", "gated mlp (gelu)"]
+    assert sites[0].replacement == (
+        "fusedkit.gated_mlp(x, fc1.weight[10:20], fc1.weight[0:10], fc2.weight, activation='silu', "
+        "bias=(fc1.bias[10:20], fc1.bias[0:10], fc2.bias))"
+    )
+    assert "gate_up_proj.weight[0:10], gate_up_proj.weight[10:20]" in sites[1].replacement
+    fused = fusedkit.fuse(model, x)
+    assert fusion.fused_code(fused).count("gated_mlp(") == 2 and list(model.state_dict()) == keys
+    got = fused(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # Dropout that drops, or a hooked no-op, stays: the gate alone is fused
+    for change in (lambda m: setattr(m, "drop", nn.Dropout(0.1)), lambda m: m.norm.register_forward_hook(print)):
+        other = _StackedGlu().to(DEVICE)
+        change(other)
+        assert [s.pattern for s in fusedkit.advise(other.eval(), x)] == ["silu * mul", "gated mlp (gelu)"]
+
+
 def test_a_gated_mlp_with_a_hooked_layer_or_a_shared_projection_keeps_its_layers():
     # A hook on a projection would stop running, and a projection read elsewhere would be
     # computed twice: the gate alone is fused (its layers stay).
