@@ -40,6 +40,7 @@ import math
 import operator
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -79,12 +80,47 @@ FOREIGN_ACTIVATIONS = {
     "GELUActivation": "gelu",
     "SiLUActivation": "silu",
 }
-#: RMSNorm modules of other libraries kept whole by the tracer, by class name: each computes
-#: ``weight * (x.float() * rsqrt(mean(x.float() ** 2) + variance_epsilon)).to(x.dtype)``
-#: (transformers' LLaMA family; Gemma's adds one to its weight and is not among them).
-FOREIGN_RMS_NORMS = frozenset(
-    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Phi3RMSNorm"}
-)
+#: How an RMSNorm module of another library applies its weight, by module (:func:`_rms_norm_form`).
+_RMS_FORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rms_norm_form(m: torch.nn.Module) -> tuple[str, str] | None:
+    """``(form, eps attribute)`` of an RMSNorm module of another library (its class name ends in
+    ``RMSNorm``): form "weight", ``weight * x / rms(x)`` (LLaMA's and some 140 other transformers
+    classes), or "offset", ``(1 + weight) * x / rms(x)`` (Gemma's and a dozen more), each with its
+    eps in ``variance_epsilon`` or ``eps``; None where it is neither. Learnt from the module's own
+    forward on two float32 rows (hooks not run, autocast off), since these classes are copies
+    of one another under as many names."""
+    if m in _RMS_FORMS:
+        return _RMS_FORMS[m]
+    form = None
+    weight = getattr(m, "weight", None)
+    attr = next((a for a in ("variance_epsilon", "eps") if isinstance(getattr(m, a, None), float)), None)
+    if (
+        type(m).__name__.endswith("RMSNorm")
+        and not isinstance(m, (torch.nn.RMSNorm, fnn.RMSNorm))
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and weight.is_floating_point()
+        and attr is not None
+        and not weight.is_meta
+    ):
+        x = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(m, attr))
+        try:
+            with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+                out = type(m).forward(m, x).float()
+        except Exception:  # (a forward of other arguments: not one of these)
+            out = None
+        w = weight.detach().float()
+        for name, want in (("weight", w * h), ("offset", (1 + w) * h)):
+            if out is not None and out.shape == want.shape and torch.allclose(out, want, rtol=1e-5, atol=1e-6):
+                form = (name, attr)
+                break
+    _RMS_FORMS[m] = form
+    return form
+
+
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
 _ADD_FUNCTIONS = (operator.add, torch.add)
 _IN_PLACE_ADDS = (operator.iadd, torch.Tensor.add_)
@@ -173,7 +209,7 @@ class _Tracer(fx.Tracer):
         return (
             type(m) in self.whole
             or type(m).__name__ in FOREIGN_ACTIVATIONS
-            or type(m).__name__ in FOREIGN_RMS_NORMS
+            or _RMS_FORMS.get(m) is not None
             or isinstance(m, (fnn.LinearReLU, fnn.AddReLU, fnn.SwiGLU))
             or _has_hooks(m)
             or super().is_leaf_module(m, qualname)
@@ -246,6 +282,9 @@ def _trace(
     layer), and traced around: their ops are not searched (the warning of :func:`advise` and :func:`fuse` says so).
     ``whole``: classes to keep whole from the start; ``call``: the call traced (a module's)."""
     whole = set(whole)
+    if isinstance(model, torch.nn.Module):  # (learnt before the trace: fx makes parameters proxies in it)
+        for m in model.modules():
+            _rms_norm_form(m)
     while True:
         tracer = _Tracer(frozenset(whole), call)
         try:
@@ -368,11 +407,12 @@ class _Norm:
     eps: float | None
     composed: bool  # computed by several ops (a module of other code): fused alone, it saves bytes
     eps_attr: str | None = None  # the module's own eps, read when the fused code runs
+    offset: bool = False  # the weight applied as ``1.0 + weight.float()`` (Gemma's)
 
 
 def _norm(node: fx.Node, modules: dict) -> _Norm | None:
     """The normalisation ``node`` computes, or None: ``nn.LayerNorm`` and ``nn.RMSNorm`` (their
-    own forwards), the RMSNorm modules of ``FOREIGN_RMS_NORMS``, ``F.layer_norm`` and
+    own forwards), other libraries' RMSNorm modules (:func:`_rms_norm_form`), ``F.layer_norm`` and
     ``F.rms_norm`` on parameters (or none) and a constant ``eps``."""
     if node.op == "call_module":
         m = modules[node.target]
@@ -385,9 +425,10 @@ def _norm(node: fx.Node, modules: dict) -> _Norm | None:
             return _Norm(False, x, tuple(m.normalized_shape), weight, bias, m.eps, False, f"{node.target}.eps")
         if isinstance(m, torch.nn.RMSNorm) and type(m).forward is torch.nn.RMSNorm.forward:
             return _Norm(True, x, tuple(m.normalized_shape), weight, None, m.eps, False, f"{node.target}.eps")
-        if type(m).__name__ in FOREIGN_RMS_NORMS and weight is not None and m.weight.dim() == 1:
-            eps = float(m.variance_epsilon)
-            return _Norm(True, x, tuple(m.weight.shape), weight, None, eps, True, f"{node.target}.variance_epsilon")
+        form = _RMS_FORMS.get(m)
+        if form is not None:
+            shape, eps = tuple(m.weight.shape), float(getattr(m, form[1]))
+            return _Norm(True, x, shape, weight, None, eps, True, f"{node.target}.{form[1]}", form[0] == "offset")
         return None
     if node.op == "call_function" and node.target in (F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm):
         rms = node.target in (F.rms_norm, torch.rms_norm)
@@ -732,7 +773,8 @@ def _norm_site(node: fx.Node, modules: dict, used: set, declined: list) -> Fusio
         declined.append((pattern, where, why))
         used.add(nodes[-1])  # (the norm alone would be declined for the same reason)
         return None
-    params = ", ".join(p for p in (norm.weight, norm.bias if not norm.rms else None) if p) or "None"
+    weight = f"1.0 + {norm.weight}.float()" if norm.offset else norm.weight
+    params = ", ".join(p for p in (weight, norm.bias if not norm.rms else None) if p) or "None"
     eps = "" if norm.eps is None else f", eps={norm.eps!r}"
     if add is not None:
         extra = f", alpha={alpha!r}" if alpha != 1 else ""
@@ -874,6 +916,8 @@ def _rewrite_norm(gm: fx.GraphModule, site: FusionSite) -> None:
     norm = _norm(norm_node, modules)
     with graph.inserting_before(add[0].next if add else norm_node):  # (nodes in the order made)
         weight = graph.get_attr(norm.weight) if norm.weight else None
+        if norm.offset:  # (Gemma's weight, as its forward makes it: a tiny tensor a call)
+            weight = graph.call_function(operator.add, (1.0, graph.call_method("float", (weight,))))
         bias = graph.get_attr(norm.bias) if norm.bias else None
         # (a module's eps read as the code runs: one changed after fuse holds; through getattr on
         # the module, as fx's get_attr is for modules, parameters and buffers, not numbers)

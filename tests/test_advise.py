@@ -756,10 +756,37 @@ def _tiny_transformers():
             # (its prediction head has a linear -> gelu too)
             ["add -> layer_norm", "linear -> gelu", "add -> layer_norm"] * 2 + ["linear -> gelu"],
         ),
+        "gemma2": (
+            _random_norms(
+                transformers.Gemma2ForCausalLM(
+                    transformers.Gemma2Config(
+                        num_hidden_layers=2,
+                        hidden_size=32,
+                        intermediate_size=48,
+                        num_attention_heads=4,
+                        num_key_value_heads=2,
+                        head_dim=8,
+                        vocab_size=100,
+                        **special,
+                    )
+                )
+            ),
+            ids,
+            # (Gemma's RMSNorm, weight 1 + w: before and after the attention and the MLP)
+            ["rms_norm", "rms_norm", "add -> rms_norm", "gated mlp (gelu_tanh)", "rms_norm"] * 2,
+        ),
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def _random_norms(model):
+    with torch.no_grad():  # (Gemma's norms start at weight 0, read as 1 + 0: a test of nothing)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "gemma2"])
 def test_fuse_on_a_whole_transformers_model_returns_it(name, tmp_path):
     # The top level and the attention do not trace (ModelOutput, masks from data, caches):
     # fuse looks into them and fuses each layer whole around its attention (residual joins
@@ -794,6 +821,58 @@ def test_fuse_on_a_whole_transformers_model_returns_it(name, tmp_path):
         for p in twin.parameters():
             p.zero_()
         assert not torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def test_rms_norms_of_other_libraries_are_known_by_what_they_compute():
+    # transformers copies one RMSNorm under some 150 class names: fuse knows each by its forward
+    # on a probe (weight * x / rms, Gemma's (1 + weight) * x / rms), whatever it is called, and
+    # leaves alone a module named so that computes something else.
+    class AnyRMSNorm(nn.Module):
+        def __init__(self, n, offset=False, wrong=False):
+            super().__init__()
+            self.weight, self.eps, self.offset, self.wrong = nn.Parameter(torch.rand(n) + 0.5), 1e-5, offset, wrong
+
+        def forward(self, x):
+            rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + (1e-3 if self.wrong else self.eps))
+            return (x.float() * rms * ((1 + self.weight) if self.offset else self.weight)).type_as(x)
+
+    class Block(nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(8, 8), AnyRMSNorm(8, **kw)
+
+        def forward(self, x):
+            return self.norm(self.lin(x))
+
+    x = rand((4, 8), torch.float32, DEVICE)
+    for kw, pattern, weight in (
+        ({}, ["rms_norm"], "norm.weight"),
+        ({"offset": True}, ["rms_norm"], "1.0 + norm"),
+        ({"wrong": True}, [], None),
+    ):
+        model = Block(**kw).to(DEVICE)
+        sites = fusedkit.advise(model, x)
+        assert [s.pattern for s in sites] == pattern, kw
+        if weight:
+            assert weight in sites[0].replacement
+            want = model(x)
+            torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gemmas_norm_weights_train_as_in_the_model():
+    # Gemma's RMSNorm applies 1 + weight: the fused code makes that weight from the parameter
+    # each call, and the gradient reaches the parameter as it does in Gemma's own forward.
+    torch.manual_seed(0)
+    model, ids, _ = _tiny_transformers()["gemma2"]
+    model = model.to(DEVICE).train()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fusedkit.fuse(model, ids)
+    norms = [[p for n, p in m.named_parameters() if "norm" in n] for m in (model, reference)]
+    got, want = (torch.autograd.grad(m(ids).logits.square().mean(), ps) for m, ps in zip((model, reference), norms))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_a_fused_model_compiles_whole():
