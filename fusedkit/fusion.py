@@ -80,45 +80,48 @@ FOREIGN_ACTIVATIONS = {
     "GELUActivation": "gelu",
     "SiLUActivation": "silu",
 }
-#: How an RMSNorm module of another library applies its weight, by module (:func:`_rms_norm_form`).
+#: How an RMSNorm module of another library applies its weight, by module (:func:`_rms_norm_form`),
+#: learnt again by each trace (a module changed between two ``fuse`` calls is probed again).
 _RMS_FORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _rms_norm_form(m: torch.nn.Module) -> tuple[str, str] | None:
     """``(form, eps attribute)`` of an RMSNorm module of another library (its class name ends in
-    ``RMSNorm``): form "weight", ``weight * x / rms(x)`` (LLaMA's and some 140 other transformers
-    classes), or "offset", ``(1 + weight) * x / rms(x)`` (Gemma's and a dozen more), each with its
-    eps in ``variance_epsilon`` or ``eps``; None where it is neither. Learnt from the module's own
-    forward on two float32 rows (hooks not run, autocast off), since these classes are copies
-    of one another under as many names."""
-    if m in _RMS_FORMS:
-        return _RMS_FORMS[m]
-    form = None
-    weight = getattr(m, "weight", None)
+    ``RMSNorm``; one parameter, ``weight``, no buffers or submodules): form "weight", ``weight *
+    x / rms(x)`` (LLaMA's, copied by transformers under many class names), or "offset", ``(1 +
+    weight) * x / rms(x)`` (Gemma's), with its eps in ``variance_epsilon`` or ``eps``; None where it
+    is neither. Learnt from the module's own forward (hooks not run, autocast off) on rows of
+    three scales, one near ``sqrt(eps)`` where the eps shows, in a 3-D input (a norm over
+    another dim differs there)."""
+    if not type(m).__name__.endswith("RMSNorm") or isinstance(m, torch.nn.RMSNorm):
+        return None
+    params = dict(m.named_parameters())
+    weight = params.get("weight")
     attr = next((a for a in ("variance_epsilon", "eps") if isinstance(getattr(m, a, None), float)), None)
     if (
-        type(m).__name__.endswith("RMSNorm")
-        and not isinstance(m, (torch.nn.RMSNorm, fnn.RMSNorm))
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 1
-        and weight.is_floating_point()
-        and attr is not None
-        and not weight.is_meta
+        list(params) != ["weight"]
+        or next(m.buffers(), None) is not None
+        or next(m.children(), None) is not None
+        or weight.dim() != 1
+        or not weight.is_floating_point()
+        or weight.is_meta
+        or attr is None
     ):
-        x = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(m, attr))
-        try:
-            with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-                out = type(m).forward(m, x).float()
-        except Exception:  # (a forward of other arguments: not one of these)
-            out = None
-        w = weight.detach().float()
-        for name, want in (("weight", w * h), ("offset", (1 + w) * h)):
-            if out is not None and out.shape == want.shape and torch.allclose(out, want, rtol=1e-5, atol=1e-6):
-                form = (name, attr)
-                break
-    _RMS_FORMS[m] = form
-    return form
+        return None
+    eps = getattr(m, attr)
+    x = torch.randn(3, 2, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = (x * torch.tensor([1.0, eps**0.5, 100.0]).view(3, 1, 1)).to(weight.device)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            out = type(m).forward(m, x).float()
+    except Exception:  # (a forward of other arguments: not one of these)
+        return None
+    w = weight.detach().float()
+    for form, want in (("weight", w * h), ("offset", (1 + w) * h)):
+        if out.shape == want.shape and torch.allclose(out, want, rtol=1e-5, atol=0):
+            return form, attr
+    return None
 
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu)
@@ -284,7 +287,7 @@ def _trace(
     whole = set(whole)
     if isinstance(model, torch.nn.Module):  # (learnt before the trace: fx makes parameters proxies in it)
         for m in model.modules():
-            _rms_norm_form(m)
+            _RMS_FORMS[m] = _rms_norm_form(m)
     while True:
         tracer = _Tracer(frozenset(whole), call)
         try:
@@ -426,7 +429,7 @@ def _norm(node: fx.Node, modules: dict) -> _Norm | None:
         if isinstance(m, torch.nn.RMSNorm) and type(m).forward is torch.nn.RMSNorm.forward:
             return _Norm(True, x, tuple(m.normalized_shape), weight, None, m.eps, False, f"{node.target}.eps")
         form = _RMS_FORMS.get(m)
-        if form is not None:
+        if form is not None and len(node.args) + len(node.kwargs) == 1:  # (x alone, as probed)
             shape, eps = tuple(m.weight.shape), float(getattr(m, form[1]))
             return _Norm(True, x, shape, weight, None, eps, True, f"{node.target}.{form[1]}", form[0] == "offset")
         return None
@@ -660,12 +663,31 @@ def _gated_parts(act: fx.Node, mul: fx.Node, other, modules: dict) -> _Gated | N
 
 
 def _no_op(node: fx.Node, modules: dict) -> bool:
-    """An identity the gated MLP may skip: an ``nn.Identity``, or dropout of probability 0 (as
-    modules without hooks, or ``F.dropout``)."""
+    """A node the gated MLP may pass between its product and its down projection: an
+    ``nn.Identity`` or an ``nn.Dropout`` without hooks (a dropout module is read as the fused
+    call runs: :func:`gated_mlp_through`), or ``F.dropout`` of probability 0."""
     if node.op == "call_module":
         m = modules[node.target]
-        return not _has_hooks(m) and (type(m) is torch.nn.Identity or (type(m) is torch.nn.Dropout and m.p == 0))
+        return not _has_hooks(m) and type(m) in (torch.nn.Identity, torch.nn.Dropout)
     return node.op == "call_function" and node.target is F.dropout and _arg(node, 1, "p", 0.5) == 0
+
+
+def _dropouts(modules: dict) -> set:
+    return {name for name, m in modules.items() if type(m) is torch.nn.Dropout}
+
+
+def gated_mlp_through(x, w_gate, w_up, w_down, *drops, activation, approximate, bias):
+    """``fusedkit.gated_mlp`` where the dropout modules ``drops`` between its product and its down
+    projection drop nothing now (probability 0, or eval mode: read as the call runs, so that a
+    probability set after ``fuse`` holds); else the composition through them."""
+    if all(d.p == 0 or not d.training for d in drops):
+        return gated_mlp(x, w_gate, w_up, w_down, activation=activation, approximate=approximate, bias=bias)
+    b_gate, b_up, b_down = bias or (None, None, None)
+    gate = F.linear(x, w_gate, b_gate)
+    h = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up, b_up)
+    for drop in drops:
+        h = drop(h)
+    return F.linear(h, w_down, b_down)
 
 
 def _halves(gate_in, up_in, modules: dict):
@@ -673,19 +695,25 @@ def _halves(gate_in, up_in, modules: dict):
     up projections are the two halves of one ``nn.Linear``'s output (``chunk(2, dim=-1)``, in
     either order), or None."""
     picks = [n.args if isinstance(n, fx.Node) and n.target is operator.getitem else None for n in (gate_in, up_in)]
-    if None in picks or picks[0][0] is not picks[1][0] or {picks[0][1], picks[1][1]} != {0, 1}:
+    if None in picks or picks[0][0] is not picks[1][0] or not all(type(p[1]) is int for p in picks):
+        return None  # (items of one result, by int: not slices, lists)
+    if sorted(p[1] for p in picks) != [0, 1]:
         return None
     chunk = picks[0][0]
     if not (
         isinstance(chunk, fx.Node)
-        and ((chunk.op == "call_method" and chunk.target == "chunk") or chunk.target is torch.chunk)
+        and (chunk.op, chunk.target) in (("call_method", "chunk"), ("call_function", torch.chunk))
+    ):
+        return None
+    lin = _arg(chunk, 0, "input")
+    if not (
+        isinstance(lin, fx.Node)
         and _arg(chunk, 1, "chunks") == 2
-        and _arg(chunk, 2, "dim", 0) in (-1, len(_shape(chunk.args[0]) or ()) - 1)
+        and _arg(chunk, 2, "dim", 0) in (-1, len(_shape(lin) or ()) - 1)
         and len(chunk.users) == 2
     ):
         return None
-    lin = chunk.args[0]
-    operands = _linear_operands(lin, modules) if isinstance(lin, fx.Node) else None
+    operands = _linear_operands(lin, modules)
     out = _shape(lin)
     if operands is None or not operands[3] or _only_user(lin) is not chunk or not out or out[-1] % 2:
         return None  # (a weight stored (in, out), or an odd width: chunk's halves differ)
@@ -968,7 +996,12 @@ def _rewrite_gated(gm: fx.GraphModule, site: FusionSite) -> None:
             "approximate": "tanh" if gate == "gelu_tanh" else "none",
             "bias": None if biases == (None, None, None) else biases,
         }
-        new = graph.call_function(gated_mlp, (parts.x, *(w for w, _ in operands)), kwargs)
+        # (dropout modules passed over are read as the fused call runs)
+        drops = [
+            graph.get_attr(n.target) for n in parts.nodes if n.op == "call_module" and n.target in _dropouts(modules)
+        ]
+        call = gated_mlp_through if drops else gated_mlp
+        new = graph.call_function(call, (parts.x, *(w for w, _ in operands), *drops), kwargs)
     new.meta = dict(parts.nodes[-1].meta)
     parts.nodes[-1].replace_all_uses_with(new)
     for n in reversed(parts.nodes):

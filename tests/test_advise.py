@@ -823,40 +823,50 @@ def test_fuse_on_a_whole_transformers_model_returns_it(name, tmp_path):
         assert not torch.equal(twin(ids).logits, model(ids).logits)
 
 
+class _AnyRMSNorm(nn.Module):
+    """An RMSNorm as other libraries write theirs, or a look-alike that computes something else."""
+
+    def __init__(self, n, offset=False, eps_in_sqrt=True, dim=-1, bias=False):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.rand(n) + 0.5), 1e-5
+        self.offset, self.eps_in_sqrt, self.dim = offset, eps_in_sqrt, dim
+        self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+
+    def forward(self, x, residual=None):
+        x = x.float() if residual is None else x.float() + residual
+        ms = x.pow(2).mean(self.dim, keepdim=True)
+        h = x * torch.rsqrt(ms + self.eps) if self.eps_in_sqrt else x / (ms.sqrt() + self.eps)
+        w = (1 + self.weight) if self.offset else self.weight
+        return (h * w + (0 if self.bias is None else self.bias)).type_as(x)
+
+
 def test_rms_norms_of_other_libraries_are_known_by_what_they_compute():
-    # transformers copies one RMSNorm under some 150 class names: fuse knows each by its forward
-    # on a probe (weight * x / rms, Gemma's (1 + weight) * x / rms), whatever it is called, and
-    # leaves alone a module named so that computes something else.
-    class AnyRMSNorm(nn.Module):
-        def __init__(self, n, offset=False, wrong=False):
-            super().__init__()
-            self.weight, self.eps, self.offset, self.wrong = nn.Parameter(torch.rand(n) + 0.5), 1e-5, offset, wrong
-
-        def forward(self, x):
-            rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + (1e-3 if self.wrong else self.eps))
-            return (x.float() * rms * ((1 + self.weight) if self.offset else self.weight)).type_as(x)
-
+    # transformers copies one RMSNorm under many class names: fuse knows each by what its forward
+    # computes on a probe (weight * x / rms, Gemma's (1 + weight) * x / rms), whatever it is
+    # called, and leaves alone a module named so that computes something else on some input (its
+    # eps elsewhere, over another dim), holds more than a weight, or is called with more than x.
     class Block(nn.Module):
-        def __init__(self, **kw):
+        def __init__(self, call_residual=False, **kw):
             super().__init__()
-            self.lin, self.norm = nn.Linear(8, 8), AnyRMSNorm(8, **kw)
+            self.lin, self.norm, self.call_residual = nn.Linear(8, 8), _AnyRMSNorm(8, **kw), call_residual
 
         def forward(self, x):
-            return self.norm(self.lin(x))
+            h = self.lin(x)
+            return self.norm(h, x) if self.call_residual else self.norm(h)
 
-    x = rand((4, 8), torch.float32, DEVICE)
-    for kw, pattern, weight in (
-        ({}, ["rms_norm"], "norm.weight"),
-        ({"offset": True}, ["rms_norm"], "1.0 + norm"),
-        ({"wrong": True}, [], None),
-    ):
+    x = rand((3, 4, 8), torch.float32, DEVICE)
+    for kw, weight in (({}, "norm.weight"), ({"offset": True}, "1.0 + norm.weight.float()")):
         model = Block(**kw).to(DEVICE)
         sites = fusedkit.advise(model, x)
-        assert [s.pattern for s in sites] == pattern, kw
-        if weight:
-            assert weight in sites[0].replacement
-            want = model(x)
-            torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
+        assert [s.pattern for s in sites] == ["rms_norm"] and weight in sites[0].replacement, kw
+        want = model(x)
+        torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
+        assert ("1.0 + " in fusion.fused_code(model)) == kw.get("offset", False)
+    for kw in ({"eps_in_sqrt": False}, {"dim": 1}, {"bias": True}, {"call_residual": True}):
+        model = Block(**kw).to(DEVICE)
+        assert fusedkit.advise(model, x) == [], kw
+        want = model(x)
+        torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_gemmas_norm_weights_train_as_in_the_model():
@@ -968,16 +978,50 @@ def test_the_halves_of_one_projection_become_a_gated_mlp_on_views_of_its_weight(
     )
     assert "gate_up_proj.weight[0:10], gate_up_proj.weight[10:20]" in sites[1].replacement
     fused = fusedkit.fuse(model, x)
-    assert fusion.fused_code(fused).count("gated_mlp(") == 2 and list(model.state_dict()) == keys
+    code = fusion.fused_code(fused)  # (the first through its dropout module, read as it runs)
+    assert code.count("gated_mlp_through(") == code.count("gated_mlp(") == 1 and list(model.state_dict()) == keys
     got = fused(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    # Dropout that drops, or a hooked no-op, stays: the gate alone is fused
-    for change in (lambda m: setattr(m, "drop", nn.Dropout(0.1)), lambda m: m.norm.register_forward_hook(print)):
-        other = _StackedGlu().to(DEVICE)
-        change(other)
-        assert [s.pattern for s in fusedkit.advise(other.eval(), x)] == ["silu * mul", "gated mlp (gelu)"]
+    # a hooked no-op stays: the gate alone is fused
+    other = _StackedGlu().to(DEVICE)
+    other.norm.register_forward_hook(lambda *a: None)
+    assert [s.pattern for s in fusedkit.advise(other, x)] == ["silu * mul", "gated mlp (gelu)"]
+
+
+def test_a_dropout_before_the_down_projection_is_read_as_the_fused_call_runs(monkeypatch):
+    # The fused call takes the dropout module: gated_mlp where it drops nothing (p = 0, or eval
+    # mode), the composition through it where it drops, whatever its p was at fuse time.
+    torch.manual_seed(0)
+    model, x = _StackedGlu().to(DEVICE), rand((3, 4, 12), torch.float32, DEVICE)
+    fusedkit.fuse(model, x)
+    calls = []
+    monkeypatch.setattr(fusion, "gated_mlp", lambda *a, **k: calls.append(1) or fusedkit.gated_mlp(*a, **k))
+    model(x)
+    model.drop.p = 0.5
+    assert calls == [1] and not torch.equal(model(x), model(x)) and calls == [1]  # (drops: composed)
+    model.eval()
+    want = copy.deepcopy(model)
+    fusion.unfuse(want)
+    torch.testing.assert_close(model(x), want(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 1]
+
+
+def test_halves_by_slices_or_keywords_are_gates_alone():
+    # Items of one result other than chunk's 0 and 1 (slices), or chunk by keywords: not crashes
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 20), nn.Linear(10, 8)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            gate, up = torch.chunk(input=h, chunks=2, dim=-1)
+            return self.fc2(h[..., :10] * F.silu(h[..., 10:])) + self.fc2(up * F.silu(gate))
+
+    model, x = Sliced().to(DEVICE), rand((3, 8), torch.float32, DEVICE)
+    assert [s.pattern for s in fusedkit.advise(model, x)] == ["silu * mul", "silu * mul"]
 
 
 def test_a_gated_mlp_with_a_hooked_layer_or_a_shared_projection_keeps_its_layers():
