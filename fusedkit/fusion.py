@@ -51,7 +51,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.nn.utils import parametrize
 
 from . import nn as fnn
-from .dispatch import norm_dtype
+from .dispatch import GATED_ACTIVATIONS, norm_dtype
 from .errors import FusedkitError, SignatureError, TracingError
 from .fusion_call import FIXED_TYPES, CallSpec
 from .memory import MemoryCounterMode
@@ -67,7 +67,7 @@ from .ops import (
     silu_mul,
 )
 from .registry import FLOAT_DTYPES, OPERAND_DTYPES, get
-from .runtime.matmul import MATMUL_DTYPES
+from .runtime.matmul import MATMUL_DTYPES, torch_activation
 
 __all__ = ["FusionSite", "advise", "fuse", "unfuse"]
 
@@ -672,10 +672,6 @@ def _no_op(node: fx.Node, modules: dict) -> bool:
     return node.op == "call_function" and node.target is F.dropout and _arg(node, 1, "p", 0.5) == 0
 
 
-def _dropouts(modules: dict) -> set:
-    return {name for name, m in modules.items() if type(m) is torch.nn.Dropout}
-
-
 def gated_mlp_through(x, w_gate, w_up, w_down, *drops, activation, approximate, bias):
     """``fusedkit.gated_mlp`` where the dropout modules ``drops`` between its product and its down
     projection drop nothing now (probability 0, or eval mode: read as the call runs, so that a
@@ -683,8 +679,8 @@ def gated_mlp_through(x, w_gate, w_up, w_down, *drops, activation, approximate, 
     if all(d.p == 0 or not d.training for d in drops):
         return gated_mlp(x, w_gate, w_up, w_down, activation=activation, approximate=approximate, bias=bias)
     b_gate, b_up, b_down = bias or (None, None, None)
-    gate = F.linear(x, w_gate, b_gate)
-    h = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up, b_up)
+    act = GATED_ACTIVATIONS[(activation, approximate)]
+    h = torch_activation(F.linear(x, w_gate, b_gate), act) * F.linear(x, w_up, b_up)
     for drop in drops:
         h = drop(h)
     return F.linear(h, w_down, b_down)
@@ -998,7 +994,9 @@ def _rewrite_gated(gm: fx.GraphModule, site: FusionSite) -> None:
         }
         # (dropout modules passed over are read as the fused call runs)
         drops = [
-            graph.get_attr(n.target) for n in parts.nodes if n.op == "call_module" and n.target in _dropouts(modules)
+            graph.get_attr(n.target)
+            for n in parts.nodes
+            if n.op == "call_module" and type(modules[n.target]) is torch.nn.Dropout
         ]
         call = gated_mlp_through if drops else gated_mlp
         new = graph.call_function(call, (parts.x, *(w for w, _ in operands), *drops), kwargs)
