@@ -928,8 +928,7 @@ class _GatedSpellings(nn.Module):
 def test_gated_mlps_become_one_gated_mlp_call_outputs_and_gradients_equal():
     torch.manual_seed(0)
     model, x = _GatedSpellings().to(DEVICE), rand((3, 4, 12), torch.float32, DEVICE)
-    want = model(x)
-    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    want = _output_and_grads(model, x)
     sites = fusedkit.advise(model, x)
     assert [s.pattern for s in sites] == ["gated mlp (silu)", "gated mlp (gelu_tanh)"]
     assert sites[0].replacement == (
@@ -940,9 +939,20 @@ def test_gated_mlps_become_one_gated_mlp_call_outputs_and_gradients_equal():
     fused = fusedkit.fuse(model, x)
     code = fusion.fused_code(fused)
     assert code.count("gated_mlp(") == 2 and "silu" not in code.replace("activation = 'silu'", "")
-    got = fused(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for a, b in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):
+    _assert_output_and_grads(fused, x, want)
+
+
+def _output_and_grads(model, x) -> tuple:
+    """``model(x)`` and the gradients of its sum of squares for every parameter."""
+    y = model(x)
+    return y, torch.autograd.grad(y.square().sum(), list(model.parameters()))
+
+
+def _assert_output_and_grads(model, x, want: tuple) -> None:
+    """``model(x)`` and its gradients (:func:`_output_and_grads`) are ``want``'s within float32 noise."""
+    y, grads = _output_and_grads(model, x)
+    torch.testing.assert_close(y, want[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want[1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -968,8 +978,7 @@ def test_the_halves_of_one_projection_become_a_gated_mlp_on_views_of_its_weight(
     torch.manual_seed(0)
     model, x = _StackedGlu().to(DEVICE), rand((3, 4, 12), torch.float32, DEVICE)
     keys = list(model.state_dict())
-    want = model(x)
-    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    want = _output_and_grads(model, x)
     sites = fusedkit.advise(model, x)
     assert [s.pattern for s in sites] == ["gated mlp (silu)", "gated mlp (gelu)"]
     assert sites[0].replacement == (
@@ -980,10 +989,7 @@ def test_the_halves_of_one_projection_become_a_gated_mlp_on_views_of_its_weight(
     fused = fusedkit.fuse(model, x)
     code = fusion.fused_code(fused)  # (the first through its dropout module, read as it runs)
     assert code.count("gated_mlp_through(") == code.count("gated_mlp(") == 1 and list(model.state_dict()) == keys
-    got = fused(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for a, b in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_output_and_grads(fused, x, want)
     # a hooked no-op stays: the gate alone is fused
     other = _StackedGlu().to(DEVICE)
     other.norm.register_forward_hook(lambda *a: None)
