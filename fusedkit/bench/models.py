@@ -813,7 +813,7 @@ def case_variants(case: ModelCase, use_compile: bool = True) -> list[str]:
 #: New tokens a decode timing generates (greedy, KV cache) after a prompt of ``DECODE_PROMPT``.
 DECODE_TOKENS, DECODE_PROMPT = 32, 16
 #: Batches of the decode timing, and its timed calls (the median is reported): a decode step is
-#: host time, and one host's calls of the same step spread by a third (the 1B LLaMA on an H100).
+#: host time, and one host's calls of the same step spread by up to 1.5x (the 1B LLaMA on an H100).
 DECODE_BATCHES, DECODE_CALLS = (1, 16), 5
 
 
