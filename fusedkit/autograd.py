@@ -896,6 +896,64 @@ class Norm(torch.autograd.Function):
         return (*norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out), *(None,) * 5)
 
 
+class KeptNorm(torch.autograd.Function):
+    """:class:`Norm` for a repeated signature with a grad recipe (``row_norm.GradRecipe``): its
+    forward and backward launch their kept kernels on the call's own tensors, with no rows
+    views, argument tuples or launch keys built, and the statistics in one buffer. What it
+    keeps and computes is :class:`Norm`'s; a backward the recipe does not take (a gradient of
+    the gradient, gradients laid out otherwise, a first backward) runs :func:`norm_grads`."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, recipe, ptrs):
+        y, h, stats = row_norm.run_grad_forward(recipe, ptrs)
+        ctx.set_materialize_grads(False)
+        ctx.recipe = recipe
+        ctx.save_for_backward(x if h is None else h, weight, bias, stats)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        rows, weight, bias, stats = ctx.saved_tensors
+        r = ctx.recipe
+        needs = ctx.needs_input_grad
+        got = None
+        if dy is not None and not torch.is_grad_enabled():
+            got = row_norm.run_grad_backward(r, dy, rows, weight, bias, stats, dh_out)
+        if got is None:
+            return (*_kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out), None, None)
+        dh, dw, db = got
+        x_dtype, r_dtype = r.dtypes
+        dr = None
+        if r_dtype is not None and needs[1]:
+            dr = dh if r.alpha == 1 else dh * r.alpha
+            dr = dr if dr.dtype == r_dtype else dr.to(r_dtype)
+        dx = (dh if dh.dtype == x_dtype else dh.to(x_dtype)) if needs[0] else None
+        return dx, dr, (dw if needs[2] else None), (db if needs[3] else None), None, None
+
+
+def _kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out) -> tuple:
+    """:class:`KeptNorm`'s gradients through :func:`norm_grads` on the rows views (then kept
+    for the next backward of the recipe where the ordinary path's launch allows)."""
+    ctx.eps, ctx.alpha, ctx.rms, ctx.dtypes = r.eps, r.alpha, r.rms, r.dtypes
+    count, n = r.rows, r.n
+    mean, rstd = row_norm.stats_views(r, stats)
+    rows2 = row_norm.rows_of(rows, count, n)
+    dy2, dh2 = (None if g is None else g.reshape(count, n) for g in (dy, dh_out))
+    grads = norm_grads(ctx, rows2, weight, bias, mean, rstd, dy2, dh2)
+    if dy is not None and not torch.is_grad_enabled():
+        row_norm.learn_backward(r, dy, rows, weight, bias, stats, dh_out, ctx.needs_input_grad[2])
+    return tuple(None if g is None or i > 1 else g.view(r.shape) for i, g in enumerate(grads[:2])) + tuple(grads[2:])
+
+
+def kept_norm(recipe, x, residual, weight, bias):
+    """``y`` (or ``(y, h)``) of a call with a gradient whose signature kept ``recipe``; None
+    where its launch does not take this call (another alignment, another current device)."""
+    ptrs = row_norm.grad_pointers(recipe, x, residual, weight, bias)
+    if ptrs is None:
+        return None
+    return KeptNorm.apply(x, residual, weight, bias, recipe, ptrs)
+
+
 def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out, launch=None) -> tuple:
     """``(dx, dresidual, dweight, dbias)`` of a norm from what it kept: one backward launch
     (``launch``, default :func:`_launch_norm_backward`: ``(dh, dweight, dbias)``, the
@@ -1012,6 +1070,8 @@ def norm_backward_op(
         need_weight,
     )
     empty = rows.new_empty(0, dtype=torch.float32)
+    if dw is not None and db is not None:
+        db = db.clone()  # (both are rows of one sum: an op's outputs do not alias each other)
     return dx, empty if dw is None else dw, empty if db is None else db
 
 

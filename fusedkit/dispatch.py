@@ -575,11 +575,14 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         key = rn.call_key(name, x, residual, normalized_shape, weight, bias, eps, alpha, state)
         kept = rn.KEPT.get(key) if key is not None else None
         if kept is not None:
-            recipe = None if kept.grad else rn.RECIPES.get(key)
-            if recipe is not None:
-                out = rn.run_recipe(recipe, x, residual, weight, bias)
-                if out is not None:
-                    return out
+            if kept.grad:
+                recipe = rn.GRAD_RECIPES.get(key)
+                out = None if recipe is None else autograd.kept_norm(recipe, x, residual, weight, bias)
+            else:
+                recipe = rn.RECIPES.get(key)
+                out = None if recipe is None else rn.run_recipe(recipe, x, residual, weight, bias)
+            if out is not None:
+                return out
             return _kept_norm(kept, x, residual, weight, bias, key)
     for arg, value in (("input", x), ("residual", residual if kernel.residual else x)):
         if not isinstance(value, torch.Tensor):
@@ -663,8 +666,8 @@ def _plain_eager() -> bool:
 
 def _kept_norm(plan, x, residual, weight, bias, key=None):
     """An eager norm on the kernels by a settled plan: the rows views, one launch (autograd's
-    Function where a gradient is needed); without one, the call's recipe kept under ``key``
-    (``rn.RECIPES``) for the next call of its signature."""
+    Function where a gradient is needed); the call's recipe kept under ``key`` (``rn.RECIPES``,
+    or ``rn.GRAD_RECIPES`` with a gradient) for the next call of its signature."""
     rows, n = plan.rows, plan.n
     x2 = rn.rows_of(x, rows, n)
     r2 = None if residual is None else rn.rows_of(residual, rows, n)
@@ -674,6 +677,8 @@ def _kept_norm(plan, x, residual, weight, bias, key=None):
     if plan.grad:
         out = autograd.Norm.apply(*args)
         y, h = out if residual is not None else (out, None)
+        if key is not None and key not in rn.GRAD_RECIPES:  # (None kept too: a signature tried once)
+            rn.GRAD_RECIPES[key] = rn.grad_recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan)
     else:
         y, h, _, _ = rn.forward(*args, False)
         if key is not None and key not in rn.RECIPES:  # (None kept too: a signature tried once)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICE, ON_GPU
 from helpers import rand
 
@@ -509,6 +510,118 @@ def test_norm_recipe_on_the_gpu():
     torch.testing.assert_close(shifted[1].double(), h, atol=2e-2, rtol=2e-2)
     want = torch.nn.functional.rms_norm(h, (128,), w.double(), 1e-6)
     torch.testing.assert_close(shifted[0].double(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layer_norm", "add_layer_norm"])
+def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch, residual):
+    # A kept norm with a gradient launches its forward, and its backward once one backward ran
+    # the ordinary path, from its grad recipe (runtime.norm.run_grad_forward, run_grad_backward)
+    # with the kernel arguments the ordinary path (_launch) passes, the call's new tensors'
+    # addresses in their places; checked on the CPU with a recording launcher (the values: on
+    # a GPU, test_norm_grad_recipe_on_the_gpu).
+    from fusedkit.runtime import norm as rn
+
+    x = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_()
+    r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
+    w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    dy = rand((2, 3, 24), torch.float32, DEVICE)
+    ordinary, direct = [], []
+
+    def record(kernel, grid, args, meta):
+        key, pointers, scalars = rn._launch_key(kernel, args, meta, args[0].device.index)
+        ordinary.append((kernel, pointers, scalars))
+        rn.LAUNCHES._entries[key] = fk_launch.Entry(
+            None, lambda *a: direct.append((kernel, a)), 7, "packed", (*grid, 1, 1)[:3], (), None
+        )
+
+    for name, value in (
+        ("LAUNCHES", fk_launch.CompiledCache()),
+        ("KEPT", {}),
+        ("GRAD_RECIPES", {}),
+        ("_launch", record),
+    ):
+        monkeypatch.setattr(rn, name, value)
+    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: x.device.index)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
+
+    def call():
+        out = fusedkit.add_layer_norm(x, r, w, b, 1e-5) if residual else fusedkit.layer_norm(x, (24,), w, b, 1e-5)
+        torch.autograd.grad(out[0] if residual else out, (x, r, w, b) if residual else (x, w, b), dy)
+        return out if residual else (out, None)
+
+    call()  # the ordinary path, forward and backward: the recipe kept
+    call()  # the recipe's forward; its first backward the ordinary path's, kept
+    y, h = call()  # both from the recipe
+    (fwd, _, fwd_scalars), (bwd, _, bwd_scalars), (_, _, again) = ordinary
+    assert [k for k, _ in direct] == [fwd, fwd, bwd] and again == bwd_scalars
+    *_, (_, forward), (_, backward) = direct
+    forward, backward = forward[-(8 + len(fwd_scalars)) :], backward[-(9 + len(bwd_scalars)) :]
+    assert forward[8:] == fwd_scalars and backward[9:] == bwd_scalars
+    stats = forward[6]  # (one buffer: LayerNorm's mean, then its rstd 16-byte aligned)
+    # (forward: x, residual, weight, bias, y, h, mean, rstd, an absent one at y's address;
+    # backward: dy, the normalised rows (h, else x), weight, mean, rstd, ...)
+    at = y.data_ptr()
+    assert forward[:6] == (
+        x.data_ptr(),
+        r.data_ptr() if residual else at,
+        w.data_ptr(),
+        b.data_ptr(),
+        at,
+        h.data_ptr() if residual else at,
+    )
+    assert forward[7] == stats + 4 * 8 and stats % 16 == 0
+    normalised = h if residual else x
+    assert backward[:5] == (dy.data_ptr(), normalised.data_ptr(), w.data_ptr(), stats, stats + 4 * 8)
+    # (the partial sums of both parameters' gradients in one buffer, weight's first; scalars:
+    # rows, n, rows a program, ...)
+    programs = -(-6 // bwd_scalars[2])
+    assert backward[8] - backward[7] == 4 * programs * 24 and backward[7] % 16 == 0
+
+
+@gpu_only
+@pytest.mark.parametrize("n", [128, 8200], ids=["one_pass", "chunked"])
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"])
+def test_norm_grad_recipe_on_the_gpu(name, n):
+    # Calls with a gradient repeated: the first on the ordinary path, the next from the grad
+    # recipe (forward; the backward once one backward kept its launch), with a gradient
+    # reaching h too: every output and gradient the same bits as the first call's, and near
+    # float64's; a call 2 bytes off (another kernel for Triton) is right too.
+    from fusedkit.runtime import norm as rn
+
+    rms, residual = "rms" in name, name.startswith("add_")
+    base = rand((2, 33, n + 1), torch.bfloat16, DEVICE)
+    r = rand((2, 33, n), torch.bfloat16, DEVICE).requires_grad_() if residual else None
+    w = rand((n,), torch.float32, DEVICE).requires_grad_()
+    b = None if rms else rand((n,), torch.float32, DEVICE).requires_grad_()
+    dy, dh = rand((2, 33, n), torch.bfloat16, DEVICE), rand((2, 33, n), torch.bfloat16, DEVICE)
+
+    def call(x):
+        op = getattr(fusedkit, name)
+        args = (x, r, w) if residual else (x, (n,), w)
+        out = op(*args, 1e-6) if rms else op(*args, b, 1e-5)
+        y, h = out if residual else (out, None)
+        loss = (y.float() * dy).sum() + ((h.float() * dh).sum() if residual else 0)
+        leaves = [t for t in (x, r, w, b) if t is not None]
+        return (y, h, *torch.autograd.grad(loss, leaves))
+
+    x = base[..., :n].detach().requires_grad_()
+    runs = [call(x) for _ in range(4)]
+    assert any(v is not None and v.backward for v in rn.GRAD_RECIPES.values())
+    for run in runs[1:]:
+        assert all(a is b or torch.equal(a, b) for a, b in zip(runs[0], run))
+    shifted = call(base[..., 1:].detach().requires_grad_())
+    for got, xin in ((runs[-1], x), (shifted, base[..., 1:])):
+        xd = xin.detach().double().requires_grad_()
+        rd, wd, bd = (None if t is None else t.detach().double().requires_grad_() for t in (r, w, b))
+        hd = xd if rd is None else xd + rd
+        yd = F.rms_norm(hd, (n,), wd, 1e-6) if rms else F.layer_norm(hd, (n,), wd, bd, 1e-5)
+        loss = (yd * dy.double()).sum() + ((hd * dh.double()).sum() if residual else 0)
+        leaves = [t for t in (xd, rd, wd, bd) if t is not None]
+        want = (yd, hd if residual else None, *torch.autograd.grad(loss, leaves))
+        for a, e in zip(got, want):
+            if e is not None:
+                torch.testing.assert_close(a.double(), e, atol=5e-2, rtol=5e-2)
 
 
 @gpu_only

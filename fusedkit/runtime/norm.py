@@ -152,6 +152,17 @@ def _launch_key(kernel, args: tuple, meta: dict, index: int) -> tuple[tuple, lis
     return key, pointers, scalars
 
 
+def _or(pointers) -> int:
+    out = 0
+    for p in pointers:
+        out |= p
+    return out
+
+
+#: :func:`_alignment` of ``k`` aligned pointers, by ``k``.
+_ALL_ALIGNED = {k: (1 << k) - 1 for k in (8, 9)}
+
+
 def _alignment(pointers) -> int:
     """One bit a pointer, first pointer highest: whether it is 16-byte aligned (Triton specialises on it)."""
     aligned = 0
@@ -269,6 +280,236 @@ RECIPES: dict = {}
 launch.register_cache(RECIPES.clear)
 
 
+class GradRecipe(NamedTuple):
+    """A kept eager call with a gradient, settled by its first run (:func:`grad_recipe`): the
+    forward's kept launch, what its backward needs, and the backward's kept launches, learnt by
+    its first run (:func:`learn_backward`), by whether a gradient reached ``h`` too. The
+    statistics live in one buffer (LayerNorm's mean, then its rstd at a 16-byte-aligned
+    offset): one allocation, as torch's norm makes (a norm's forward and backward in a
+    training step took 3x eager's host time through the ordinary path: docs/results.md)."""
+
+    entry: launch.Entry
+    index: int
+    device: torch.device
+    shape: tuple  # the input's, the results' and the input gradients'
+    rows: int
+    n: int
+    eps: float
+    alpha: float
+    rms: bool
+    y_dtype: torch.dtype
+    h_dtype: torch.dtype | None  # None: no residual
+    dtypes: tuple  # x's and the residual's (None without one): their gradients'
+    aligned: int  # the forward's pointers' alignment (:func:`_alignment`)
+    scalars: tuple
+    stats: int  # the statistics buffer's elements (float32)
+    rstd_at: int  # rstd's offset in it, in elements (0 for RMS: there is no mean)
+    backward: dict  # dh_out given (bool) -> BackwardRecipe, or None where it has none
+
+
+class BackwardRecipe(NamedTuple):
+    """A :class:`GradRecipe`'s backward launch, kept: the partial sums of the parameters'
+    gradients in one buffer, ``parts`` rows each (weight first), summed by one reduction."""
+
+    entry: launch.Entry
+    aligned: int
+    scalars: tuple
+    parts: tuple  # (k, programs, n) of the partial sums; k = 0: no parameter gradient
+    zeroed: bool  # chunked rows add into their partial row: it starts at zero
+    need_weight: bool
+    has_bias: bool
+    param_dtype: torch.dtype | None  # the parameters' dtype (None: they differ; cast apart)
+    dh_dtype: torch.dtype
+
+
+def _stats_layout(rows: int, rms: bool) -> tuple[int, int]:
+    """(elements, rstd's offset) of a :class:`GradRecipe`'s statistics buffer."""
+    if rms:
+        return rows, 0
+    padded = -(-rows // 4) * 4  # (rstd 16-byte aligned, as a buffer of its own is)
+    return 2 * padded, padded
+
+
+def grad_recipe(x, residual, weight, bias, x2, residual2, weight1, bias1, y, h, plan) -> GradRecipe | None:
+    """The :class:`GradRecipe` of a call with a gradient whose forward just ran on rows ``x2``
+    (``residual2``), with results ``y`` and ``h``, by ``plan`` (a :class:`Kept`): where every
+    rows view reads its tensor in place, the parameters are vectors and the launch was kept."""
+    if launch.INTERPRETED or y.numel() == 0 or len(plan.shape) != 1:
+        return None
+    for t, view in ((x, x2), (residual, residual2), (weight, weight1), (bias, bias1)):
+        if t is not None and t.data_ptr() != view.data_ptr():
+            return None
+    stats = torch.empty(1, dtype=torch.float32, device=y.device)  # (the statistics' dtype and alignment)
+    mean = None if plan.rms else stats
+    grid, args, meta = forward_launch(x2, residual2, weight1, bias1, y, h, mean, stats, plan.eps, plan.alpha, plan.rms)
+    index = x2.device.index
+    key, pointers, scalars = _launch_key(norm_forward_kernel, args, meta, index)
+    entry = LAUNCHES.get(key)
+    if entry is None:
+        return None
+    size, rstd_at = _stats_layout(plan.rows, plan.rms)
+    return GradRecipe(
+        entry,
+        index,
+        x.device,
+        tuple(x.shape),
+        plan.rows,
+        plan.n,
+        plan.eps,
+        plan.alpha,
+        plan.rms,
+        plan.y_dtype,
+        None if h is None else h.dtype,
+        (x.dtype, None if residual is None else residual.dtype),
+        _alignment(pointers),
+        scalars,
+        size,
+        rstd_at,
+        {},
+    )
+
+
+def grad_pointers(r: GradRecipe, x, residual, weight, bias) -> tuple | None:
+    """The inputs' addresses (x, residual, weight, bias; 0 for an absent one) where ``r``'s
+    kept launch takes this call: aligned as it was compiled for, on the current device."""
+    if r.index != launch.current_device():
+        return None
+    ptrs = (
+        x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        0 if weight is None else weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+    )
+    if r.aligned == _ALL_ALIGNED[8] and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) % launch.ALIGNMENT:
+        return ptrs  # (the usual case, in one test)
+    # (forward_launch's order, an absent operand and every result at y's aligned address)
+    check = (*(launch.ALIGNMENT if p == 0 else p for p in ptrs), *(launch.ALIGNMENT,) * 4)
+    return ptrs if _alignment(check) == r.aligned else None
+
+
+def run_grad_forward(r: GradRecipe, ptrs: tuple):
+    """``(y, h, stats)`` of a call ``r`` takes (:func:`grad_pointers` gave ``ptrs``): ``h``
+    None without a residual."""
+    y = torch.empty(r.shape, dtype=r.y_dtype, device=r.device)
+    h = None if r.h_dtype is None else torch.empty(r.shape, dtype=r.h_dtype, device=r.device)
+    stats = torch.empty(r.stats, dtype=torch.float32, device=r.device)
+    any_, at = y.data_ptr(), stats.data_ptr()
+    x, residual, weight, bias = (any_ if p == 0 else p for p in ptrs)
+    mean = any_ if r.rms else at
+    pointers = (x, residual, weight, bias, any_, any_ if h is None else h.data_ptr(), mean, at + 4 * r.rstd_at)
+    launch.CompiledCache.run(r.entry, (*pointers, *r.scalars), r.index)
+    return y, h, stats
+
+
+def stats_views(r: GradRecipe, stats: torch.Tensor) -> tuple:
+    """(mean, rstd) in a :class:`GradRecipe`'s statistics buffer (mean None for RMS)."""
+    if r.rms:
+        return None, stats
+    return stats[: r.rows], stats[r.rstd_at : r.rstd_at + r.rows]
+
+
+def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_weight: bool) -> None:
+    """Keep the backward launch the ordinary path just made for a call of ``r`` (the gradients
+    rows of unit stride: the only ones :func:`run_grad_backward` takes)."""
+    given = dh_out is not None
+    if given in r.backward or launch.INTERPRETED:
+        return
+    r.backward[given] = None
+    if not dy.is_contiguous() or (given and not dh_out.is_contiguous()):
+        return
+    n, count = r.n, r.rows
+    block_m = _config(n)["BLOCK_M"]
+    per_program = block_m * cdiv(count, block_m * _programs_per_device(rows.device))
+    programs = cdiv(count, per_program)
+    need_weight = weight is not None and need_weight
+    k = need_weight + (bias is not None)
+    parts = torch.empty((k, programs, n), dtype=torch.float32, device=rows.device) if k else None
+    mean, rstd = stats_views(r, stats)
+    dh_dtype = rows.dtype
+    dx = torch.empty((count, n), dtype=dh_dtype, device=rows.device)
+    grid, args, meta = backward_launch(
+        dy.view(count, n),
+        rows_of(rows, count, n),
+        weight,
+        mean,
+        rstd,
+        None if dh_out is None else dh_out.view(count, n),
+        dx,
+        parts[0] if need_weight else None,
+        parts[k - 1] if bias is not None else None,
+        r.rms,
+        per_program,
+    )
+    key, pointers, scalars = _launch_key(norm_backward_kernel, args, meta, r.index)
+    entry = LAUNCHES.get(key)
+    if entry is None:
+        return
+    dtypes = {t.dtype for t in (weight if need_weight else None, bias) if t is not None}
+    r.backward[given] = BackwardRecipe(
+        entry,
+        _alignment(pointers),
+        scalars,
+        (k, programs, n),
+        n > MAX_ONE_PASS,
+        need_weight,
+        bias is not None,
+        dtypes.pop() if len(dtypes) == 1 else None,
+        dh_dtype,
+    )
+
+
+def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
+    """``(dh, dweight, dbias)`` of a call of ``r`` from its kept backward launch (``dh`` in the
+    input's shape, the parameters' gradients in their dtypes, None where not needed); None
+    where it has none for this call (the gradients' layout or alignment, the current device)."""
+    b = r.backward.get(dh_out is not None)
+    if b is None or not dy.is_contiguous() or (dh_out is not None and not dh_out.is_contiguous()):
+        return None
+    if r.index != launch.current_device():
+        return None
+    device = r.device
+    dh = torch.empty(r.shape, dtype=b.dh_dtype, device=device)
+    k = b.parts[0]
+    parts = (torch.zeros if b.zeroed else torch.empty)(b.parts, dtype=torch.float32, device=device) if k else None
+    any_ = dh.data_ptr()
+    at = stats.data_ptr()
+    first = any_ if parts is None else parts.data_ptr()
+    pointers = (
+        dy.data_ptr(),
+        rows.data_ptr(),
+        any_ if weight is None else weight.data_ptr(),
+        any_ if r.rms else at,
+        at + 4 * r.rstd_at,
+        any_ if dh_out is None else dh_out.data_ptr(),
+        any_,
+        first if b.need_weight else any_,
+        first + 4 * b.parts[1] * b.parts[2] * (k - 1) if b.has_bias else any_,
+    )
+    if (
+        not (b.aligned == _ALL_ALIGNED[9] and not _or(pointers) % launch.ALIGNMENT)
+        and _alignment(pointers) != b.aligned
+    ):
+        return None
+    launch.CompiledCache.run(b.entry, (*pointers, *b.scalars), r.index)
+    if not k:
+        return dh, None, None
+    # (a sum over the programs' rows in a fixed order: the same bits every run)
+    sums = parts.sum(1)
+    if b.param_dtype is not None:
+        if b.param_dtype is not torch.float32:
+            sums = sums.to(b.param_dtype)
+        dw, db = (sums[0] if b.need_weight else None), (sums[k - 1] if b.has_bias else None)
+    else:
+        dw, db = sums[0].to(weight.dtype), sums[1].to(bias.dtype)
+    return dh, dw, db
+
+
+#: Grad recipes of kept calls, by call signature (:func:`call_key`); None where a signature has
+#: none, so that it is not tried again.
+GRAD_RECIPES: dict = {}
+launch.register_cache(GRAD_RECIPES.clear)
+
+
 def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms: bool, per_program: int):
     """``(grid, args, meta)`` of the backward kernel's launch (meta with ``num_warps``)."""
     rows, n = h2.shape
@@ -312,19 +553,25 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     block_m = _config(n)["BLOCK_M"]
     per_program = block_m * cdiv(rows, block_m * _programs_per_device(device))
     programs = cdiv(rows, per_program)
-    # (chunked rows add into their program's partial row: it starts at zero)
+    # The parameters' partial sums in one buffer, weight's first, summed by one reduction (as a
+    # kept call's are: :func:`run_grad_backward`); chunked rows add into their program's
+    # partial row: it starts at zero.
+    need_weight = weight is not None and need_weight
+    k = need_weight + has_bias
     alloc = torch.empty if n <= MAX_ONE_PASS else torch.zeros
-    dw_part = alloc((programs, n), dtype=torch.float32, device=device) if weight is not None and need_weight else None
-    db_part = alloc((programs, n), dtype=torch.float32, device=device) if has_bias else None
+    parts = alloc((k, programs, n), dtype=torch.float32, device=device) if k else None
+    dw_part = parts[0] if need_weight else None
+    db_part = parts[k - 1] if has_bias else None
     _launch(
         norm_backward_kernel,
         *backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program),
     )
+    if not k:
+        return dx, None, None
     # (a sum over the programs' rows in a fixed order: the same bits every run; float32 until
     # the caller rounds it, after a sharded call's reduction)
-    dw = dw_part.sum(0) if dw_part is not None else None
-    db = db_part.sum(0) if db_part is not None else None
-    return dx, dw, db
+    sums = parts.sum(1)
+    return dx, (sums[0] if need_weight else None), (sums[k - 1] if has_bias else None)
 
 
 class Kept(NamedTuple):
@@ -387,6 +634,7 @@ def keep(key, plan: Kept) -> None:
     if len(KEPT) >= _KEPT_SIZE:
         KEPT.clear()  # rare: a process cycling through many signatures
         RECIPES.clear()
+        GRAD_RECIPES.clear()
     KEPT[key] = plan
 
 
@@ -404,6 +652,9 @@ def reference(x, residual, weight, bias, eps, alpha, rms: bool, normalized_shape
 
 
 __all__ = [
+    "BackwardRecipe",
+    "GRAD_RECIPES",
+    "GradRecipe",
     "INTERPRETED",
     "KEPT",
     "KERNEL_DTYPES",
@@ -414,10 +665,16 @@ __all__ = [
     "backward",
     "call_key",
     "forward",
+    "grad_pointers",
+    "grad_recipe",
     "keep",
+    "learn_backward",
     "normalized_size",
     "recipe",
     "reference",
     "rows_of",
+    "run_grad_backward",
+    "run_grad_forward",
     "run_recipe",
+    "stats_views",
 ]
