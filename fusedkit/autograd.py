@@ -942,7 +942,7 @@ def _kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out) -> tuple:
     grads = norm_grads(ctx, rows2, weight, bias, mean, rstd, dy2, dh2)
     if dy is not None and not torch.is_grad_enabled():
         row_norm.learn_backward(r, dy, rows, weight, bias, stats, dh_out, ctx.needs_input_grad[2])
-    return tuple(None if g is None or i > 1 else g.view(r.shape) for i, g in enumerate(grads[:2])) + tuple(grads[2:])
+    return tuple(None if g is None else g.view(r.shape) for g in grads[:2]) + tuple(grads[2:])
 
 
 def kept_norm(recipe, x, residual, weight, bias):
@@ -1069,10 +1069,9 @@ def norm_backward_op(
         rows.dtype,
         need_weight,
     )
-    empty = rows.new_empty(0, dtype=torch.float32)
-    if dw is not None and db is not None:
-        db = db.clone()  # (both are rows of one sum: an op's outputs do not alias each other)
-    return dx, empty if dw is None else dw, empty if db is None else db
+    # (an empty tensor each: an op's outputs do not alias each other)
+    dw = rows.new_empty(0, dtype=torch.float32) if dw is None else dw
+    return dx, dw, rows.new_empty(0, dtype=torch.float32) if db is None else db
 
 
 @norm_backward_op.register_fake

@@ -521,7 +521,7 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
     # a GPU, test_norm_grad_recipe_on_the_gpu).
     from fusedkit.runtime import norm as rn
 
-    x = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_()
+    x = rand((2, 3, 28), torch.float32, DEVICE)[..., :24].detach().requires_grad_()  # (rows at a stride)
     r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
     w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
     dy = rand((2, 3, 24), torch.float32, DEVICE)
@@ -577,6 +577,12 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
     # rows, n, rows a program, ...)
     programs = -(-6 // bwd_scalars[2])
     assert backward[8] - backward[7] == 4 * programs * 24 and backward[7] % 16 == 0
+    # Saved tensors given back laid out otherwise (a saved-tensor hook that restores a copy):
+    # x's rows at another stride take the ordinary backward; h is as it was
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.contiguous()):
+        call()
+    assert [k for k, _ in direct[3:]] == ([fwd, bwd] if residual else [fwd])
+    assert len(ordinary) == (3 if residual else 4)
 
 
 @gpu_only

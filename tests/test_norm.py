@@ -520,3 +520,18 @@ def test_lazily_negated_views_are_read_as_their_values(op):
         grads = torch.autograd.grad([o.sum() for o in got if o is not None], leaves)
         for g, e in zip(grads, want_grads):  # (d/dt of f(-t) is -f'(-t))
             torch.testing.assert_close(g.double(), -e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weight", [None, "frozen"])
+def test_the_registered_backward_without_parameter_gradients(weight):
+    # Under a dispatch mode the norm runs as its registered ops; a backward with no parameter
+    # gradient to give returns an empty tensor for each (an op's outputs alias nothing).
+    x = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    w = None if weight is None else torch.randn(8, device=DEVICE)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False):
+        y = fusedkit.rms_norm(x, (8,), w, 1e-6)
+        (g,) = torch.autograd.grad(y.sum(), x)
+    want = torch.func.grad(lambda t: torch.nn.functional.rms_norm(t, (8,), w, 1e-6).sum())(x.detach())
+    torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)

@@ -309,16 +309,18 @@ class GradRecipe(NamedTuple):
 
 class BackwardRecipe(NamedTuple):
     """A :class:`GradRecipe`'s backward launch, kept: the partial sums of the parameters'
-    gradients in one buffer, ``parts`` rows each (weight first), summed by one reduction."""
+    gradients in one buffer, ``parts`` rows each (weight first)."""
 
     entry: launch.Entry
     aligned: int
     scalars: tuple
+    # the saved rows' dtype and strides and the weight's, as the launch read them (saved-tensor
+    # hooks may give them back laid out otherwise: offloaded and restored, say)
+    saved: tuple
     parts: tuple  # (k, programs, n) of the partial sums; k = 0: no parameter gradient
     zeroed: bool  # chunked rows add into their partial row: it starts at zero
     need_weight: bool
     has_bias: bool
-    param_dtype: torch.dtype | None  # the parameters' dtype (None: they differ; cast apart)
     dh_dtype: torch.dtype
 
 
@@ -414,10 +416,13 @@ def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_we
     given = dh_out is not None
     if given in r.backward or launch.INTERPRETED:
         return
-    r.backward[given] = None
     if not dy.is_contiguous() or (given and not dh_out.is_contiguous()):
-        return
+        return  # (another backward of the signature may learn it: a loss's sum gives an expanded dy)
     n, count = r.n, r.rows
+    r.backward[given] = None
+    rows2 = rows_of(rows, count, n)
+    if rows2.data_ptr() != rows.data_ptr():
+        return  # (a copy: the launch's rows are not the saved tensor's)
     block_m = _config(n)["BLOCK_M"]
     per_program = block_m * cdiv(count, block_m * _programs_per_device(rows.device))
     programs = cdiv(count, per_program)
@@ -429,7 +434,7 @@ def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_we
     dx = torch.empty((count, n), dtype=dh_dtype, device=rows.device)
     grid, args, meta = backward_launch(
         dy.view(count, n),
-        rows_of(rows, count, n),
+        rows2,
         weight,
         mean,
         rstd,
@@ -444,16 +449,15 @@ def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_we
     entry = LAUNCHES.get(key)
     if entry is None:
         return
-    dtypes = {t.dtype for t in (weight if need_weight else None, bias) if t is not None}
     r.backward[given] = BackwardRecipe(
         entry,
         _alignment(pointers),
         scalars,
+        (rows.dtype, rows.stride(), None if weight is None else weight.stride()),
         (k, programs, n),
         n > MAX_ONE_PASS,
         need_weight,
         bias is not None,
-        dtypes.pop() if len(dtypes) == 1 else None,
         dh_dtype,
     )
 
@@ -464,6 +468,8 @@ def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
     where it has none for this call (the gradients' layout or alignment, the current device)."""
     b = r.backward.get(dh_out is not None)
     if b is None or not dy.is_contiguous() or (dh_out is not None and not dh_out.is_contiguous()):
+        return None
+    if b.saved != (rows.dtype, rows.stride(), None if weight is None else weight.stride()):
         return None
     if r.index != launch.current_device():
         return None
@@ -493,14 +499,14 @@ def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
     launch.CompiledCache.run(b.entry, (*pointers, *b.scalars), r.index)
     if not k:
         return dh, None, None
-    # (a sum over the programs' rows in a fixed order: the same bits every run)
-    sums = parts.sum(1)
-    if b.param_dtype is not None:
-        if b.param_dtype is not torch.float32:
-            sums = sums.to(b.param_dtype)
-        dw, db = (sums[0] if b.need_weight else None), (sums[k - 1] if b.has_bias else None)
-    else:
-        dw, db = sums[0].to(weight.dtype), sums[1].to(bias.dtype)
+    # (a sum over the programs' rows in a fixed order: the same bits every run; a sum a
+    # parameter: their gradients in storages of their own, as torch's norms give them)
+    dw = parts[0].sum(0) if b.need_weight else None
+    db = parts[k - 1].sum(0) if b.has_bias else None
+    if dw is not None and weight.dtype is not torch.float32:
+        dw = dw.to(weight.dtype)
+    if db is not None and bias.dtype is not torch.float32:
+        db = db.to(bias.dtype)
     return dh, dw, db
 
 
@@ -553,7 +559,7 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
     block_m = _config(n)["BLOCK_M"]
     per_program = block_m * cdiv(rows, block_m * _programs_per_device(device))
     programs = cdiv(rows, per_program)
-    # The parameters' partial sums in one buffer, weight's first, summed by one reduction (as a
+    # The parameters' partial sums in one buffer, weight's first (as a
     # kept call's are: :func:`run_grad_backward`); chunked rows add into their program's
     # partial row: it starts at zero.
     need_weight = weight is not None and need_weight
@@ -566,12 +572,10 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
         norm_backward_kernel,
         *backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms, per_program),
     )
-    if not k:
-        return dx, None, None
     # (a sum over the programs' rows in a fixed order: the same bits every run; float32 until
-    # the caller rounds it, after a sharded call's reduction)
-    sums = parts.sum(1)
-    return dx, (sums[0] if need_weight else None), (sums[k - 1] if has_bias else None)
+    # the caller rounds it, after a sharded call's reduction; a sum a parameter: storages of
+    # their own)
+    return dx, (dw_part.sum(0) if need_weight else None), (db_part.sum(0) if has_bias else None)
 
 
 class Kept(NamedTuple):
