@@ -20,6 +20,9 @@ gradient of a gradient is recorded, transformed or traced as any call is.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 
 from .errors import ArgumentError, NotDifferentiableError, SignatureError, UnknownKernelError
@@ -943,6 +946,26 @@ def _kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out) -> tuple:
     if dy is not None and not torch.is_grad_enabled():
         row_norm.learn_backward(r, dy, rows, weight, bias, stats, dh_out, ctx.needs_input_grad[2])
     return tuple(None if g is None else g.view(r.shape) for g in grads[:2]) + tuple(grads[2:])
+
+
+def native_norm(recipe):
+    """``recipe``'s copy in the C++ launch table (``runtime.native.norm_recipe``): its forward
+    launched and its node recorded in C++, and its backward once one backward of it kept its
+    launch (the Python :class:`KeptNorm` took 2x eager's host time for a norm's forward and
+    backward: docs/design.md); None where the table does not take it."""
+    return native.norm_recipe(recipe, functools.partial(_native_norm_grads, recipe))
+
+
+def _native_norm_grads(recipe, handle, dy, dh_out, rows, weight, bias, stats, needs) -> tuple:
+    """The C++ node's backward where its kept launch does not take the call: :func:`norm_grads`
+    on the rows views, as :class:`KeptNorm`'s; then the backward launch it kept, given to the
+    table for the next."""
+    grads = _kept_norm_grads(SimpleNamespace(needs_input_grad=needs), recipe, rows, weight, bias, stats, dy, dh_out)
+    given = dh_out is not None
+    backward = recipe.backward.get(given)
+    if backward is not None and not handle.has_backward(given):
+        native.norm_backward(handle, given, recipe, backward)
+    return grads
 
 
 def kept_norm(recipe, x, residual, weight, bias):

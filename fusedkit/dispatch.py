@@ -577,7 +577,13 @@ def norm(kernel: RowKernel, x, residual, normalized_shape, weight, bias, eps, al
         if kept is not None:
             if kept.grad:
                 recipe = rn.GRAD_RECIPES.get(key)
-                out = None if recipe is None else autograd.kept_norm(recipe, x, residual, weight, bias)
+                out = None
+                if recipe is not None:
+                    made = rn.NATIVE.get(key)  # (the C++ table's copy: forward, node and backward there)
+                    if made is not None:
+                        out = made[0].norm(made[1], x, residual, weight, bias)
+                    if out is None:
+                        out = autograd.kept_norm(recipe, x, residual, weight, bias)
             else:
                 recipe = rn.RECIPES.get(key)
                 out = None if recipe is None else rn.run_recipe(recipe, x, residual, weight, bias)
@@ -678,7 +684,9 @@ def _kept_norm(plan, x, residual, weight, bias, key=None):
         out = autograd.Norm.apply(*args)
         y, h = out if residual is not None else (out, None)
         if key is not None and key not in rn.GRAD_RECIPES:  # (None kept too: a signature tried once)
-            rn.GRAD_RECIPES[key] = rn.grad_recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan)
+            recipe = rn.grad_recipe(x, residual, weight, bias, x2, r2, w1, b1, y, h, plan)
+            rn.GRAD_RECIPES[key] = recipe
+            rn.NATIVE[key] = None if recipe is None else autograd.native_norm(recipe)
     else:
         y, h, _, _ = rn.forward(*args, False)
         if key is not None and key not in rn.RECIPES:  # (None kept too: a signature tried once)

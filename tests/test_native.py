@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -711,3 +712,116 @@ def test_the_launch_path_is_reported_and_logged_once(monkeypatch, caplog):
         native._log_path_once()
         native._log_path_once()
     assert [r.levelno for r in caplog.records if "repeated calls take" in r.message] == [logging.INFO]
+
+
+def _norm_signature(kernel, args, meta):
+    """The signature Triton would compile a norm launch for: pointers, the floats, integers
+    equal to 1 specialised (constexpr) and the others 32-bit, the switches constexpr."""
+    from fusedkit.runtime import norm as rn
+
+    count = rn._POINTERS[kernel]
+    signature = {}
+    for i, (name, value) in enumerate(zip(kernel.arg_names, (*args, *meta.values()))):
+        if i < count:
+            signature[name] = "*fp32"
+        elif name in rn._CONSTEXPRS[kernel]:
+            signature[name] = "constexpr"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "constexpr" if value == 1 else "i32"
+    return signature
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layer_norm", "add_layer_norm"])
+def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, residual):
+    # A repeated norm call with a gradient: its forward from the C++ table, with the node that
+    # Python's KeptNorm would give; its first backward Python's (which hands the table the
+    # backward launch it kept), the next from the table. The parameters packed are the ordinary
+    # path's (the same kernel arguments, the call's own addresses); checked with a dry-run table.
+    from fusedkit.runtime import norm as rn
+
+    x = rand((2, 3, 28), torch.float32, DEVICE)[..., :24].detach().requires_grad_()  # (rows at a stride)
+    r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
+    w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    dy = rand((2, 3, 24), torch.float32, DEVICE)
+    ordinary = []
+
+    def record(kernel, grid, args, meta):
+        key, pointers, scalars = rn._launch_key(kernel, args, meta, args[0].device.index)
+        signature = _norm_signature(kernel, args, {k: v for k, v in meta.items() if k != "num_warps"})
+        ordinary.append((kernel, signature, scalars))
+        compiled = SimpleNamespace(src=SimpleNamespace(signature=signature), packed_metadata=(4, 1, 0))
+        tail = tuple(v for k, v in meta.items() if k != "num_warps")
+        rn.LAUNCHES._entries[key] = fk_launch.Entry(
+            compiled, None, 7, (4, 1, 0), (*grid, 1, 1)[:3], tail, None, (), None, (0, 0)
+        )
+
+    for name, value in (
+        ("LAUNCHES", fk_launch.CompiledCache()),
+        ("KEPT", {}),
+        ("GRAD_RECIPES", {}),
+        ("NATIVE", {}),
+        ("_launch", record),
+    ):
+        monkeypatch.setattr(rn, name, value)
+    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: x.device.index)
+    monkeypatch.setattr(native, "applies", lambda: True)
+    monkeypatch.setattr(native, "_table", lambda: table)
+
+    def call():
+        out = fusedkit.add_layer_norm(x, r, w, b, 1e-5) if residual else fusedkit.layer_norm(x, (24,), w, b, 1e-5)
+        y = out[0] if residual else out
+        forward = table.last_params()
+        grads = torch.autograd.grad(y, (x, r, w, b) if residual else (x, w, b), dy)
+        return y, out[1] if residual else None, forward, table.last_params(), grads
+
+    call()  # the ordinary path, forward and backward: the recipe kept, and its C++ copy
+    ((_, made),) = rn.NATIVE.items()
+    assert made is not None and not made[1].has_backward(False)
+    y, h, forward, _, _ = call()  # from the table; the backward Python's, kept for the table
+    assert y.grad_fn.name() == "FusedkitNormBackward" and made[1].has_backward(False)
+    assert len(ordinary) == 3  # (forward, backward, backward)
+    y, h, forward, backward, grads = call()  # both from the table
+    assert len(ordinary) == 3
+    (_, fsig, fscalars), (_, bsig, bscalars) = ordinary[:2]
+
+    def runtime(signature, values):  # the kernel's non-constant arguments, as Triton packs them
+        packed = [
+            struct.unpack("<I", struct.pack("<f", v))[0] if ty == "fp32" else v
+            for ty, v in zip(signature.values(), values)
+            if ty != "constexpr"
+        ]
+        return packed + [0, 0]  # (the two scratch pointers)
+
+    at = y.data_ptr()
+    stats = forward[6]  # (LayerNorm's mean; its rstd 16-byte aligned after it)
+    pointers = (
+        x.data_ptr(),
+        r.data_ptr() if residual else at,
+        w.data_ptr(),
+        b.data_ptr(),
+        at,
+        h.data_ptr() if residual else at,
+        stats,
+        stats + 4 * 8,
+    )
+    assert forward == runtime(fsig, (*pointers, *fscalars, *[0] * 8)) and stats % 16 == 0
+    normalised, dx = (h if residual else x), grads[0]
+    programs = -(-6 // bscalars[2])
+    parts = backward[7]
+    bpointers = (
+        dy.data_ptr(),
+        normalised.data_ptr(),
+        w.data_ptr(),
+        stats,
+        stats + 4 * 8,
+        dx.data_ptr(),
+        dx.data_ptr(),
+        parts,
+        parts + 4 * programs * 24,
+    )
+    assert backward == runtime(bsig, (*bpointers, *bscalars, *[0] * 9))
+    # (a dry run writes nothing: the gradients are the empty results, laid out as torch's)
+    assert [g.shape for g in grads] == [t.shape for t in ((x, r, w, b) if residual else (x, w, b))]

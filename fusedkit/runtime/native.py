@@ -49,7 +49,18 @@ from .. import registry, settings
 from ..kernels.elementwise import POINTER_ARGS
 from . import launch, triton_api
 
-__all__ = ["TABLE", "applies", "build", "clear", "enabled", "library_path", "register", "set_backward_factory"]
+__all__ = [
+    "TABLE",
+    "applies",
+    "build",
+    "clear",
+    "enabled",
+    "library_path",
+    "norm_backward",
+    "norm_recipe",
+    "register",
+    "set_backward_factory",
+]
 
 _SOURCE = Path(__file__).with_name("csrc") / "eager.cpp"
 #: The process's launch table once built (None: off, not needed yet, or unavailable).
@@ -352,5 +363,143 @@ def register(kept, entry, table=None) -> bool:
         saves,
         f"Fusedkit{''.join(w.capitalize() for w in kept.kernel.name.split('_'))}Backward",
         steps,
+    )
+    return True
+
+
+# --- Norms: a repeated call with a gradient, forward and backward in C++ --------------------
+# (runtime.norm.GradRecipe's launches on slots: the call's tensors and the buffers it allocates)
+
+# Slots, by digit: forward 0-6 x, residual, weight, bias, y, h, stats (an absent operand reads
+# y's address); backward 0-6 dy, the saved rows, weight, stats, dh_out, dh (the input's
+# gradient), the parameters' partial sums (an absent one reads dh's).
+
+
+def _slot_layout(entry, pointers: dict, scalars: tuple) -> tuple[str, list[int]] | None:
+    """The table's ``kinds`` and ``values`` for a kept launch of ``entry`` whose pointer
+    parameters are ``pointers`` (name -> (slot digit, byte offset)) and whose other arguments
+    are ``scalars`` then the entry's constants, in the order Triton passes them; None where a
+    parameter is of a type the table does not pack."""
+    signature = triton_api.signature(entry.compiled)
+    values = (None,) * len(pointers) + (*scalars, *entry.tail)
+    if len(signature) != len(values):
+        return None
+    kinds, packed = [], []
+    for (name, ty), value in zip(signature.items(), values):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            if name not in pointers:
+                return None
+            slot, offset = pointers[name]
+            kinds.append(slot)
+            packed.append(offset)
+        elif ty in ("i32", "i64") and type(value) is int:
+            kinds.append("i" if ty == "i32" else "l")
+            packed.append(value)
+        elif ty == "fp32" and isinstance(value, float):
+            kinds.append("f")
+            packed.append(struct.unpack("<I", struct.pack("<f", value))[0])
+        else:
+            return None
+    return "".join(kinds), packed
+
+
+def _plain_launch(entry) -> tuple[int, int, int] | None:
+    """(grid, block, shared) of a kept launch the table can repeat: past Triton's wrapper, one
+    CTA a program, a 1-D grid, neither cooperative nor PDL; else None."""
+    if not entry.flags or any(entry.flags) or entry.grid[1:] != (1, 1):
+        return None
+    num_warps, num_ctas, shared = triton_api.geometry(entry.compiled)
+    if num_ctas != 1:
+        return None
+    return entry.grid[0], 32 * num_warps, shared
+
+
+def norm_recipe(recipe, fallback, table=None):
+    """The C++ table's copy of ``recipe`` (a ``runtime.norm.GradRecipe`` whose pointers are all
+    aligned) as ``(table, handle)``, its node's Python backward ``fallback(handle, dy, dh_out,
+    rows, weight, bias, stats, needs)`` (given the handle, not holding it: a cycle through the
+    C++ object would be one the collector cannot see); None where the table is off, not built,
+    or cannot repeat it."""
+    if not enabled() or (table is None and not applies()) or recipe.aligned != (1 << 8) - 1:
+        return None
+    geometry = _plain_launch(recipe.entry)
+    if geometry is None:
+        return None
+    residual = recipe.h_dtype is not None
+    weight, bias = recipe.params
+    pointers = {
+        "x_ptr": ("0", 0),
+        "r_ptr": ("1" if residual else "4", 0),
+        "w_ptr": ("2" if weight else "4", 0),
+        "b_ptr": ("3" if bias else "4", 0),
+        "y_ptr": ("4", 0),
+        "h_ptr": ("5" if residual else "4", 0),
+        "mean_ptr": ("4" if recipe.rms else "6", 0),
+        "rstd_ptr": ("6", 4 * recipe.rstd_at),
+    }
+    layout = _slot_layout(recipe.entry, pointers, recipe.scalars)
+    table = table if table is not None else _table()
+    if layout is None or table is None:
+        return None
+    x_dtype, r_dtype = recipe.dtypes
+    handle = table.norm_recipe(
+        recipe.entry.function,
+        *geometry,
+        *layout,
+        recipe.device,
+        list(recipe.shape),
+        recipe.y_dtype,
+        x_dtype,
+        residual,
+        recipe.h_dtype or x_dtype,
+        r_dtype or x_dtype,
+        recipe.stats,
+        float(recipe.alpha),
+        "FusedkitNormBackward",
+        fallback,
+    )
+    return table, handle
+
+
+def norm_backward(handle, given: bool, recipe, backward) -> bool:
+    """Give the C++ copy ``handle`` of ``recipe`` its backward launch ``backward`` (a
+    ``runtime.norm.BackwardRecipe``) for calls where a gradient reached ``h`` (``given``) or
+    not; False where the table cannot repeat it (the Python backward runs those)."""
+    geometry = _plain_launch(backward.entry)
+    if geometry is None or backward.aligned != (1 << 9) - 1:
+        return False
+    k, programs, n = backward.parts
+    need_weight, has_bias = backward.need_weight, backward.has_bias
+    weight = recipe.params[0]
+    pointers = {
+        "dy_ptr": ("0", 0),
+        "h_ptr": ("1", 0),
+        "w_ptr": ("2" if weight else "5", 0),
+        "mean_ptr": ("5" if recipe.rms else "3", 0),
+        "rstd_ptr": ("3", 4 * recipe.rstd_at),
+        "dh_out_ptr": ("4" if given else "5", 0),
+        "dx_ptr": ("5", 0),
+        "dw_ptr": ("6" if need_weight else "5", 0),
+        "db_ptr": ("6" if has_bias else "5", 4 * programs * n * (k - 1) if has_bias else 0),
+    }
+    layout = _slot_layout(backward.entry, pointers, backward.scalars)
+    if layout is None:
+        return False
+    rows_dtype, rows_strides, weight_strides = backward.saved
+    handle.set_backward(
+        given,
+        backward.entry.function,
+        *geometry,
+        *layout,
+        rows_dtype,
+        list(rows_strides),
+        list(weight_strides or ()),
+        list(backward.parts) if k else [],
+        backward.zeroed,
+        need_weight,
+        has_bias,
+        backward.dh_dtype,
     )
     return True

@@ -305,6 +305,7 @@ class GradRecipe(NamedTuple):
     stats: int  # the statistics buffer's elements (float32)
     rstd_at: int  # rstd's offset in it, in elements (0 for RMS: there is no mean)
     backward: dict  # dh_out given (bool) -> BackwardRecipe, or None where it has none
+    params: tuple  # (weight given, bias given)
 
 
 class BackwardRecipe(NamedTuple):
@@ -368,6 +369,7 @@ def grad_recipe(x, residual, weight, bias, x2, residual2, weight1, bias1, y, h, 
         size,
         rstd_at,
         {},
+        (weight is not None, bias is not None),
     )
 
 
@@ -514,6 +516,10 @@ def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
 #: none, so that it is not tried again.
 GRAD_RECIPES: dict = {}
 launch.register_cache(GRAD_RECIPES.clear)
+#: The C++ launch table's copies of grad recipes (``runtime.native.norm_recipe``: ``(table,
+#: handle)``, None where it takes none), by call signature.
+NATIVE: dict = {}
+launch.register_cache(NATIVE.clear)
 
 
 def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms: bool, per_program: int):
@@ -639,6 +645,7 @@ def keep(key, plan: Kept) -> None:
         KEPT.clear()  # rare: a process cycling through many signatures
         RECIPES.clear()
         GRAD_RECIPES.clear()
+        NATIVE.clear()
     KEPT[key] = plan
 
 
@@ -663,6 +670,7 @@ __all__ = [
     "KEPT",
     "KERNEL_DTYPES",
     "Kept",
+    "NATIVE",
     "RECIPES",
     "Recipe",
     "NORM_DTYPES",

@@ -26,6 +26,8 @@
 
 #include <array>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -70,6 +72,24 @@ void make_context_current(int device) {
 constexpr uint64_t kAlignment = 16;
 // CUDA_ERROR_INVALID_CONTEXT
 constexpr int kInvalidContext = 201;
+
+// cuLaunchKernel of a 1-D grid on the device's current stream, params as Triton's launcher
+// packs them (its two scratch pointers included); the GIL released while it runs.
+void drive(uint64_t function, unsigned grid, unsigned block, unsigned shared, std::vector<void*>& params,
+           const c10::impl::DeviceGuardImplInterface* guard, const c10::Device& device) {
+  void* stream = guard->getStream(device).native_handle();
+  void* fn = reinterpret_cast<void*>(function);
+  auto launch = [&] {
+    py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
+    return driver_launch()(fn, grid, 1, 1, block, 1, 1, shared, stream, params.data(), nullptr);
+  };
+  int rc = launch();
+  if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
+    make_context_current(device.index());
+    rc = launch();
+  }
+  TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
+}
 
 struct Operand {
   at::ScalarType dtype;
@@ -297,21 +317,8 @@ struct Store {
       last_params.assign(storage.begin(), storage.end());
       return {out, out2};
     }
-    void* stream = guard->getStream(l.device).native_handle();
-    // Copies: without the GIL another thread may add to the store (moving l) or clear it.
-    void* function = reinterpret_cast<void*>(l.function);
-    const unsigned grid = l.grid, block = l.block, shared = l.shared;
-    const int device = l.device.index();
-    auto launch = [&] {
-      py::gil_scoped_release no_gil;  // a full launch queue blocks here, as in Triton's launcher
-      return driver_launch()(function, grid, 1, 1, block, 1, 1, shared, stream, params.data(), nullptr);
-    };
-    int rc = launch();
-    if (rc == kInvalidContext) {  // a thread without a current context: make it, launch again
-      make_context_current(device);
-      rc = launch();
-    }
-    TORCH_CHECK(rc == 0, "fusedkit native launch: cuLaunchKernel returned ", rc);
+    // (copies: without the GIL another thread may add to the store, moving l, or clear it)
+    drive(l.function, l.grid, l.block, l.shared, params, guard, l.device);
     return {out, out2};
   }
 };
@@ -417,19 +424,216 @@ struct NodeFactory;
 
 template <typename N>
 struct NodeFactory<std::shared_ptr<N>> {
-  static std::shared_ptr<KeptBackward> make(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store) {
+  template <typename T, typename... Args>
+  static std::shared_ptr<T> make(Args&&... args) {
     // (deleteNode found by argument-dependent lookup: named only where it exists)
-    return std::shared_ptr<KeptBackward>(new KeptBackward(std::move(spec), std::move(store)),
-                                         [](KeptBackward* node) { deleteNode(static_cast<N*>(node)); });
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* node) { deleteNode(static_cast<N*>(node)); });
   }
 };
 
 template <typename N>
 struct NodeFactory<c10::intrusive_ptr<N>> {
-  template <typename Node = KeptBackward>  // (a template: checked only where instantiated)
-  static c10::intrusive_ptr<Node> make(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store) {
-    return c10::make_intrusive<Node>(std::move(spec), std::move(store));
+  template <typename T, typename... Args>  // (a template: checked only where instantiated)
+  static c10::intrusive_ptr<T> make(Args&&... args) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
   }
+};
+
+// A kept launch whose parameters are the addresses of slots (the call's tensors and the
+// buffers it allocates), each plus a byte offset, and numbers: a norm's, forward or backward.
+struct SlotLaunch {
+  uint64_t function = 0;
+  unsigned grid = 0, block = 0, shared = 0;
+  // Per kernel parameter: '0' + s the address of slot s plus values[i] bytes; 'i' / 'l' a
+  // 32- / 64-bit integer, 'f' a float32's bits, from values[i].
+  std::string kinds;
+  std::vector<int64_t> values;
+
+  // Launched on the slots' addresses (false: it cannot run here, another device being
+  // current); a dry run records the parameters instead.
+  bool run(const std::vector<uint64_t>& slots, const c10::Device& device, Store& store) const {
+    const size_t n = kinds.size();
+    std::vector<uint64_t> storage(n + 2, 0);
+    std::vector<void*> params(n + 2);
+    for (size_t i = 0; i < n; ++i) {
+      const char kind = kinds[i];
+      if (kind == 'i' || kind == 'f') {
+        const uint32_t v = static_cast<uint32_t>(values[i]);
+        std::memcpy(&storage[i], &v, sizeof v);
+      } else if (kind == 'l') {
+        storage[i] = static_cast<uint64_t>(values[i]);
+      } else {
+        TORCH_CHECK(kind >= '0' && kind <= '9', "fusedkit native launch: parameter kind ", kind);
+        storage[i] = slots.at(kind - '0') + static_cast<uint64_t>(values[i]);
+      }
+      params[i] = &storage[i];
+    }
+    params[n] = &storage[n];          // global scratch
+    params[n + 1] = &storage[n + 1];  // profile scratch
+    if (store.dry_run) {
+      store.last_params.assign(storage.begin(), storage.end());
+      return true;
+    }
+    if (!device.is_cuda()) return false;
+    const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    if (guard->getDevice() != device) return false;
+    drive(function, grid, block, shared, params, guard, device);
+    return true;
+  }
+};
+
+// A norm's backward launch, learnt from its first backward on the ordinary path
+// (runtime.norm.BackwardRecipe): the saved rows' and weight's layouts it read, the partial
+// sums' buffer (k, programs, n), weight's first.
+struct NormBackwardPlan {
+  SlotLaunch launch;
+  at::ScalarType rows_dtype;
+  std::vector<int64_t> rows_strides, weight_strides;
+  std::vector<int64_t> parts;
+  bool zeroed, need_weight, has_bias;
+  at::ScalarType dh_dtype;
+};
+
+// A repeated norm call with a gradient (runtime.norm.GradRecipe): its forward launch on slots
+// (x, residual, weight, bias, y, h, stats), what its node keeps, its backward launches by
+// whether a gradient reached h, and the Python backward for everything else.
+struct NormRecipe {
+  SlotLaunch forward;
+  c10::Device device;
+  std::vector<int64_t> shape;
+  at::ScalarType y_dtype, x_dtype, h_dtype, r_dtype;  // (h's and the residual's: with one)
+  bool residual;
+  int64_t stats;
+  double alpha;
+  std::string name;
+  py::object fallback;  // (this recipe, dy, dh_out, rows, weight, bias, stats, needs) -> four gradients
+  std::array<std::optional<NormBackwardPlan>, 2> backward;
+
+  NormRecipe(SlotLaunch f, c10::Device d) : forward(std::move(f)), device(d) {}
+  // A node can outlive its recipe's table (and be freed on an autograd thread).
+  ~NormRecipe() {
+    if (Py_IsInitialized() && !Py_IsFinalizing()) {
+      py::gil_scoped_acquire gil;
+      fallback = py::object();
+    } else {
+      fallback.release();
+    }
+  }
+};
+
+bool aligned(const at::Tensor& t) {
+  return !t.defined() || reinterpret_cast<uint64_t>(t.data_ptr()) % kAlignment == 0;
+}
+
+uint64_t address(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
+
+// A norm call's autograd node: saves the normalised rows (h, an output, with a residual; else
+// x), the parameters and the statistics; its backward is the kept launch where the call's
+// gradients are laid out as the learnt one's were, else Python's.
+class NormNode : public torch::autograd::Node {
+ public:
+  NormNode(std::shared_ptr<NormRecipe> recipe, std::shared_ptr<Store> store)
+      : recipe_(std::move(recipe)), store_(std::move(store)) {}
+
+  std::string name() const override { return recipe_->name; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);  // against release_variables on another thread
+    py::gil_scoped_acquire gil;                 // the recipe and the Python backward are the GIL's
+    std::array<at::Tensor, 4> saved;            // rows, weight, bias, stats
+    for (size_t i = 0; i < saved.size(); ++i) saved[i] = saved_[i].unpack(getptr());
+    const at::Tensor dy = grads.empty() ? at::Tensor() : grads[0];
+    const at::Tensor dh_out = grads.size() > 1 ? grads[1] : at::Tensor();
+    torch::autograd::variable_list result(4);
+    std::array<bool, 4> needs{};
+    // (the inputs that take a gradient, as a Python Function's needs_input_grad says)
+    for (size_t i = 0; i < 4; ++i) needs[i] = should_compute_output(i);
+    if (planned(dy, dh_out, saved, needs, result)) return result;
+    try {
+      auto wrap = [](const at::Tensor& t) {
+        return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
+      };
+      py::sequence out = recipe_->fallback(py::cast(recipe_), wrap(dy), wrap(dh_out), wrap(saved[0]), wrap(saved[1]),
+                                           wrap(saved[2]), wrap(saved[3]),
+                                           py::make_tuple(needs[0], needs[1], needs[2], needs[3]));
+      TORCH_CHECK(out.size() == 4, recipe_->name, ": the backward gave ", out.size(), " gradients for 4 operands");
+      for (size_t i = 0; i < 4; ++i) {
+        py::object g = out[i];
+        result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
+      }
+    } catch (py::error_already_set& e) {
+      e.restore();
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+    return result;
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : saved_) s.reset_data();
+  }
+
+  std::vector<torch::autograd::SavedVariable> saved_;  // rows, weight, bias, stats
+
+ private:
+  // The kept backward launch into result: only where the Python path would launch it (no
+  // gradient of the gradient to record, no dispatch mode or profiler to see it), with the
+  // gradients and saved tensors laid out as the launch it learnt read them.
+  bool planned(const at::Tensor& dy, const at::Tensor& dh_out, const std::array<at::Tensor, 4>& saved,
+               const std::array<bool, 4>& needs, torch::autograd::variable_list& result) {
+    const NormRecipe& r = *recipe_;
+    if (!dy.defined() || at::GradMode::is_enabled() || !eager_and_unobserved() || !store_->hooks.idle()) return false;
+    const auto& found = r.backward[dh_out.defined() ? 1 : 0];
+    if (!found) return false;
+    const NormBackwardPlan& plan = *found;
+    const at::Tensor& rows = saved[0];
+    const at::Tensor& weight = saved[1];
+    if (needs[2] && weight.defined() && !plan.need_weight) return false;  // (learnt without the weight's)
+    for (const at::Tensor* g : {&dy, &dh_out}) {
+      if (g->defined() && (!g->is_contiguous() || g->device() != r.device || !g->sizes().equals(r.shape) ||
+                           g->is_neg() || g->key_set().has(c10::DispatchKey::Python))) {
+        return false;
+      }
+    }
+    if (!rows.defined() || rows.scalar_type() != plan.rows_dtype || !rows.strides().equals(plan.rows_strides) ||
+        (weight.defined() && !weight.strides().equals(plan.weight_strides))) {
+      return false;
+    }
+    if (!aligned(dy) || !aligned(dh_out) || !aligned(rows) || !aligned(weight)) return false;
+    const auto options = at::TensorOptions().device(r.device);
+    at::Tensor dh = at::empty(r.shape, options.dtype(plan.dh_dtype));
+    const int64_t k = plan.parts.empty() ? 0 : plan.parts[0];
+    at::Tensor parts;
+    if (k > 0) {
+      parts = plan.zeroed ? at::zeros(plan.parts, options.dtype(at::kFloat)) : at::empty(plan.parts, options.dtype(at::kFloat));
+    }
+    const std::vector<uint64_t> slots{address(dy), address(rows), address(weight), address(saved[3]),
+                                      address(dh_out), address(dh), address(parts)};
+    if (!plan.launch.run(slots, r.device, *store_)) return false;
+    // (a sum over the programs' rows a parameter, in a fixed order: the same bits every run,
+    // and storages of their own, as the Python path's)
+    if (plan.need_weight && needs[2]) {
+      at::Tensor dw = at::sum(parts.select(0, 0), 0);
+      result[2] = weight.scalar_type() == at::kFloat ? dw : dw.to(weight.scalar_type());
+    }
+    if (plan.has_bias && needs[3]) {
+      at::Tensor db = at::sum(parts.select(0, k - 1), 0);
+      const at::ScalarType bias_dtype = saved[2].scalar_type();
+      result[3] = bias_dtype == at::kFloat ? db : db.to(bias_dtype);
+    }
+    if (r.residual && needs[1]) {
+      at::Tensor dr = r.alpha == 1.0 ? dh : at::mul(dh, c10::Scalar(r.alpha));
+      result[1] = dr.scalar_type() == r.r_dtype ? dr : dr.to(r.r_dtype);
+    }
+    if (needs[0]) result[0] = dh.scalar_type() == r.x_dtype ? dh : dh.to(r.x_dtype);
+    return true;
+  }
+
+  std::shared_ptr<NormRecipe> recipe_;
+  std::shared_ptr<Store> store_;
+  std::mutex mutex_;
 };
 
 class Table {
@@ -491,6 +695,48 @@ class Table {
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
 
+  // The result of a repeated norm call with a gradient (y, or (y, h) with a residual), with
+  // its autograd node, or None where the kept launch does not take it: the Python path's
+  // checks of the call (its signature matched the recipe's) are made there.
+  py::object norm(const std::shared_ptr<NormRecipe>& recipe, py::handle x_obj, py::handle r_obj, py::handle w_obj,
+                  py::handle b_obj) {
+    if (!eager_and_unobserved() || !store_->hooks.idle()) return py::none();
+    std::array<at::Tensor, 4> in;  // x, residual, weight, bias
+    const std::array<py::handle, 4> objs{x_obj, r_obj, w_obj, b_obj};
+    bool needs_grad = false;
+    const bool grad_mode = at::GradMode::is_enabled();
+    for (size_t i = 0; i < 4; ++i) {
+      if (objs[i].is_none()) continue;
+      if (!THPVariable_Check(objs[i].ptr())) return py::none();
+      in[i] = THPVariable_Unpack(objs[i].ptr());
+      if (!aligned(in[i]) || in[i].device() != recipe->device || in[i]._fw_grad(/*level=*/0).defined()) {
+        return py::none();
+      }
+      needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
+    }
+    const NormRecipe& r = *recipe;
+    const auto options = at::TensorOptions().device(r.device);
+    at::Tensor y = at::empty(r.shape, options.dtype(r.y_dtype));
+    at::Tensor h = r.residual ? at::empty(r.shape, options.dtype(r.h_dtype)) : at::Tensor();
+    at::Tensor stats = at::empty({r.stats}, options.dtype(at::kFloat));
+    const std::vector<uint64_t> slots{address(in[0]), address(in[1]), address(in[2]), address(in[3]),
+                                      address(y),     address(h),     address(stats)};
+    if (!r.forward.run(slots, r.device, *store_)) return py::none();
+    if (needs_grad) {
+      auto node = NodeFactory<NodeHandle>::template make<NormNode>(recipe, store_);
+      node->set_next_edges(torch::autograd::collect_next_edges(in[0], in[1], in[2], in[3]));
+      torch::autograd::set_history(y, node);
+      if (r.residual) torch::autograd::set_history(h, node);
+      node->saved_.emplace_back(r.residual ? h : in[0], /*is_output=*/r.residual);
+      node->saved_.emplace_back(in[2], false);
+      node->saved_.emplace_back(in[3], false);
+      node->saved_.emplace_back(stats, false);
+    }
+    py::object y_py = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+    if (!r.residual) return y_py;
+    return py::make_tuple(y_py, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(h))));
+  }
+
   std::vector<uint64_t> last_params() const { return store_->last_params; }
 
   void watch_launch_hooks(py::object runtime, py::object chain_type) {
@@ -507,7 +753,7 @@ class Table {
     torch::autograd::variable_list inputs;
     inputs.reserve(ts.size());
     for (const at::Tensor* t : ts) inputs.push_back(*t);
-    auto node = NodeFactory<NodeHandle>::make(backward, store_);
+    auto node = NodeFactory<NodeHandle>::template make<KeptBackward>(backward, store_);
     node->set_next_edges(torch::autograd::collect_next_edges(inputs));
     torch::autograd::set_history(out, node);
     if (backward->saves == 1) {
@@ -523,6 +769,19 @@ class Table {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<NormRecipe, std::shared_ptr<NormRecipe>>(m, "NormRecipe")
+      .def("set_backward",
+           [](NormRecipe& r, bool given, uint64_t function, unsigned grid, unsigned block, unsigned shared,
+              std::string kinds, std::vector<int64_t> values, at::ScalarType rows_dtype,
+              std::vector<int64_t> rows_strides, std::vector<int64_t> weight_strides, std::vector<int64_t> parts,
+              bool zeroed, bool need_weight, bool has_bias, at::ScalarType dh_dtype) {
+             TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
+             r.backward[given ? 1 : 0] = NormBackwardPlan{
+                 SlotLaunch{function, grid, block, shared, std::move(kinds), std::move(values)},
+                 rows_dtype, std::move(rows_strides), std::move(weight_strides), std::move(parts), zeroed,
+                 need_weight, has_bias, dh_dtype};
+           })
+      .def("has_backward", [](const NormRecipe& r, bool given) { return r.backward[given ? 1 : 0].has_value(); });
   py::class_<Table>(m, "Table")
       .def(py::init<bool>(), py::arg("dry_run") = false)
       .def("add",
@@ -551,6 +810,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              table.add(std::move(l));
            })
       .def("call", &Table::call)
+      .def("norm", &Table::norm)
+      .def("norm_recipe",
+           [](Table&, uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
+              std::vector<int64_t> values, c10::Device device, std::vector<int64_t> shape, at::ScalarType y_dtype,
+              at::ScalarType x_dtype, bool residual, at::ScalarType h_dtype, at::ScalarType r_dtype, int64_t stats,
+              double alpha, std::string name, py::object fallback) {
+             TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
+             auto r = std::make_shared<NormRecipe>(
+                 SlotLaunch{function, grid, block, shared, std::move(kinds), std::move(values)}, device);
+             r->shape = std::move(shape);
+             r->y_dtype = y_dtype;
+             r->x_dtype = x_dtype;
+             r->residual = residual;
+             r->h_dtype = h_dtype;
+             r->r_dtype = r_dtype;
+             r->stats = stats;
+             r->alpha = alpha;
+             r->name = std::move(name);
+             r->fallback = std::move(fallback);
+             return r;
+           })
       .def("clear", &Table::clear)
       .def("__len__", &Table::size)
       .def("last_params", &Table::last_params)
