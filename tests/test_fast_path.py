@@ -540,6 +540,7 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
         ("KEPT", {}),
         ("GRAD_RECIPES", {}),
         ("_launch", record),
+        ("GRAD_RECIPES_ON", True),
     ):
         monkeypatch.setattr(rn, name, value)
     monkeypatch.setattr(fk_launch, "INTERPRETED", False)
@@ -589,13 +590,16 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
 @gpu_only
 @pytest.mark.parametrize("n", [128, 8200], ids=["one_pass", "chunked"])
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"])
-def test_norm_grad_recipe_on_the_gpu(name, n):
+def test_norm_grad_recipe_on_the_gpu(monkeypatch, request, name, n):
     # Calls with a gradient repeated: the first on the ordinary path, the next from the grad
     # recipe (forward; the backward once one backward kept its launch), with a gradient
     # reaching h too: every output and gradient the same bits as the first call's, and near
     # float64's; a call 2 bytes off (another kernel for Triton) is right too.
     from fusedkit.runtime import norm as rn
 
+    monkeypatch.setattr(rn, "GRAD_RECIPES_ON", True)
+    fusedkit.clear_caches()
+    request.addfinalizer(fusedkit.clear_caches)  # (no recipe outlives the switch)
     rms, residual = "rms" in name, name.startswith("add_")
     base = rand((2, 33, n + 1), torch.bfloat16, DEVICE)
     r = rand((2, 33, n), torch.bfloat16, DEVICE).requires_grad_() if residual else None

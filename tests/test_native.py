@@ -763,6 +763,7 @@ def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, resi
         ("GRAD_RECIPES", {}),
         ("NATIVE", {}),
         ("_launch", record),
+        ("GRAD_RECIPES_ON", True),
     ):
         monkeypatch.setattr(rn, name, value)
     monkeypatch.setattr(fk_launch, "INTERPRETED", False)

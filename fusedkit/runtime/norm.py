@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 from typing import NamedTuple
 
 import torch
@@ -333,11 +334,18 @@ def _stats_layout(rows: int, rms: bool) -> tuple[int, int]:
     return 2 * padded, padded
 
 
+#: Whether repeated calls with a gradient keep grad recipes (and the C++ table's copies of
+#: them): off until the GPU suite and the models report have run with them on, as they run on
+#: a GPU only (the CPU tests check their launches' arguments against the ordinary path's);
+#: ``FUSEDKIT_NORM_GRAD_RECIPES=1`` turns them on.
+GRAD_RECIPES_ON = os.environ.get("FUSEDKIT_NORM_GRAD_RECIPES") == "1"
+
+
 def grad_recipe(x, residual, weight, bias, x2, residual2, weight1, bias1, y, h, plan) -> GradRecipe | None:
     """The :class:`GradRecipe` of a call with a gradient whose forward just ran on rows ``x2``
     (``residual2``), with results ``y`` and ``h``, by ``plan`` (a :class:`Kept`): where every
     rows view reads its tensor in place, the parameters are vectors and the launch was kept."""
-    if launch.INTERPRETED or y.numel() == 0 or len(plan.shape) != 1:
+    if not GRAD_RECIPES_ON or launch.INTERPRETED or y.numel() == 0 or len(plan.shape) != 1:
         return None
     for t, view in ((x, x2), (residual, residual2), (weight, weight1), (bias, bias1)):
         if t is not None and t.data_ptr() != view.data_ptr():
@@ -665,6 +673,7 @@ def reference(x, residual, weight, bias, eps, alpha, rms: bool, normalized_shape
 __all__ = [
     "BackwardRecipe",
     "GRAD_RECIPES",
+    "GRAD_RECIPES_ON",
     "GradRecipe",
     "INTERPRETED",
     "KEPT",
