@@ -51,6 +51,7 @@ _functorch = autograd.functorch_active
 #: Whether a profiler is recording: ranges cost host time only then.
 _profiling = torch._C._autograd._profiler_enabled
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_einsum = torch._VF.einsum
 _forward_ad = torch.autograd.forward_ad
 _call_key = ew.call_key
 _NEEDS_GRAD = ew.NEEDS_GRAD
@@ -270,8 +271,9 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ):
         # autocast casts a lower-precision op's arguments through its cache; einsum is one on
         # CUDA, and with one operand and the identity equation it is a view of its argument's
-        # cast (a cached one: no kernel)
-        view = torch.einsum("...->...", t)
+        # cast (a cached one: no kernel). Called as the ATen op (torch.einsum's Python wrapper,
+        # for sublists and opt_einsum's paths, took half its host time on the CPU).
+        view = _einsum("...->...", (t,))
         if view.dtype is dtype:
             return view
     return t.to(dtype)
@@ -284,7 +286,7 @@ def _autocast_caches_in_inference_mode(device_type: str) -> bool:
     time): learnt once from torch itself, on a two-element weight, in the caller's region."""
     with torch.inference_mode(False):
         probe = torch.nn.Parameter(torch.ones(2, device=device_type))
-    first, again = torch.einsum("...->...", probe), torch.einsum("...->...", probe)  # (both held)
+    first, again = _einsum("...->...", (probe,)), _einsum("...->...", (probe,))  # (both held)
     return first.dtype != probe.dtype and first.data_ptr() == again.data_ptr()
 
 
