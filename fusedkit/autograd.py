@@ -942,10 +942,18 @@ def _kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out) -> tuple:
     mean, rstd = row_norm.stats_views(r, stats)
     rows2 = row_norm.rows_of(rows, count, n)
     dy2, dh2 = (None if g is None else g.reshape(count, n) for g in (dy, dh_out))
-    grads = norm_grads(ctx, rows2, weight, bias, mean, rstd, dy2, dh2)
+    dx, dr, dw, db = norm_grads(ctx, rows2, weight, bias, mean, rstd, dy2, dh2)
     if dy is not None and not torch.is_grad_enabled():
         row_norm.learn_backward(r, dy, rows, weight, bias, stats, dh_out, ctx.needs_input_grad[2])
-    return tuple(None if g is None else g.view(r.shape) for g in grads[:2]) + tuple(grads[2:])
+
+    def shaped(g):
+        # (in the input's shape, one tensor for one gradient: two views of one would each be
+        # taken as a leaf's .grad, sharing its memory; the gradient that reached h itself,
+        # passed through, as it came)
+        return None if g is None else dh_out if g is dh2 else g.view(r.shape)
+
+    shaped_dx = shaped(dx)
+    return shaped_dx, (shaped_dx if dr is dx else shaped(dr)), dw, db
 
 
 def native_norm(recipe):

@@ -733,18 +733,12 @@ def _norm_signature(kernel, args, meta):
     return signature
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["layer_norm", "add_layer_norm"])
-def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, residual):
-    # A repeated norm call with a gradient: its forward from the C++ table, with the node that
-    # Python's KeptNorm would give; its first backward Python's (which hands the table the
-    # backward launch it kept), the next from the table. The parameters packed are the ordinary
-    # path's (the same kernel arguments, the call's own addresses); checked with a dry-run table.
+def _norms_through(table, monkeypatch, index) -> list:
+    """Norm calls with a gradient through the dry-run ``table``: the grad recipes on, the
+    ordinary path's launches recorded (``(kernel, signature, scalars)``, returned) and kept as
+    stand-in compiled kernels."""
     from fusedkit.runtime import norm as rn
 
-    x = rand((2, 3, 28), torch.float32, DEVICE)[..., :24].detach().requires_grad_()  # (rows at a stride)
-    r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
-    w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
-    dy = rand((2, 3, 24), torch.float32, DEVICE)
     ordinary = []
 
     def record(kernel, grid, args, meta):
@@ -767,9 +761,25 @@ def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, resi
     ):
         monkeypatch.setattr(rn, name, value)
     monkeypatch.setattr(fk_launch, "INTERPRETED", False)
-    monkeypatch.setattr(fk_launch, "current_device", lambda: x.device.index)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: index)
     monkeypatch.setattr(native, "applies", lambda: True)
     monkeypatch.setattr(native, "_table", lambda: table)
+    return ordinary
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layer_norm", "add_layer_norm"])
+def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, residual):
+    # A repeated norm call with a gradient: its forward from the C++ table, with the node that
+    # Python's KeptNorm would give; its first backward Python's (which hands the table the
+    # backward launch it kept), the next from the table. The parameters packed are the ordinary
+    # path's (the same kernel arguments, the call's own addresses); checked with a dry-run table.
+    from fusedkit.runtime import norm as rn
+
+    x = rand((2, 3, 28), torch.float32, DEVICE)[..., :24].detach().requires_grad_()  # (rows at a stride)
+    r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
+    w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    dy = rand((2, 3, 24), torch.float32, DEVICE)
+    ordinary = _norms_through(table, monkeypatch, x.device.index)
 
     def call():
         out = fusedkit.add_layer_norm(x, r, w, b, 1e-5) if residual else fusedkit.layer_norm(x, (24,), w, b, 1e-5)
@@ -826,3 +836,47 @@ def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, resi
     assert backward == runtime(bsig, (*bpointers, *bscalars, *[0] * 9))
     # (a dry run writes nothing: the gradients are the empty results, laid out as torch's)
     assert [g.shape for g in grads] == [t.shape for t in ((x, r, w, b) if residual else (x, w, b))]
+
+
+def test_the_tables_norm_node_under_a_gradient_of_the_gradient(table, monkeypatch):
+    # create_graph: the node's Python backward differentiates the composition on the saved h,
+    # whose node is this one (with edges to the weight and bias): it runs the node again, on
+    # this thread, and must not wait on itself.
+    x, r = (rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _norms_through(table, monkeypatch, x.device.index)
+    fusedkit.add_layer_norm(x, r, w, b, 1e-5)
+    y, _ = fusedkit.add_layer_norm(x, r, w, b, 1e-5)
+    assert y.grad_fn.name() == "FusedkitNormBackward"
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y), create_graph=True)
+    assert gx.requires_grad and gx.shape == x.shape
+
+
+def test_the_tables_norm_node_passes_hs_gradient_through_unshared(table, monkeypatch):
+    # Only h reaches the loss: x and the residual each get the gradient that reached h, in a
+    # .grad of their own, and the caller's gradient is left as it was (the node's Python
+    # backward returns one tensor for both, not two views of one).
+    x, r = (rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    w = rand((24,), torch.float32, DEVICE).requires_grad_()
+    _norms_through(table, monkeypatch, x.device.index)
+    fusedkit.add_rms_norm(x, r, w, 1e-5)
+    dh = rand((2, 3, 24), torch.float32, DEVICE)
+    kept = dh.clone()
+    for _ in range(2):
+        y, h = fusedkit.add_rms_norm(x, r, w, 1e-5)
+        assert y.grad_fn.name() == "FusedkitNormBackward"
+        torch.autograd.backward([h], [dh])
+    assert torch.equal(dh, kept) and w.grad is None
+    assert torch.equal(x.grad, 2 * kept) and torch.equal(r.grad, 2 * kept)
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+
+
+def test_a_norm_parameter_past_float32_keeps_no_table_copy(table, monkeypatch):
+    # alpha past float32's range: Triton's launcher rounds it, the table cannot pack it; the
+    # call runs on Python's path
+    from fusedkit.runtime import norm as rn
+
+    x, r = (rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() for _ in range(2))
+    _norms_through(table, monkeypatch, x.device.index)
+    fusedkit.add_rms_norm(x, r, None, 1e-5, alpha=1e39)
+    assert list(rn.NATIVE.values()) == [None]

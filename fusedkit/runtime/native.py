@@ -398,8 +398,12 @@ def _slot_layout(entry, pointers: dict, scalars: tuple) -> tuple[str, list[int]]
             kinds.append("i" if ty == "i32" else "l")
             packed.append(value)
         elif ty == "fp32" and isinstance(value, float):
+            try:
+                bits = struct.unpack("<I", struct.pack("<f", value))[0]
+            except OverflowError:  # (past float32's range: Triton's launcher rounds it; Python's runs)
+                return None
             kinds.append("f")
-            packed.append(struct.unpack("<I", struct.pack("<f", value))[0])
+            packed.append(bits)
         else:
             return None
     return "".join(kinds), packed
@@ -487,13 +491,14 @@ def norm_backward(handle, given: bool, recipe, backward) -> bool:
     layout = _slot_layout(backward.entry, pointers, backward.scalars)
     if layout is None:
         return False
-    rows_dtype, rows_strides, weight_strides = backward.saved
+    rows_dtype, rows_strides, weight_strides, weight_dtype = backward.saved
     handle.set_backward(
         given,
         backward.entry.function,
         *geometry,
         *layout,
         rows_dtype,
+        weight_dtype or rows_dtype,
         list(rows_strides),
         list(weight_strides or ()),
         list(backward.parts) if k else [],

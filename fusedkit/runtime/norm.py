@@ -316,8 +316,8 @@ class BackwardRecipe(NamedTuple):
     entry: launch.Entry
     aligned: int
     scalars: tuple
-    # the saved rows' dtype and strides and the weight's, as the launch read them (saved-tensor
-    # hooks may give them back laid out otherwise: offloaded and restored, say)
+    # the saved rows' dtype and strides and the weight's strides and dtype, as the launch read
+    # them (saved-tensor hooks may give them back laid out otherwise: offloaded and restored, say)
     saved: tuple
     parts: tuple  # (k, programs, n) of the partial sums; k = 0: no parameter gradient
     zeroed: bool  # chunked rows add into their partial row: it starts at zero
@@ -463,13 +463,17 @@ def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_we
         entry,
         _alignment(pointers),
         scalars,
-        (rows.dtype, rows.stride(), None if weight is None else weight.stride()),
+        (rows.dtype, rows.stride(), *_weight_layout(weight)),
         (k, programs, n),
         n > MAX_ONE_PASS,
         need_weight,
         bias is not None,
         dh_dtype,
     )
+
+
+def _weight_layout(weight) -> tuple:
+    return (None, None) if weight is None else (weight.stride(), weight.dtype)
 
 
 def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
@@ -479,7 +483,7 @@ def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
     b = r.backward.get(dh_out is not None)
     if b is None or not dy.is_contiguous() or (dh_out is not None and not dh_out.is_contiguous()):
         return None
-    if b.saved != (rows.dtype, rows.stride(), None if weight is None else weight.stride()):
+    if b.saved != (rows.dtype, rows.stride(), *_weight_layout(weight)):
         return None
     if r.index != launch.current_device():
         return None

@@ -75,8 +75,9 @@ constexpr int kInvalidContext = 201;
 
 // cuLaunchKernel of a 1-D grid on the device's current stream, params as Triton's launcher
 // packs them (its two scratch pointers included); the GIL released while it runs.
+// (the device by value: a caller's launch record may move while the launch drops the GIL)
 void drive(uint64_t function, unsigned grid, unsigned block, unsigned shared, std::vector<void*>& params,
-           const c10::impl::DeviceGuardImplInterface* guard, const c10::Device& device) {
+           const c10::impl::DeviceGuardImplInterface* guard, c10::Device device) {
   void* stream = guard->getStream(device).native_handle();
   void* fn = reinterpret_cast<void*>(function);
   auto launch = [&] {
@@ -334,11 +335,14 @@ class KeptBackward : public torch::autograd::Node {
     const size_t n = num_outputs();
     torch::autograd::variable_list result(n);
     if (grads.empty() || !grads[0].defined()) return result;  // no gradient flows: none to pass on
-    std::lock_guard<std::mutex> lock(mutex_);  // against release_variables on another thread
+    // (the lock against release_variables on another thread, held while the saved tensors
+    // unpack only: a Python backward may run this node again, a gradient of the gradient)
+    std::unique_lock<std::mutex> lock(mutex_);
     py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
     std::vector<at::Tensor> saved;
     saved.reserve(saved_.size());
     for (auto& s : saved_) saved.push_back(s.unpack(getptr()));
+    lock.unlock();
     if (planned(grads[0], saved, result)) return result;
     try {
       py::tuple saved_py(saved.size());
@@ -487,7 +491,7 @@ struct SlotLaunch {
 // sums' buffer (k, programs, n), weight's first.
 struct NormBackwardPlan {
   SlotLaunch launch;
-  at::ScalarType rows_dtype;
+  at::ScalarType rows_dtype, weight_dtype;
   std::vector<int64_t> rows_strides, weight_strides;
   std::vector<int64_t> parts;
   bool zeroed, need_weight, has_bias;
@@ -538,10 +542,14 @@ class NormNode : public torch::autograd::Node {
   std::string name() const override { return recipe_->name; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);  // against release_variables on another thread
-    py::gil_scoped_acquire gil;                 // the recipe and the Python backward are the GIL's
-    std::array<at::Tensor, 4> saved;            // rows, weight, bias, stats
+    // (the lock against release_variables on another thread, held while the saved tensors
+    // unpack only: the Python backward of a gradient of the gradient runs this node again,
+    // through h, on this thread)
+    std::unique_lock<std::mutex> lock(mutex_);
+    py::gil_scoped_acquire gil;  // the recipe and the Python backward are the GIL's
+    std::array<at::Tensor, 4> saved;  // rows, weight, bias, stats
     for (size_t i = 0; i < saved.size(); ++i) saved[i] = saved_[i].unpack(getptr());
+    lock.unlock();
     const at::Tensor dy = grads.empty() ? at::Tensor() : grads[0];
     const at::Tensor dh_out = grads.size() > 1 ? grads[1] : at::Tensor();
     torch::autograd::variable_list result(4);
@@ -559,6 +567,8 @@ class NormNode : public torch::autograd::Node {
       TORCH_CHECK(out.size() == 4, recipe_->name, ": the backward gave ", out.size(), " gradients for 4 operands");
       for (size_t i = 0; i < 4; ++i) {
         py::object g = out[i];
+        TORCH_CHECK(g.is_none() || THPVariable_Check(g.ptr()), recipe_->name, ": the backward gave a ",
+                    py::str(py::type::of(g)).cast<std::string>(), " for operand ", i);
         result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
       }
     } catch (py::error_already_set& e) {
@@ -597,11 +607,18 @@ class NormNode : public torch::autograd::Node {
         return false;
       }
     }
-    if (!rows.defined() || rows.scalar_type() != plan.rows_dtype || !rows.strides().equals(plan.rows_strides) ||
-        (weight.defined() && !weight.strides().equals(plan.weight_strides))) {
+    // (the saved tensors as the launch read them: a saved-tensor hook may give them back
+    // otherwise, another layout, dtype, device or offset)
+    const at::Tensor& stats = saved[3];
+    if (!rows.defined() || rows.device() != r.device || rows.scalar_type() != plan.rows_dtype ||
+        !rows.strides().equals(plan.rows_strides) ||
+        (weight.defined() && (weight.device() != r.device || weight.scalar_type() != plan.weight_dtype ||
+                              !weight.strides().equals(plan.weight_strides))) ||
+        !stats.defined() || stats.device() != r.device || stats.scalar_type() != at::kFloat ||
+        !stats.is_contiguous() || stats.numel() != r.stats) {
       return false;
     }
-    if (!aligned(dy) || !aligned(dh_out) || !aligned(rows) || !aligned(weight)) return false;
+    if (!aligned(dy) || !aligned(dh_out) || !aligned(rows) || !aligned(weight) || !aligned(stats)) return false;
     const auto options = at::TensorOptions().device(r.device);
     at::Tensor dh = at::empty(r.shape, options.dtype(plan.dh_dtype));
     const int64_t k = plan.parts.empty() ? 0 : plan.parts[0];
@@ -709,12 +726,18 @@ class Table {
       if (objs[i].is_none()) continue;
       if (!THPVariable_Check(objs[i].ptr())) return py::none();
       in[i] = THPVariable_Unpack(objs[i].ptr());
-      if (!aligned(in[i]) || in[i].device() != recipe->device || in[i]._fw_grad(/*level=*/0).defined()) {
+      // (the call's key holds the classes; a wrapper without storage is Python's to resolve)
+      if (!in[i].has_storage() || !aligned(in[i]) || in[i].device() != recipe->device ||
+          in[i]._fw_grad(/*level=*/0).defined()) {
         return py::none();
       }
       needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
     }
     const NormRecipe& r = *recipe;
+    if (!store_->dry_run && (!r.device.is_cuda() ||
+                             c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() != r.device)) {
+      return py::none();  // (Python launches under the right device)
+    }
     const auto options = at::TensorOptions().device(r.device);
     at::Tensor y = at::empty(r.shape, options.dtype(r.y_dtype));
     at::Tensor h = r.residual ? at::empty(r.shape, options.dtype(r.h_dtype)) : at::Tensor();
@@ -724,6 +747,7 @@ class Table {
     if (!r.forward.run(slots, r.device, *store_)) return py::none();
     if (needs_grad) {
       auto node = NodeFactory<NodeHandle>::template make<NormNode>(recipe, store_);
+      node->saved_.reserve(4);
       node->set_next_edges(torch::autograd::collect_next_edges(in[0], in[1], in[2], in[3]));
       torch::autograd::set_history(y, node);
       if (r.residual) torch::autograd::set_history(h, node);
@@ -772,14 +796,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NormRecipe, std::shared_ptr<NormRecipe>>(m, "NormRecipe")
       .def("set_backward",
            [](NormRecipe& r, bool given, uint64_t function, unsigned grid, unsigned block, unsigned shared,
-              std::string kinds, std::vector<int64_t> values, at::ScalarType rows_dtype,
+              std::string kinds, std::vector<int64_t> values, at::ScalarType rows_dtype, at::ScalarType weight_dtype,
               std::vector<int64_t> rows_strides, std::vector<int64_t> weight_strides, std::vector<int64_t> parts,
               bool zeroed, bool need_weight, bool has_bias, at::ScalarType dh_dtype) {
              TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
              r.backward[given ? 1 : 0] = NormBackwardPlan{
                  SlotLaunch{function, grid, block, shared, std::move(kinds), std::move(values)},
-                 rows_dtype, std::move(rows_strides), std::move(weight_strides), std::move(parts), zeroed,
-                 need_weight, has_bias, dh_dtype};
+                 rows_dtype, weight_dtype, std::move(rows_strides), std::move(weight_strides), std::move(parts),
+                 zeroed, need_weight, has_bias, dh_dtype};
            })
       .def("has_backward", [](const NormRecipe& r, bool given) { return r.backward[given ? 1 : 0].has_value(); });
   py::class_<Table>(m, "Table")
