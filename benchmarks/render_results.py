@@ -309,6 +309,38 @@ def latency(data: dict) -> str:
             ],
             "lrrrrrrrr",
         )
+    norms = data.get("norms") or []
+    if norms:
+        text += "\n\n" + table(
+            [
+                "dtype",
+                "rows",
+                "n",
+                "op",
+                "fusedkit us",
+                "eager us",
+                "ratio",
+                "fwd + bwd us",
+                "eager fwd + bwd us",
+                "ratio",
+            ],
+            [
+                [
+                    SHORT.get(r["dtype"], r["dtype"]),
+                    r["rows"],
+                    r["n"],
+                    f"`{r['op']}`",
+                    f"{r['fusedkit']:.1f}",
+                    f"{r['eager']:.1f}",
+                    f"{r['fusedkit'] / r['eager']:.2f}",
+                    f"{r['fusedkit fwd+bwd']:.1f}",
+                    f"{r['eager fwd+bwd']:.1f}",
+                    f"{r['fusedkit fwd+bwd'] / r['eager fwd+bwd']:.2f}",
+                ]
+                for r in norms
+            ],
+            "lrrlrrrrrr",
+        )
     return text + "\n\n" + footnote(data["environment"], "latency")
 
 

@@ -48,3 +48,12 @@ def test_columns_newer_than_a_record_render_as_dashes(render):
     for t in advise["timings"]:
         t.pop("original_forward_gpu_ms", None)
     assert "| - |" in render.advise(advise)
+
+
+def test_a_latency_record_with_norm_rows_renders_them(render):
+    # (the record of record predates the norm rows: it renders without them, as committed above)
+    latency = render.load(RECORDS, "latency")
+    row = {"dtype": "bfloat16", "rows": 16, "n": 2048, "op": "add_rms_norm", "fusedkit": 30.0, "eager": 20.0}
+    row.update({"fusedkit fwd+bwd": 60.0, "eager fwd+bwd": 80.0})
+    text = render.latency({**latency, "norms": [row]})
+    assert "| bf16 | 16 | 2048 | `add_rms_norm` | 30.0 | 20.0 | 1.50 | 60.0 | 80.0 | 0.75 |" in text

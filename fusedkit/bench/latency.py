@@ -10,6 +10,9 @@ them; the peers run in the same process on the same operands:
   per call inside a replayed CUDA graph of ``GRAPH_CALLS`` calls.
 - linear + ReLU at decode-sized M: ``fusedkit.linear_relu`` against
   ``torch.relu(F.linear(x, w, b))``.
+- the norms at decode- and block-sized rows: ``fusedkit.rms_norm`` / ``add_rms_norm`` /
+  ``layer_norm`` / ``add_layer_norm`` against ``F.rms_norm`` / ``F.layer_norm`` (after
+  ``x + r``), forward without a gradient and forward + backward.
 On a CPU the same harness runs the interpreter or the PyTorch path; those are not GPU times.
 """
 
@@ -26,7 +29,7 @@ from fusedkit.library import ADD_RELU
 
 from .progress import bar as progress_bar
 
-__all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES"]
+__all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES", "NORM_SHAPES"]
 
 #: Calls per timing, and rounds (the median is reported) on a GPU; far fewer on a CPU.
 CALLS, ROUNDS = 2000, 5
@@ -35,6 +38,9 @@ GRAPH_CALLS = 200
 LATENCY_SIZES = (1 << 10, 1 << 16, 1 << 20)
 #: (M, K = N) of the decode-sized linear + ReLU cases.
 LINEAR_SHAPES = ((1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096))
+#: (rows, n) of the norm cases: a decode step's, and a small block's.
+NORM_SHAPES = ((1, 2048), (16, 2048), (64, 4096))
+NORM_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
 
 
 def _sync(device):
@@ -73,12 +79,63 @@ def graph_call_us(fn, device) -> float | None:
     return per_call_us(graph.replay, device, calls=20) / GRAPH_CALLS
 
 
+def _norm_calls(op: str, x, r, w, b):
+    """(fusedkit's call, eager's composition) of norm ``op`` on rows ``x`` (residual ``r``,
+    weight ``w``, bias ``b``): each returns the normalised rows."""
+    n, eps = x.shape[-1], 1e-5
+    rms, residual = "rms" in op, op.startswith("add_")
+    fused = getattr(fusedkit, op)
+    if rms:
+        eager_norm = lambda h: F.rms_norm(h, (n,), w, eps)
+        call = (lambda: fused(x, r, w, eps)[0]) if residual else (lambda: fused(x, (n,), w, eps))
+    else:
+        eager_norm = lambda h: F.layer_norm(h, (n,), w, b, eps)
+        call = (lambda: fused(x, r, w, b, eps)[0]) if residual else (lambda: fused(x, (n,), w, b, eps))
+    return call, (lambda: eager_norm(x + r)) if residual else (lambda: eager_norm(x))
+
+
+def _norm_rows(dt, device, norm_shapes, bar) -> list[dict]:
+    rows = []
+    for m, n in norm_shapes:
+        x, r, g = (torch.randn(m, n, device=device).to(dt) for _ in range(3))
+        w, b = (torch.randn(n, device=device).to(dt) for _ in range(2))
+        grads = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        for op in NORM_OPS:
+            fused, eager = _norm_calls(op, x, r, w, b)
+            fused_g, eager_g = _norm_calls(op, *grads)
+            leaves = [t for t, used in zip(grads, (True, op.startswith("add_"), True, "rms" not in op)) if used]
+            rows.append(
+                {
+                    "dtype": str(dt).removeprefix("torch."),
+                    "rows": m,
+                    "n": n,
+                    "op": op,
+                    "fusedkit": per_call_us(fused, device),
+                    "eager": per_call_us(eager, device),
+                    # a training step's share: forward and every input's gradient
+                    "fusedkit fwd+bwd": per_call_us(
+                        lambda f=fused_g, ls=leaves: torch.autograd.grad(f(), ls, g), device
+                    ),
+                    "eager fwd+bwd": per_call_us(lambda f=eager_g, ls=leaves: torch.autograd.grad(f(), ls, g), device),
+                }
+            )
+        bar.update()
+    return rows
+
+
 def run_latency(
-    dtypes, device, sizes=LATENCY_SIZES, linear_shapes=LINEAR_SHAPES, use_compile=True, progress=True
+    dtypes,
+    device,
+    sizes=LATENCY_SIZES,
+    linear_shapes=LINEAR_SHAPES,
+    use_compile=True,
+    progress=True,
+    norm_shapes=NORM_SHAPES,
 ) -> dict:
-    rows, linear = [], []
+    rows, linear, norms = [], [], []
     floats = [dt for dt in dtypes if dt.is_floating_point and dt != torch.float64]
-    bar = progress_bar(len(dtypes) * len(sizes) + len(floats) * len(linear_shapes), "latency", progress)
+    steps = len(dtypes) * len(sizes) + len(floats) * (len(linear_shapes) + len(norm_shapes))
+    bar = progress_bar(steps, "latency", progress)
     for dt in dtypes:
         for n in sizes:
             x, y = (torch.randn(n, device=device).to(dt) for _ in range(2))
@@ -110,6 +167,7 @@ def run_latency(
             bar.update()
         if not dt.is_floating_point or dt == torch.float64:
             continue
+        norms += _norm_rows(dt, device, norm_shapes, bar)
         for m, k in linear_shapes:
             a = torch.randn(m, k, device=device).to(dt)
             w = torch.randn(k, k, device=device).to(dt) / k**0.5
@@ -135,7 +193,7 @@ def run_latency(
             )
             bar.update()
     bar.close()
-    return {"elementwise": rows, "linear": linear}
+    return {"elementwise": rows, "linear": linear, "norms": norms}
 
 
 def format_latency_table(result: dict) -> str:
@@ -179,6 +237,19 @@ def format_latency_table(result: dict) -> str:
             fb, tb = r["fusedkit.linear_relu fwd+bwd"], r["relu(F.linear) fwd+bwd"]
             lines.append(
                 f"{r['dtype']:<9} {r['m']:>4} {r['k']:>6} {f:>9.1f} {t:>14.1f} {f / t:>6.2f} "
+                f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}"
+            )
+    norms = result.get("norms") or []
+    if norms:
+        lines += [
+            "",
+            f"{'dtype':<9} {'rows':>5} {'n':>6} {'op':<15} {'fusedkit':>9} {'eager':>7} {'ratio':>6} "
+            f"{'fwd+bwd':>9} {'eager fwd+bwd':>13} {'ratio':>6}",
+        ]
+        for r in norms:
+            f, t, fb, tb = r["fusedkit"], r["eager"], r["fusedkit fwd+bwd"], r["eager fwd+bwd"]
+            lines.append(
+                f"{r['dtype']:<9} {r['rows']:>5} {r['n']:>6} {r['op']:<15} {f:>9.1f} {t:>7.1f} {f / t:>6.2f} "
                 f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}"
             )
     return "\n".join(lines)

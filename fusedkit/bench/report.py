@@ -484,7 +484,7 @@ def run_command(args) -> int:
         print_report(env, (format_models_table(rows, skipped),), args.json, payload)
         return 0
     if args.latency:
-        from .latency import LATENCY_SIZES, LINEAR_SHAPES, format_latency_table, run_latency
+        from .latency import LATENCY_SIZES, LINEAR_SHAPES, NORM_SHAPES, format_latency_table, run_latency
 
         result = run_latency(
             dtypes,
@@ -493,6 +493,7 @@ def run_command(args) -> int:
             LINEAR_SHAPES if gpu else ((1, 64),),
             use_compile=use_compile,
             progress=progress,
+            norm_shapes=NORM_SHAPES if gpu else ((2, 64),),
         )
         print_report(env, (format_latency_table(result),), args.json, result)
         return 0
