@@ -83,3 +83,35 @@ def one_at_a_time(combinations, representative, ids=None) -> list:
     if not any(all(map(_is, c, representative)) for c in combinations):
         raise ValueError(f"the representative {representative} is not one of the combinations")
     return slow_unless(lambda *c: sum(not _is(v, r) for v, r in zip(c, representative)) <= 1, combinations, ids)
+
+
+def norms_recorded(monkeypatch, index, kept) -> list:
+    """Norm calls with a gradient on a stand-in launcher, on device ``index``: the grad recipes
+    on, their caches fresh; each launch of the ordinary path (``runtime.norm._launch``) gives
+    ``kept(kernel, grid, args, meta, pointers, scalars) -> (record, entry)``: ``record`` is
+    appended to the list returned and ``entry`` kept as the launch's compiled kernel."""
+    from fusedkit.runtime import launch as fk_launch
+    from fusedkit.runtime import norm as rn
+
+    ordinary = []
+
+    def record(kernel, grid, args, meta):
+        key, pointers, scalars = rn._launch_key(kernel, args, meta, args[0].device.index)
+        item, entry = kept(kernel, grid, args, meta, pointers, scalars)
+        ordinary.append(item)
+        rn.LAUNCHES._entries[key] = entry
+
+    fresh = {"LAUNCHES": fk_launch.CompiledCache(), "KEPT": {}, "GRAD_RECIPES": {}, "NATIVE": {}}
+    for name, value in (*fresh.items(), ("_launch", record), ("GRAD_RECIPES_ON", True)):
+        monkeypatch.setattr(rn, name, value)
+    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
+    monkeypatch.setattr(fk_launch, "current_device", lambda: index)
+    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
+    return ordinary
+
+
+def norm_forward_addresses(x, r, w, b, y, h) -> tuple:
+    """The norm forward kernel's first six pointer arguments (x, residual, weight, bias, y, h)
+    for a call's tensors, as the ordinary path passes them: an absent one at y's address."""
+    at = y.data_ptr()
+    return tuple(at if t is None else t.data_ptr() for t in (x, r, w, b, y, h))

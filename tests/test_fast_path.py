@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, ON_GPU
-from helpers import rand
+from helpers import norm_forward_addresses, norms_recorded, rand
 
 import fusedkit
 from fusedkit.errors import ArgumentError, ShapeError
@@ -520,32 +520,18 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
     # with the kernel arguments the ordinary path (_launch) passes, the call's new tensors'
     # addresses in their places; checked on the CPU with a recording launcher (the values: on
     # a GPU, test_norm_grad_recipe_on_the_gpu).
-    from fusedkit.runtime import norm as rn
 
     x = rand((2, 3, 28), torch.float32, DEVICE)[..., :24].detach().requires_grad_()  # (rows at a stride)
     r = rand((2, 3, 24), torch.float32, DEVICE).requires_grad_() if residual else None
     w, b = (rand((24,), torch.float32, DEVICE).requires_grad_() for _ in range(2))
     dy = rand((2, 3, 24), torch.float32, DEVICE)
-    ordinary, direct = [], []
+    direct = []
 
-    def record(kernel, grid, args, meta):
-        key, pointers, scalars = rn._launch_key(kernel, args, meta, args[0].device.index)
-        ordinary.append((kernel, pointers, scalars))
-        rn.LAUNCHES._entries[key] = fk_launch.Entry(
-            None, lambda *a: direct.append((kernel, a)), 7, "packed", (*grid, 1, 1)[:3], (), None
-        )
+    def kept(kernel, grid, args, meta, pointers, scalars):  # (a launcher that records its call)
+        launcher = lambda *a: direct.append((kernel, a))
+        return (kernel, pointers, scalars), fk_launch.Entry(None, launcher, 7, "packed", (*grid, 1, 1)[:3], (), None)
 
-    for name, value in (
-        ("LAUNCHES", fk_launch.CompiledCache()),
-        ("KEPT", {}),
-        ("GRAD_RECIPES", {}),
-        ("_launch", record),
-        ("GRAD_RECIPES_ON", True),
-    ):
-        monkeypatch.setattr(rn, name, value)
-    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
-    monkeypatch.setattr(fk_launch, "current_device", lambda: x.device.index)
-    monkeypatch.setattr(fk_launch, "current_stream", lambda index: 99)
+    ordinary = norms_recorded(monkeypatch, x.device.index, kept)
 
     def call():
         out = fusedkit.add_layer_norm(x, r, w, b, 1e-5) if residual else fusedkit.layer_norm(x, (24,), w, b, 1e-5)
@@ -563,15 +549,7 @@ def test_a_norm_grad_recipe_launches_what_the_ordinary_path_launches(monkeypatch
     stats = forward[6]  # (one buffer: LayerNorm's mean, then its rstd 16-byte aligned)
     # (forward: x, residual, weight, bias, y, h, mean, rstd, an absent one at y's address;
     # backward: dy, the normalised rows (h, else x), weight, mean, rstd, ...)
-    at = y.data_ptr()
-    assert forward[:6] == (
-        x.data_ptr(),
-        r.data_ptr() if residual else at,
-        w.data_ptr(),
-        b.data_ptr(),
-        at,
-        h.data_ptr() if residual else at,
-    )
+    assert forward[:6] == norm_forward_addresses(x, r, w, b, y, h)
     assert forward[7] == stats + 4 * 8 and stats % 16 == 0
     normalised = h if residual else x
     assert backward[:5] == (dy.data_ptr(), normalised.data_ptr(), w.data_ptr(), stats, stats + 4 * 8)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
-from helpers import rand
+from helpers import norm_forward_addresses, norms_recorded, rand
 
 import fusedkit
 from fusedkit.kernels.elementwise import NOT_SPECIALISED, POINTER_ARGS
@@ -737,31 +737,17 @@ def _norms_through(table, monkeypatch, index) -> list:
     """Norm calls with a gradient through the dry-run ``table``: the grad recipes on, the
     ordinary path's launches recorded (``(kernel, signature, scalars)``, returned) and kept as
     stand-in compiled kernels."""
-    from fusedkit.runtime import norm as rn
 
-    ordinary = []
-
-    def record(kernel, grid, args, meta):
-        key, pointers, scalars = rn._launch_key(kernel, args, meta, args[0].device.index)
-        signature = _norm_signature(kernel, args, {k: v for k, v in meta.items() if k != "num_warps"})
-        ordinary.append((kernel, signature, scalars))
+    def kept(kernel, grid, args, meta, pointers, scalars):  # (a stand-in compiled kernel, its signature)
+        constants = {k: v for k, v in meta.items() if k != "num_warps"}
+        signature = _norm_signature(kernel, args, constants)
         compiled = SimpleNamespace(src=SimpleNamespace(signature=signature), packed_metadata=(4, 1, 0))
-        tail = tuple(v for k, v in meta.items() if k != "num_warps")
-        rn.LAUNCHES._entries[key] = fk_launch.Entry(
-            compiled, None, 7, (4, 1, 0), (*grid, 1, 1)[:3], tail, None, (), None, (0, 0)
+        entry = fk_launch.Entry(
+            compiled, None, 7, (4, 1, 0), (*grid, 1, 1)[:3], tuple(constants.values()), None, (), None, (0, 0)
         )
+        return (kernel, signature, scalars), entry
 
-    for name, value in (
-        ("LAUNCHES", fk_launch.CompiledCache()),
-        ("KEPT", {}),
-        ("GRAD_RECIPES", {}),
-        ("NATIVE", {}),
-        ("_launch", record),
-        ("GRAD_RECIPES_ON", True),
-    ):
-        monkeypatch.setattr(rn, name, value)
-    monkeypatch.setattr(fk_launch, "INTERPRETED", False)
-    monkeypatch.setattr(fk_launch, "current_device", lambda: index)
+    ordinary = norms_recorded(monkeypatch, index, kept)
     monkeypatch.setattr(native, "applies", lambda: True)
     monkeypatch.setattr(native, "_table", lambda: table)
     return ordinary
@@ -806,18 +792,8 @@ def test_a_norm_with_a_gradient_launches_from_the_table(table, monkeypatch, resi
         ]
         return packed + [0, 0]  # (the two scratch pointers)
 
-    at = y.data_ptr()
     stats = forward[6]  # (LayerNorm's mean; its rstd 16-byte aligned after it)
-    pointers = (
-        x.data_ptr(),
-        r.data_ptr() if residual else at,
-        w.data_ptr(),
-        b.data_ptr(),
-        at,
-        h.data_ptr() if residual else at,
-        stats,
-        stats + 4 * 8,
-    )
+    pointers = (*norm_forward_addresses(x, r, w, b, y, h), stats, stats + 4 * 8)
     assert forward == runtime(fsig, (*pointers, *fscalars, *[0] * 8)) and stats % 16 == 0
     normalised, dx = (h if residual else x), grads[0]
     programs = -(-6 // bscalars[2])

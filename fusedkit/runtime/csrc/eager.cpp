@@ -324,6 +324,28 @@ struct Store {
   }
 };
 
+// The gradients a node's Python backward (call) gives, a Tensor or None per operand, into
+// result; its exception, as it is, to the caller of backward().
+template <typename Call>
+void python_backward(const std::string& name, torch::autograd::variable_list& result, Call call) {
+  try {
+    py::sequence out = call();
+    const size_t n = result.size();
+    TORCH_CHECK(out.size() == n, name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
+    for (size_t i = 0; i < n; ++i) {
+      py::object g = out[i];
+      TORCH_CHECK(g.is_none() || THPVariable_Check(g.ptr()), name, ": the backward gave a ",
+                  py::str(py::type::of(g)).cast<std::string>(), " for operand ", i);
+      result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
+    }
+  } catch (py::error_already_set& e) {
+    e.restore();  // the Python exception itself reaches the caller of backward()
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+}
+
 class KeptBackward : public torch::autograd::Node {
  public:
   KeptBackward(std::shared_ptr<const BackwardSpec> spec, std::shared_ptr<Store> store)
@@ -344,24 +366,12 @@ class KeptBackward : public torch::autograd::Node {
     for (auto& s : saved_) saved.push_back(s.unpack(getptr()));
     lock.unlock();
     if (planned(grads[0], saved, result)) return result;
-    try {
+    python_backward(spec_->name, result, [&] {
       py::tuple saved_py(saved.size());
       for (size_t i = 0; i < saved.size(); ++i) saved_py[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
       py::object grad = py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[0]));
-      py::sequence out = spec_->fn(grad, saved_py);
-      TORCH_CHECK(out.size() == n, spec_->name, ": the backward gave ", out.size(), " gradients for ", n, " operands");
-      for (size_t i = 0; i < n; ++i) {
-        py::object g = out[i];
-        TORCH_CHECK(g.is_none() || THPVariable_Check(g.ptr()), spec_->name, ": the backward gave a ",
-                    py::str(py::type::of(g)).cast<std::string>(), " for operand ", i);
-        result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
-      }
-    } catch (py::error_already_set& e) {
-      e.restore();  // the Python exception itself reaches the caller of backward()
-      python_error err;
-      err.persist();
-      throw std::move(err);
-    }
+      return spec_->fn(grad, saved_py);
+    });
     return result;
   }
 
@@ -557,26 +567,13 @@ class NormNode : public torch::autograd::Node {
     // (the inputs that take a gradient, as a Python Function's needs_input_grad says)
     for (size_t i = 0; i < 4; ++i) needs[i] = should_compute_output(i);
     if (planned(dy, dh_out, saved, needs, result)) return result;
-    try {
-      auto wrap = [](const at::Tensor& t) {
-        return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
-      };
-      py::sequence out = recipe_->fallback(py::cast(recipe_), wrap(dy), wrap(dh_out), wrap(saved[0]), wrap(saved[1]),
-                                           wrap(saved[2]), wrap(saved[3]),
-                                           py::make_tuple(needs[0], needs[1], needs[2], needs[3]));
-      TORCH_CHECK(out.size() == 4, recipe_->name, ": the backward gave ", out.size(), " gradients for 4 operands");
-      for (size_t i = 0; i < 4; ++i) {
-        py::object g = out[i];
-        TORCH_CHECK(g.is_none() || THPVariable_Check(g.ptr()), recipe_->name, ": the backward gave a ",
-                    py::str(py::type::of(g)).cast<std::string>(), " for operand ", i);
-        result[i] = g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr());
-      }
-    } catch (py::error_already_set& e) {
-      e.restore();
-      python_error err;
-      err.persist();
-      throw std::move(err);
-    }
+    auto wrap = [](const at::Tensor& t) {
+      return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
+    };
+    python_backward(recipe_->name, result, [&] {
+      return recipe_->fallback(py::cast(recipe_), wrap(dy), wrap(dh_out), wrap(saved[0]), wrap(saved[1]),
+                               wrap(saved[2]), wrap(saved[3]), py::make_tuple(needs[0], needs[1], needs[2], needs[3]));
+    });
     return result;
   }
 
