@@ -599,8 +599,9 @@ class NormNode : public torch::autograd::Node {
     const at::Tensor& weight = saved[1];
     if (needs[2] && weight.defined() && !plan.need_weight) return false;  // (learnt without the weight's)
     for (const at::Tensor* g : {&dy, &dh_out}) {
-      if (g->defined() && (!g->is_contiguous() || g->device() != r.device || !g->sizes().equals(r.shape) ||
-                           g->is_neg() || g->key_set().has(c10::DispatchKey::Python))) {
+      const at::ScalarType want = g == &dy ? r.y_dtype : r.h_dtype;  // (the kernel's, as the engine casts them)
+      if (g->defined() && (g->scalar_type() != want || !g->is_contiguous() || g->device() != r.device ||
+                           !g->sizes().equals(r.shape) || g->is_neg() || g->key_set().has(c10::DispatchKey::Python))) {
         return false;
       }
     }
