@@ -286,8 +286,8 @@ class GradRecipe(NamedTuple):
     forward's kept launch, what its backward needs, and the backward's kept launches, learnt by
     its first run (:func:`learn_backward`), by whether a gradient reached ``h`` too. The
     statistics live in one buffer (LayerNorm's mean, then its rstd at a 16-byte-aligned
-    offset): one allocation, as torch's norm makes (a norm's forward and backward in a
-    training step took 3x eager's host time through the ordinary path: docs/results.md)."""
+    offset): one allocation, as torch's norm makes (through the ordinary path a norm's forward
+    and backward issue in 3x eager's host time: ``benchmarks/host_profile.py``)."""
 
     entry: launch.Entry
     index: int
