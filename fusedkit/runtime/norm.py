@@ -483,8 +483,12 @@ def run_grad_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out):
     b = r.backward.get(dh_out is not None)
     if b is None or not dy.is_contiguous() or (dh_out is not None and not dh_out.is_contiguous()):
         return None
-    if b.saved != (rows.dtype, rows.stride(), *_weight_layout(weight)):
+    if b.saved != (rows.dtype, rows.stride(), *_weight_layout(weight)) or dy.dtype is not r.y_dtype:
         return None
+    if dh_out is not None and dh_out.dtype is not r.h_dtype:
+        return None
+    if stats.dtype is not torch.float32 or stats.numel() != r.stats or not stats.is_contiguous():
+        return None  # (as for the rows: what a saved-tensor hook gave back)
     if r.index != launch.current_device():
         return None
     device = r.device
