@@ -707,3 +707,25 @@ def test_tma_kept_launches_with_encoded_descriptors(fk_settings, layout, monkeyp
         assert_rel_err(b_.grad, ref_b.grad, matmul_rel_err(dt))
     if fk_launch.RAW_LAUNCH:
         assert mm.TMA_LAUNCHES.entries() and all(e.layouts for e in mm.TMA_LAUNCHES.entries())
+
+
+def test_a_norm_grad_recipe_learns_its_backward_from_a_later_call_where_the_first_had_an_expanded_dy(monkeypatch):
+    # A loss's sum gives the norm an expanded gradient, which the kept backward does not take:
+    # that backward runs the ordinary path and keeps nothing, and a later one with a
+    # gradient of unit stride keeps the launch, which the next takes.
+    x = rand((4, 24), torch.float32, DEVICE).requires_grad_()
+    w = rand((24,), torch.float32, DEVICE).requires_grad_()
+    direct = []
+
+    def kept(kernel, grid, args, meta, pointers, scalars):
+        launcher = lambda *a: direct.append(kernel)
+        return kernel, fk_launch.Entry(None, launcher, 7, "packed", (*grid, 1, 1)[:3], (), None)
+
+    ordinary = norms_recorded(monkeypatch, x.device.index, kept)
+    dy = rand((4, 24), torch.float32, DEVICE)
+    fusedkit.rms_norm(x, (24,), w, 1e-6)  # the recipe kept
+    torch.autograd.grad(fusedkit.rms_norm(x, (24,), w, 1e-6).sum(), (x, w))  # expanded: ordinary
+    torch.autograd.grad(fusedkit.rms_norm(x, (24,), w, 1e-6), (x, w), dy)  # ordinary, kept
+    torch.autograd.grad(fusedkit.rms_norm(x, (24,), w, 1e-6), (x, w), dy)  # from the recipe
+    fwd, bwd = ordinary[0], ordinary[1]
+    assert ordinary == [fwd, bwd, bwd] and direct == [fwd, fwd, fwd, bwd]
