@@ -723,6 +723,16 @@ def _tiny_transformers():
     transformers = pytest.importorskip("transformers")
     ids = torch.randint(0, 100, (2, 8), device=DEVICE)
     special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    # (a two-layer decoder, LLaMA's and Gemma 2's alike)
+    decoder = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        **special,
+    )
     return {
         "gpt2": (
             transformers.GPT2LMHeadModel(
@@ -732,17 +742,7 @@ def _tiny_transformers():
             ["add -> layer_norm", "linear -> gelu_tanh"] * 2,
         ),
         "llama": (
-            transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(
-                    num_hidden_layers=2,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    vocab_size=100,
-                    **special,
-                )
-            ),
+            transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder)),
             ids,
             ["rms_norm", "add -> rms_norm", "gated mlp (silu)"] * 2,
         ),
@@ -757,20 +757,7 @@ def _tiny_transformers():
             ["add -> layer_norm", "linear -> gelu", "add -> layer_norm"] * 2 + ["linear -> gelu"],
         ),
         "gemma2": (
-            _random_norms(
-                transformers.Gemma2ForCausalLM(
-                    transformers.Gemma2Config(
-                        num_hidden_layers=2,
-                        hidden_size=32,
-                        intermediate_size=48,
-                        num_attention_heads=4,
-                        num_key_value_heads=2,
-                        head_dim=8,
-                        vocab_size=100,
-                        **special,
-                    )
-                )
-            ),
+            _random_norms(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**decoder, head_dim=8))),
             ids,
             # (Gemma's RMSNorm, weight 1 + w: before and after the attention and the MLP)
             ["rms_norm", "rms_norm", "add -> rms_norm", "gated mlp (gelu_tanh)", "rms_norm"] * 2,

@@ -433,9 +433,7 @@ def learn_backward(r: GradRecipe, dy, rows, weight, bias, stats, dh_out, need_we
     rows2 = rows_of(rows, count, n)
     if rows2.data_ptr() != rows.data_ptr():
         return  # (a copy: the launch's rows are not the saved tensor's)
-    block_m = _config(n)["BLOCK_M"]
-    per_program = block_m * cdiv(count, block_m * _programs_per_device(rows.device))
-    programs = cdiv(count, per_program)
+    per_program, programs = _backward_programs(count, n, rows.device)
     need_weight = weight is not None and need_weight
     k = need_weight + (bias is not None)
     parts = torch.empty((k, programs, n), dtype=torch.float32, device=rows.device) if k else None
@@ -538,6 +536,14 @@ NATIVE: dict = {}
 launch.register_cache(NATIVE.clear)
 
 
+def _backward_programs(rows: int, n: int, device) -> tuple[int, int]:
+    """(rows a program, programs) of the backward's launch: runs of whole row blocks, four
+    programs a multiprocessor."""
+    block_m = _config(n)["BLOCK_M"]
+    per_program = block_m * cdiv(rows, block_m * _programs_per_device(device))
+    return per_program, cdiv(rows, per_program)
+
+
 def backward_launch(dy2, h2, weight, mean, rstd, dh_out2, dx, dw_part, db_part, rms: bool, per_program: int):
     """``(grid, args, meta)`` of the backward kernel's launch (meta with ``num_warps``)."""
     rows, n = h2.shape
@@ -578,9 +584,7 @@ def backward(dy2, h2, weight, mean, rstd, dh_out2, rms: bool, has_bias: bool, dx
         dw = torch.zeros(n, dtype=torch.float32, device=device) if weight is not None and need_weight else None
         db = torch.zeros(n, dtype=torch.float32, device=device) if has_bias else None
         return dx, dw, db
-    block_m = _config(n)["BLOCK_M"]
-    per_program = block_m * cdiv(rows, block_m * _programs_per_device(device))
-    programs = cdiv(rows, per_program)
+    per_program, programs = _backward_programs(rows, n, device)
     # The parameters' partial sums in one buffer, weight's first (as a
     # kept call's are: :func:`run_grad_backward`); chunked rows add into their program's
     # partial row: it starts at zero.
