@@ -37,6 +37,8 @@ CASES = (
     "rms_norm_no_grad",
     "add_rms_norm_no_grad",
     "gated_mlp_decode",
+    "linear_gelu",
+    "linear_gelu_forward",
     "function_roundtrip",
 )
 
@@ -57,6 +59,7 @@ def _cases(rows: int, n: int, device, dtype):
     dy = torch.randn(rows, n, device=device, dtype=dtype)
     wg, wu = (torch.randn(4 * n, n, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     wd = torch.randn(n, 4 * n, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(4 * n, device=device, dtype=dtype, requires_grad=True)
     one = torch.randn(1, n, device=device, dtype=dtype)
 
     def grad(y, inputs):
@@ -98,6 +101,14 @@ def _cases(rows: int, n: int, device, dtype):
         "gated_mlp_decode": (
             lambda: fusedkit.gated_mlp(one, wg.detach(), wu.detach(), wd.detach()),
             lambda: F.linear(F.silu(F.linear(one, wg.detach())) * F.linear(one, wu.detach()), wd.detach()),
+        ),
+        "linear_gelu": (  # (BERT's and ViT's MLP up-projection: fuse() gives it a GELU epilogue)
+            lambda: grad(fusedkit.matmul(x, wg.t(), bias, "gelu"), (x, wg, bias)),
+            lambda: grad(F.gelu(F.linear(x, wg, bias)), (x, wg, bias)),
+        ),
+        "linear_gelu_forward": (
+            lambda: fusedkit.matmul(x.detach(), wg.detach().t(), bias.detach(), "gelu"),
+            lambda: F.gelu(F.linear(x.detach(), wg.detach(), bias.detach())),
         ),
         "function_roundtrip": (
             lambda: grad(_Nothing.apply(x), (x,)),
