@@ -9,7 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-gpu=$("$py" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else 'cpu')") \
+# (the GPU's model, as in "NVIDIA H100 80GB HBM3" -> h100; the name's last word otherwise)
+gpu=$("$py" -c "import re, torch; n = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'; m = re.search(r'\b[A-Z]+[0-9]+[A-Z]*\b', n); print((m.group() if m else n.split()[-1]).lower())") \
   || { echo "[results] $py has no PyTorch: run bash scripts/run.sh test first, or set PYTHON" >&2; exit 1; }
 dir=${RESULTS_DIR:-benchmarks/results/$gpu}
 mkdir -p "$dir"
