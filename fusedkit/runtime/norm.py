@@ -335,8 +335,8 @@ def _stats_layout(rows: int, rms: bool) -> tuple[int, int]:
 
 
 #: Whether repeated calls with a gradient keep grad recipes (and the C++ table's copies of
-#: them): an ``add_rms_norm`` forward + backward issues in 1.2x eager's host time with them,
-#: 2.9x without (``benchmarks/host_profile.py``); ``FUSEDKIT_NORM_GRAD_RECIPES=0`` turns them
+#: them): an ``add_rms_norm`` forward + backward issues in 1.1-1.2x eager's host time with
+#: them, 2.9x without (``benchmarks/host_profile.py``); ``FUSEDKIT_NORM_GRAD_RECIPES=0`` turns them
 #: off (they run on a GPU only; the CPU tests check their launches' arguments against the
 #: ordinary path's).
 GRAD_RECIPES_ON = os.environ.get("FUSEDKIT_NORM_GRAD_RECIPES", "1") != "0"
