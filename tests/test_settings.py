@@ -58,6 +58,19 @@ def test_defaults_come_from_the_environment_read_once():
     assert out.stdout.split() == ["False", "pointer"]
 
 
+def test_norm_grad_recipes_are_on_unless_the_environment_turns_them_off():
+    # (an escape hatch beside the settings: the norms' C++ autograd node, which compiled
+    # autograd cannot trace yet, docs/design.md)
+    code = "from fusedkit.runtime import norm; print(norm.GRAD_RECIPES_ON)"
+    got = []
+    for value in (None, "0"):
+        env = {k: v for k, v in os.environ.items() if k != "FUSEDKIT_NORM_GRAD_RECIPES"}
+        if value is not None:
+            env["FUSEDKIT_NORM_GRAD_RECIPES"] = value
+        got.append(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env))
+    assert [g.stdout.strip() for g in got] == ["True", "False"]
+
+
 @pytest.mark.parametrize(
     "variable,value",
     [
