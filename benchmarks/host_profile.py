@@ -12,7 +12,9 @@ same call's eager PyTorch composition; then the Python functions that take the m
 ``torch.autograd.Function`` that does nothing, forward and backward, beside ``x * 1``: what any
 op whose backward runs in Python pays on this machine, whatever its kernels; ``*_one_thread``
 runs the backward on the calling thread rather than autograd's CUDA device thread, and
-``silu_mul_grad`` is an op whose autograd node is C++ (the launch table's). On a CPU the
+``silu_mul_grad`` is an op whose autograd node is C++ (the launch table's); ``linear_gelu``
+is the matmul with a GELU epilogue that ``fuse`` gives BERT's and ViT's MLPs (timed at
+``--rows 2048``, where the H100 issues it slower than it runs). On a CPU the
 kernels run in the interpreter, so only the script itself is checked there.
 """
 
