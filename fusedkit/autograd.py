@@ -920,7 +920,7 @@ class KeptNorm(torch.autograd.Function):
         r = ctx.recipe
         needs = ctx.needs_input_grad
         got = None
-        if dy is not None and not torch.is_grad_enabled():
+        if dy is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             got = row_norm.run_grad_backward(r, dy, rows, weight, bias, stats, dh_out)
         if got is None:
             return (*_kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out), None, None)
@@ -943,7 +943,7 @@ def _kept_norm_grads(ctx, r, rows, weight, bias, stats, dy, dh_out) -> tuple:
     rows2 = row_norm.rows_of(rows, count, n)
     dy2, dh2 = (None if g is None else g.reshape(count, n) for g in (dy, dh_out))
     dx, dr, dw, db = norm_grads(ctx, rows2, weight, bias, mean, rstd, dy2, dh2)
-    if dy is not None and not torch.is_grad_enabled():
+    if dy is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         row_norm.learn_backward(r, dy, rows, weight, bias, stats, dh_out, ctx.needs_input_grad[2])
 
     def shaped(g):
@@ -999,7 +999,10 @@ def norm_grads(ctx, rows, weight, bias, mean, rstd, dy, dh_out, launch=None) -> 
     elif dy is None:  # only the residual stream reached the loss: the norm's parameters get none
         dh, dw, db = dh_out, None, None
     else:
-        dh, dw, db = (launch or _launch_norm_backward)(ctx, rows, weight, bias, mean, rstd, dy, dh_out)
+        if launch is None:
+            # (compiled autograd traces a Function's backward: the registered op, which it can)
+            launch = _launch_norm_backward_op if torch.compiler.is_compiling() else _launch_norm_backward
+        dh, dw, db = launch(ctx, rows, weight, bias, mean, rstd, dy, dh_out)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
     dr = None
@@ -1130,7 +1133,8 @@ def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
 def _launch_norm_backward_op(ctx, rows, weight, bias, mean, rstd, dy, dh_out):
     """The backward as the registered op (what a dispatch mode sees); its empty tensors as None."""
     need_weight = weight is not None and ctx.needs_input_grad[2]
-    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh_out, ctx.name, bias is not None, need_weight)
+    name = "rms_norm" if ctx.rms else "layer_norm"  # (the op reads only which statistics)
+    dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh_out, name, bias is not None, need_weight)
     return dx, dw if need_weight else None, db if bias is not None else None
 
 

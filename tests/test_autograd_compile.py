@@ -1,4 +1,5 @@
-"""Autograd, torch.compile, torch.library and CUDA graphs for the elementwise ops."""
+"""Autograd, torch.compile, torch.library and CUDA graphs for the elementwise ops; compiled
+autograd over an eager forward for the norms and the matmul too."""
 
 from __future__ import annotations
 
@@ -344,3 +345,54 @@ def test_training_matches_torch_mlp_and_resnet_block():
     block.load_state_dict(block_ref.state_dict())
     images = [rand((2, 4, 6, 6), torch.float64, DEVICE) for _ in range(5)]
     torch.testing.assert_close(_train(block, images), _train(block_ref, images), rtol=1e-9, atol=1e-12)
+
+
+#: Calls whose backward compiled autograd traces over an eager forward: (name, call on x, r,
+#: w, b giving the outputs the loss reads).
+COMPILED_AUTOGRAD_CALLS = {
+    "add_layer_norm": lambda x, r, w, b: fusedkit.add_layer_norm(x, r, w, b, 1e-5),
+    "add_rms_norm": lambda x, r, w, b: fusedkit.add_rms_norm(x, r, w, 1e-5),
+    "rms_norm": lambda x, r, w, b: (fusedkit.rms_norm(x + r, (x.shape[-1],), w),),
+    "silu_mul": lambda x, r, w, b: (fusedkit.silu_mul(x, r),),
+    "matmul_gelu": lambda x, r, w, b: (fusedkit.matmul(x.t(), r, b, "gelu"),),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_AUTOGRAD_CALLS))
+def test_compiled_autograd_over_an_eager_forward(name):
+    # A backward that torch._dynamo.compiled_autograd traces (as torchtitan-style training
+    # loops do) gives the eager backward's gradients. The C++ launch table's nodes do not
+    # implement compiled autograd's interface yet (docs/design.md), so the table is off here;
+    # the Python Functions' backwards take the registered ops while it traces them.
+    from torch._dynamo import compiled_autograd
+
+    call = COMPILED_AUTOGRAD_CALLS[name]
+    x, r = leaf((8, 64), torch.float32), leaf((8, 64), torch.float32)
+    w, b = leaf((64,), torch.float32), leaf((64,), torch.float32)
+    weights = None
+
+    def grads(compiled: bool):
+        nonlocal weights
+        for t in (x, r, w, b):
+            t.grad = None
+        outs = call(x, r, w, b)
+        weights = weights or [rand(o.shape, torch.float32, DEVICE) for o in outs]
+        loss = sum((o * g).sum() for o, g in zip(outs, weights))
+        if compiled:
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+        else:
+            loss.backward()
+        return [t.grad for t in (x, r, w, b)]
+
+    torch._dynamo.reset()
+    with fusedkit.settings.override(native_launch=False):
+        for _ in range(3):  # (repeated calls: the kept paths)
+            want = grads(False)
+        got = grads(True)
+    torch._dynamo.reset()
+    assert sum(g is not None for g in got) >= 2
+    for g, e in zip(got, want):
+        assert (g is None) == (e is None)
+        if e is not None:
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
