@@ -1133,7 +1133,11 @@ def _norm_op_backward(ctx, dy, dh, _dmean, _drstd):
 def _launch_norm_backward_op(ctx, rows, weight, bias, mean, rstd, dy, dh_out):
     """The backward as the registered op (what a dispatch mode sees); its empty tensors as None."""
     need_weight = weight is not None and ctx.needs_input_grad[2]
-    name = "rms_norm" if ctx.rms else "layer_norm"  # (the op reads only which statistics)
+    # (the op's name, which a byte counter reports; a Function's ctx, traced by compiled
+    # autograd, has a name() method instead, and holds what names the op)
+    name = getattr(ctx, "name", None)
+    if not isinstance(name, str):
+        name = ("add_" if ctx.dtypes[1] is not None else "") + ("rms_norm" if ctx.rms else "layer_norm")
     dx, dw, db = norm_backward_op(dy, rows, weight, mean, rstd, dh_out, name, bias is not None, need_weight)
     return dx, dw if need_weight else None, db if bias is not None else None
 
