@@ -15,6 +15,7 @@ from torch import nn
 
 import fusedkit
 from fusedkit import fusion
+from fusedkit.bench.models import LLAMA_TINY
 
 F32 = 4
 
@@ -723,16 +724,8 @@ def _tiny_transformers():
     transformers = pytest.importorskip("transformers")
     ids = torch.randint(0, 100, (2, 8), device=DEVICE)
     special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-    # (a two-layer decoder, LLaMA's and Gemma 2's alike)
-    decoder = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        **special,
-    )
+    # (the models report's two-layer decoder, LLaMA's and Gemma 2's alike)
+    decoder = dict(LLAMA_TINY, **special)
     return {
         "gpt2": (
             transformers.GPT2LMHeadModel(
