@@ -595,15 +595,18 @@ def matmul_setup_context(ctx, inputs, output):
 _matmul_backward = None
 
 
-def register_matmul_backward(backward, jvp=None) -> None:
+def register_matmul_backward(backward, jvp=None, grad_steps=None) -> None:
     """Give the matmul (the custom op and the Functions below) its gradient formula and, for
     forward-mode AD, ``jvp(ctx, tangent_a, tangent_b, tangent_bias) -> (tangent_out,
-    tangent_pre)`` on what :func:`matmul_setup_context` kept."""
-    global _matmul_backward, _matmul_jvp
-    _matmul_backward, _matmul_jvp = backward, jvp
+    tangent_pre)`` on what :func:`matmul_setup_context` kept. ``grad_steps``: by activation,
+    the ``(kernel, param)`` the backward launches on ``(grad, saved)`` for the activation's
+    gradient (the C++ node launches it too: :func:`native_matmul`)."""
+    global _matmul_backward, _matmul_jvp, _matmul_grad_steps
+    _matmul_backward, _matmul_jvp, _matmul_grad_steps = backward, jvp, dict(grad_steps or {})
 
 
 _matmul_jvp = None
+_matmul_grad_steps: dict = {}
 
 
 def _op_backward(ctx, grad_out, _grad_pre):
@@ -696,6 +699,37 @@ def record_matmul(a2, b, bias, activation, kept=None) -> torch.Tensor:
     """An eager 2-D matmul that autograd records; ``kept``: the signature's kept plan."""
     store_pre = activation in matmul.NEEDS_PRE  # (a kept plan of such a call stores it too)
     return EagerMatmul.apply(a2, b, bias, activation, store_pre, kept)
+
+
+def native_matmul(kept, a, a2, b, bias, out):
+    """``kept``'s copy in the C++ launch table (``runtime.native.matmul_recipe``) as ``(table,
+    handle)``: its launch and, with a gradient, its node in C++ (an autograd Function's apply
+    and Python's launch took about 40% of a repeated ``linear_gelu``'s host time), or None
+    where the table does not take it."""
+    activation = kept.activation
+    step = None
+    if activation is not None:
+        step = _matmul_grad_steps.get(activation)
+        if step is None:
+            return None
+        step = (step[0], _param(*step))
+    fallback = functools.partial(_native_matmul_grads, activation, bias is not None)
+    return native.matmul_recipe(kept, a, a2, b, bias, out, step, "FusedkitMatmulBackward", fallback)
+
+
+def _native_matmul_grads(activation, has_bias: bool, grad, a, b, saved, needs) -> tuple:
+    """The C++ node's backward where it does not launch it: :class:`EagerMatmul`'s, on ``a``'s
+    2-D view, ``a``'s gradient shaped as ``a``."""
+    if torch.is_grad_enabled() and activation in matmul.NEEDS_PRE:
+        raise NotDifferentiableError(
+            f"matmul(): double backward through activation={activation!r} is not supported (None and 'relu' are)"
+        )
+    a2 = a.reshape(grad.shape[0], a.shape[-1])
+    ctx = SimpleNamespace(
+        saved_tensors=(a2, b, saved), activation=activation, has_bias=has_bias, needs_input_grad=tuple(needs)
+    )
+    grad_a, grad_b, grad_bias = _matmul_backward(ctx, grad)
+    return None if grad_a is None else grad_a.reshape(a.shape), grad_b, grad_bias
 
 
 def matmul_functorch(a2, b, bias, activation) -> torch.Tensor:

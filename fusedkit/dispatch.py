@@ -307,9 +307,19 @@ def _matmul(a, b, bias, activation):
         if key is not None:
             kept = mm.KEPT.get(key)
             if kept is not None:
+                made = mm.NATIVE.get(key, 0)  # (the C++ table's copy, or how often making one failed)
+                if type(made) is tuple:
+                    out = made[0].matmul(made[1], a, b, bias)
+                    if out is not None:
+                        return out
                 if kept.grad:
-                    return mm.with_lead(autograd.record_matmul(kept.a2(a), b, bias, activation, kept), kept.lead)
-                return kept.run(a, b, bias)
+                    out = mm.with_lead(autograd.record_matmul(kept.a2(a), b, bias, activation, kept), kept.lead)
+                else:
+                    out = kept.run(a, b, bias)
+                if type(made) is int and made < mm.NATIVE_TRIES:
+                    made = autograd.native_matmul(kept, a, kept.a2(a), b, bias, out.view(kept.m, kept.n))
+                    mm.NATIVE[key] = made if made is not None else mm.NATIVE.get(key, 0) + 1
+                return out
     _no_jit_trace("matmul")
     mm.validate(a, b, bias, activation, "matmul")
     if not _is_compiling():

@@ -420,7 +420,11 @@ def matmul_jvp(ctx, tangent_a, tangent_b, tangent_bias):
     return activation_grad(pre, saved, ctx.activation), pre if ctx.activation in NEEDS_PRE else pre.new_zeros(0)
 
 
-autograd.register_matmul_backward(matmul_backward, matmul_jvp)
+autograd.register_matmul_backward(
+    matmul_backward,
+    matmul_jvp,
+    {"relu": (RELU_GRAD, 1), **{name: (kernel, None) for name, kernel in _ACTIVATION_GRAD.items()}},
+)
 
 
 # --- Norms over rows: RMSNorm and LayerNorm, with a residual add first ------------------

@@ -15,6 +15,7 @@ memcheck.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import struct
@@ -856,3 +857,174 @@ def test_a_norm_parameter_past_float32_keeps_no_table_copy(table, monkeypatch):
     _norms_through(table, monkeypatch, x.device.index)
     fusedkit.add_rms_norm(x, r, None, 1e-5, alpha=1e39)
     assert list(rn.NATIVE.values()) == [None]
+
+
+# --- Matmuls: a repeated call's launch and node from the table ----------------------------
+
+
+def _matmul_kept(a, b, bias, activation, grad=True):
+    """A stand-in kept matmul call (``runtime.matmul.KeptMatmul``) on the TMA kernel, and the
+    stand-in kept launch its recipe copies (as Triton 3.6 keeps it: descriptor layouts read
+    from the compiled kernel)."""
+    from fusedkit.kernels.matmul_tma import matmul_tma_kernel
+    from fusedkit.runtime.configs import matmul_m_bucket
+
+    k = a.shape[-1]
+    m, n = a.numel() // k, b.shape[1]
+    plan = SimpleNamespace(copy_b=False, tma_ok=True, prefix=("stand-in",), split_k=1, ints=())
+    kept = SimpleNamespace(
+        plan=plan, grad=grad, activation=activation, device=a.device, m=m, k=k, n=n, lead=a.shape[:-1], dtype=a.dtype
+    )
+    ints = {"M": m, "N": n, "K": k, "M_BUCKET": matmul_m_bucket(m), "stride_bias": 1 if bias is not None else 0}
+    constants = fk_launch.constexpr_names(matmul_tma_kernel)
+    signature = {}
+    for name in matmul_tma_kernel.arg_names:
+        if name.endswith("_desc"):
+            signature[name] = "tensordesc<fp32[64, 32]>"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+        elif name in constants or ints[name] == 1:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i32"
+    layouts = tuple((3, 4, 7, (64, 32)) for _ in range(6))
+    compiled = SimpleNamespace(src=SimpleNamespace(signature=signature), packed_metadata=(4, 1, 0))
+    entry = fk_launch.Entry(compiled, None, 7, (4, 1, 0), (3, 1, 1), (0,) * len(constants), None, (), layouts, (0, 0))
+    return kept, entry, ints
+
+
+def _matmul_recipe(table, monkeypatch, a, b, bias, activation, grad_step=None, fallback=None):
+    from fusedkit import autograd
+    from fusedkit.runtime import matmul as mm
+
+    kept, entry, ints = _matmul_kept(a, b, bias, activation)
+    monkeypatch.setattr(mm, "TMA_LAUNCHES", SimpleNamespace(get=lambda key: entry))
+    out = torch.empty(kept.m, kept.n, dtype=a.dtype)
+    if fallback is None:
+        fallback = functools.partial(autograd._native_matmul_grads, activation, bias is not None)
+    made = native.matmul_recipe(
+        kept, a, a.reshape(kept.m, kept.k), b, bias, out, grad_step, "FusedkitMatmulBackward", fallback, table
+    )
+    assert made is not None
+    return made[1], ints
+
+
+def test_a_matmul_launches_from_the_table_with_its_node(table, monkeypatch):
+    # The kept TMA launch's parameters, the call's own: each descriptor (encoded from the
+    # slot's address in C++; a dry run records the address) then its view's sizes and strides,
+    # the pointers, the integers; the result laid out (lead..., N) with its node in C++, whose
+    # backward is the Python backward's products on the saved a and b.
+    a = rand((2, 3, 32), torch.float32, "cpu").requires_grad_()
+    weight = rand((48, 32), torch.float32, "cpu").requires_grad_()
+    bias = rand((48,), torch.float32, "cpu").requires_grad_()
+    handle, ints = _matmul_recipe(table, monkeypatch, a, weight.t(), bias, None)
+    out = table.matmul(handle, a, weight.t(), bias)
+    assert out.shape == (2, 3, 48) and out.grad_fn.name() == "FusedkitMatmulBackward"
+    o = out.data_ptr()
+    views = [(a.data_ptr(), 6, 32, 32, 1), (weight.data_ptr(), 48, 32, 32, 1), (o, 6, 48, 48, 1), (o, 6, 48, 48, 1)]
+    views += [views[1], views[2]]
+    expected = [v for view in views for v in view] + [bias.data_ptr(), o, o]
+    expected += [ints[name] for name in ("M", "N", "K", "M_BUCKET") if ints[name] != 1] + [0, 0]
+    assert table.last_params() == expected
+    edges = [fn for fn, _ in out.grad_fn.next_functions]
+    assert edges[0].variable is a and edges[2].variable is bias and edges[1].name() == "TBackward0"
+    grad = rand(out.shape, torch.float32, "cpu")
+    out.backward(grad)
+    g2 = grad.reshape(6, 48)
+    assert torch.equal(a.grad, torch.mm(g2, weight).reshape(a.shape))
+    assert torch.equal(weight.grad, torch.mm(a.detach().reshape(6, 32).t(), g2).t())
+    assert torch.equal(bias.grad, g2.sum(0))
+    # (no gradient wanted, no node: the result only)
+    with torch.no_grad():
+        assert table.matmul(handle, a, weight.t(), bias).grad_fn is None
+    # (a bias missing, a misaligned operand: Python's)
+    assert table.matmul(handle, a, weight.t(), None) is None
+    misaligned = rand((2 * 3 * 32 + 1,), torch.float32, "cpu")[1:].view(2, 3, 32)
+    assert table.matmul(handle, misaligned, weight.t(), bias) is None
+
+
+def test_a_matmul_nodes_backward_launches_the_kept_activation_gradient(table, monkeypatch):
+    # ReLU: the node saves the result and launches relu_grad's kept launch on (grad, out) from
+    # the table, no Python; the products after it.
+    from fusedkit.library import RELU_GRAD
+
+    a = rand((6, 32), torch.float32, "cpu").requires_grad_()
+    weight = rand((48, 32), torch.float32, "cpu").requires_grad_()
+    calls = []
+    handle, _ = _matmul_recipe(
+        table, monkeypatch, a, weight.t(), None, "relu", (RELU_GRAD, 1), lambda *args: calls.append(args)
+    )
+    out = table.matmul(handle, a, weight.t(), None)
+    grad = rand(out.shape, torch.float32, "cpu")
+    _kept_relu_grad_in(table, grad, out)
+    params = table.last_params()
+    torch.autograd.grad(out, (a, weight), grad)
+    assert not calls  # (the Python backward never ran)
+    launched = table.last_params()
+    assert launched != params and launched[1:3] == [grad.data_ptr(), out.data_ptr()]  # (its result first)
+
+
+def test_a_matmul_node_keeps_autograds_rules(table, monkeypatch):
+    # The saved a is version-checked; a GELU node under create_graph refuses, as EagerMatmul does.
+    a = rand((6, 32), torch.float32, "cpu").requires_grad_()
+    weight = rand((48, 32), torch.float32, "cpu").requires_grad_()
+    handle, _ = _matmul_recipe(table, monkeypatch, a.detach().clone(), weight.t(), None, None)
+    x = a * 1
+    out = table.matmul(handle, x, weight.t(), None)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    from fusedkit.library import GELU_GRAD
+
+    handle, _ = _matmul_recipe(table, monkeypatch, a, weight.t(), None, "gelu", (GELU_GRAD, None))
+    out = table.matmul(handle, a, weight.t(), None)
+    with pytest.raises(fusedkit.NotDifferentiableError):
+        torch.autograd.grad(out.sum(), a, create_graph=True)
+
+
+_MATMUL_CASES = {
+    "gelu-bias-3d-bf16": ((2, 64, 256), torch.bfloat16, True, "gelu", True),
+    "relu-fp16": ((128, 256), torch.float16, False, "relu", True),
+    "plain-bias-no-grad": ((128, 256), torch.bfloat16, True, None, False),
+    "silu-fp32": ((64, 256), torch.float32, True, "silu", True),
+    "gelu_tanh-a-column-major": ((128, 256), torch.bfloat16, True, "gelu_tanh", "mmajor"),
+    "gelu-decode": ((1, 256), torch.bfloat16, True, "gelu", True),
+    "gelu-no-grad": ((2, 64, 256), torch.bfloat16, True, "gelu", False),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the table launches on a GPU")
+@pytest.mark.parametrize("case", _MATMUL_CASES, ids=list(_MATMUL_CASES))
+def test_matmuls_from_the_table_equal_pythons(fk_settings, case):
+    # The same calls through the Python kept launch (the second) and the C++ table (the third on,
+    # its backward launching the kept activation gradient from the fourth): bit-identical
+    # results and gradients, and within the float64 reference's tolerance.
+    from fusedkit.runtime import matmul as mm
+
+    shape, dtype, has_bias, activation, grad = _MATMUL_CASES[case]
+    fk_settings(native_launch=True)
+    fusedkit.clear_caches()
+    a = rand(shape, dtype, DEVICE)
+    if grad == "mmajor":
+        a = rand(shape[::-1], dtype, DEVICE).t()
+    weight = rand((384, 256), dtype, DEVICE)
+    bias = rand((384,), dtype, DEVICE) if has_bias else None
+    leaves = [t for t in (a, weight, bias) if t is not None]
+    for t in leaves:
+        t.requires_grad_(bool(grad))
+    g = rand((*shape[:-1], 384), dtype, DEVICE)
+    results = []
+    for _ in range(5):
+        out = fusedkit.matmul(a, weight.t(), bias, activation)
+        grads = torch.autograd.grad(out, leaves, g) if grad else ()
+        results.append((out.detach(), grads, out.grad_fn))
+    key = mm.call_key(a, weight.t(), bias, activation)
+    assert type(mm.NATIVE.get(key)) is tuple
+    for out, grads, fn in results[2:]:
+        assert fn is None if not grad else fn.name() == "FusedkitMatmulBackward"
+        assert torch.equal(out, results[1][0])
+        assert all(torch.equal(x, y) for x, y in zip(grads, results[1][1]))
+    wide = [None if t is None else t.detach().double() for t in (a, weight.t(), bias)]
+    reference = mm.matmul_reference(*wide, activation)
+    floor = fusedkit.testing.matmul_error_floor(*wide)
+    fusedkit.testing.assert_rel_err(results[-1][0].double(), reference, fusedkit.testing.matmul_rel_err(dtype), floor)

@@ -62,6 +62,8 @@ __all__ = [
     "activation_grad",
     "KeptMatmul",
     "MATMUL_DTYPES",
+    "NATIVE",
+    "NATIVE_TRIES",
     "NEEDS_PRE",
     "PLANS",
     "Plan",
@@ -699,7 +701,12 @@ def activation_grad(g2, b, pre, activation: str, bias_grad: bool):
 # activation, whether autograd records it, and the settings the plan reads) was validated
 # before reuses its validation and launch plan; per call it allocates the result and launches.
 
-KEPT = launch.CallCache()
+#: The C++ launch table's copies of kept calls, by signature (``fusedkit.autograd.native_matmul``:
+#: ``(table, handle)``), or how many times making one found nothing to copy yet (a kernel not
+#: yet kept for aligned pointers); tried again up to ``NATIVE_TRIES`` times. Emptied with KEPT.
+NATIVE: dict = {}
+NATIVE_TRIES = 3
+KEPT = launch.CallCache(on_clear=NATIVE.clear)
 
 
 def call_key(a, b, bias, activation) -> tuple | None:

@@ -508,3 +508,126 @@ def norm_backward(handle, given: bool, recipe, backward) -> bool:
         backward.dh_dtype,
     )
     return True
+
+
+# --- Matmuls: a repeated call, forward and (with a gradient) its node in C++ ----------------
+# Slots, by digit: 0-4 a, b, bias, out, pre (an absent bias or pre reads out's address, as the
+# Python launch passes out for them). The TMA kernel's descriptors are encoded per call in C++
+# from the slot's address and the view the kept launch read (``matmul_tma.encoded_args``).
+
+_MATMUL_POINTERS = {
+    "a_ptr": "0",
+    "b_ptr": "1",
+    "c_ptr": "3",
+    "bias_ptr": "2",
+    "pre_ptr": "4",
+    "ws_ptr": "3",
+    "arrivals_ptr": "3",
+    "colsum_ptr": "3",
+    "b2_ptr": "1",
+    "bias2_ptr": "3",
+    "pre2_ptr": "4",
+}
+#: The TMA kernel's descriptor parameters: (slot, whether the view is the tensor's transpose).
+_MATMUL_DESCRIPTORS = ("a_desc", "b_desc", "c_desc", "pre_desc", "b2_desc", "pre2_desc")
+
+
+def _matmul_layout(entry, a2, b, out, scalars: tuple, tma: bool):
+    """``(kinds, values, maps)`` of a kept matmul launch (``entry``) on slots, or None where a
+    parameter is of a type the table does not pack. ``scalars``: the kernel's integer arguments
+    after its pointers, in order."""
+    from . import matmul_tma
+
+    signature = triton_api.signature(entry.compiled)
+    views = {}
+    if tma:
+        if entry.layouts is None or len(entry.layouts) != len(_MATMUL_DESCRIPTORS):
+            return None
+        flips = (matmul_tma.a_mmajor(a2), matmul_tma.b_kmajor(b), False, False, matmul_tma.b_kmajor(b), False)
+        tensors = (a2, b, out, out, b, out)
+        slots = ("0", "1", "3", "4", "1", "4")
+        for name, t, flip, slot, layout in zip(_MATMUL_DESCRIPTORS, tensors, flips, slots, entry.layouts):
+            _, shape, strides = matmul_tma.row_major(t, flip)
+            views[name] = (int(slot), shape, strides, layout)
+    heads = len(views) + sum(1 for name in signature if name in _MATMUL_POINTERS)
+    values = (None,) * heads + (*scalars, *entry.tail)
+    if len(signature) != len(values):
+        return None
+    kinds, packed, maps = [], [], []
+    for (name, ty), value in zip(signature.items(), values):
+        if ty == "constexpr":
+            continue
+        if name in views:
+            if not ty.startswith("tensordesc"):
+                return None
+            slot, (rows, cols), (s0, s1), (swizzle, elem_size, elem_type, block) = views[name]
+            kinds.append("T")
+            packed.append(len(maps))
+            maps.append((slot, swizzle, elem_size, elem_type, (block[1], block[0]), (cols, rows), s0 * elem_size))
+            kinds += ["i", "i", "l", "l"]  # (the launcher passes the view's sizes and strides after it)
+            packed += [rows, cols, s0, s1]
+        elif ty.startswith("*"):
+            if name not in _MATMUL_POINTERS:
+                return None
+            kinds.append(_MATMUL_POINTERS[name])
+            packed.append(0)
+        elif ty in ("i32", "i64") and type(value) is int:
+            kinds.append("i" if ty == "i32" else "l")
+            packed.append(value)
+        else:
+            return None
+    return "".join(kinds), packed, maps
+
+
+def matmul_recipe(kept, a, a2, b, bias, out, grad_step, name: str, fallback, table=None):
+    """The C++ table's copy of ``kept`` (a ``runtime.matmul.KeptMatmul`` whose call ``a``
+    (``a2`` its 2-D view), ``b``, ``bias`` launched into ``out``) as ``(table, handle)``; its
+    node's backward launches ``grad_step`` (``(kernel, param)`` of the activation's gradient on
+    (grad, saved), None without an activation), else runs ``fallback(grad, a, b, saved,
+    needs)``. None where the table is off, not built, or cannot repeat the launch: a copy of
+    ``b`` first, split-K, a kernel not yet kept for aligned pointers, a 2-D ``a2`` that is not a
+    view of ``a``. ``a``'s layout is the signature's, so the kept launch reads it as ``a2``."""
+    from . import matmul as mm
+    from .configs import matmul_m_bucket
+
+    if not enabled() or (table is None and not applies()):
+        return None
+    plan = kept.plan
+    if plan.copy_b or (a2 is not a and a2.data_ptr() != a.data_ptr()):
+        return None
+    aligned = (True,) * 11
+    if plan.tma_ok:
+        entry = mm.TMA_LAUNCHES.get(plan.prefix + (True,) + aligned)
+        m_bucket = matmul_m_bucket(a2.shape[0])
+        scalars = (a2.shape[0], b.shape[1], a2.shape[1], m_bucket, bias.stride(0) if bias is not None else 0)
+    else:
+        entry = None if plan.split_k > 1 else mm.LAUNCHES.get(plan.prefix + (False,) + aligned)
+        scalars = plan.ints
+    geometry = None if entry is None else _plain_launch(entry)
+    layout = None if geometry is None else _matmul_layout(entry, a2, b, out, scalars, plan.tma_ok)
+    step = (None, 0, 0) if grad_step is None else (grad_step[0], *(_param_encoding(grad_step[1]) or (None, None)))
+    if layout is None or step[1] is None:
+        return None
+    table = table if table is not None else _table()
+    if table is None:
+        return None
+    store_pre = kept.grad and kept.activation in mm.NEEDS_PRE
+    saves = 2 if store_pre else 1 if kept.activation == "relu" else 0
+    handle = table.matmul_recipe(
+        entry.function,
+        *geometry,
+        *layout,
+        kept.device,
+        kept.m,
+        kept.k,
+        kept.n,
+        [*kept.lead, kept.n],
+        kept.dtype,
+        store_pre,
+        saves,
+        bias is not None,
+        *step,
+        name,
+        fallback,
+    )
+    return table, handle

@@ -453,34 +453,74 @@ struct NodeFactory<c10::intrusive_ptr<N>> {
   }
 };
 
+// cuTensorMapEncodeTiled, resolved at run time as cuLaunchKernel is.
+using EncodeTiled = int (*)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*, const uint32_t*,
+                            const uint32_t*, int, int, int, int);
+
+// A TMA descriptor parameter (CUtensorMap: 128 bytes, passed by value) of a slot's address,
+// for a fixed 2-D row-major view: what Triton's launcher encodes from a TensorDescriptor
+// (fill_tma_descriptor: unit element strides, no interleave, 128-byte L2 promotion, no
+// out-of-bounds fill), every call, for the call's address.
+struct TensorMapSpec {
+  int slot = 0;
+  int swizzle = 0, elem_size = 0, elem_type = 0;
+  std::array<uint32_t, 2> box{};     // innermost first
+  std::array<uint64_t, 2> dims{};    // innermost first
+  uint64_t row_bytes = 0;            // the outer dimension's stride in bytes
+
+  bool encode(void* map, uint64_t address) const {
+    static auto fn = reinterpret_cast<EncodeTiled>(driver_symbol("cuTensorMapEncodeTiled"));
+    const uint64_t strides[2] = {row_bytes, row_bytes * dims[1]};  // (the launcher's; only the first is read)
+    const uint32_t element_strides[2] = {1, 1};
+    constexpr int kInterleaveNone = 0, kL2Promotion128B = 2, kFillNone = 0;
+    return fn(map, elem_type, 2, reinterpret_cast<void*>(address), dims.data(), strides, box.data(), element_strides,
+              kInterleaveNone, swizzle, kL2Promotion128B, kFillNone) == 0;
+  }
+};
+
+struct alignas(128) TensorMapBytes {
+  uint64_t words[16];
+};
+
 // A kept launch whose parameters are the addresses of slots (the call's tensors and the
-// buffers it allocates), each plus a byte offset, and numbers: a norm's, forward or backward.
+// buffers it allocates), each plus a byte offset, numbers and TMA descriptors of slots: a
+// norm's, forward or backward, or a matmul's.
 struct SlotLaunch {
   uint64_t function = 0;
   unsigned grid = 0, block = 0, shared = 0;
   // Per kernel parameter: '0' + s the address of slot s plus values[i] bytes; 'i' / 'l' a
-  // 32- / 64-bit integer, 'f' a float32's bits, from values[i].
+  // 32- / 64-bit integer, 'f' a float32's bits, from values[i]; 'T' the descriptor maps[values[i]].
   std::string kinds;
   std::vector<int64_t> values;
+  std::vector<TensorMapSpec> maps;
 
   // Launched on the slots' addresses (false: it cannot run here, another device being
-  // current); a dry run records the parameters instead.
+  // current, or a descriptor the driver would not encode); a dry run records the parameters
+  // instead (a descriptor as its address).
   bool run(const std::vector<uint64_t>& slots, const c10::Device& device, Store& store) const {
     const size_t n = kinds.size();
     std::vector<uint64_t> storage(n + 2, 0);
+    std::vector<TensorMapBytes> encoded(maps.size());
     std::vector<void*> params(n + 2);
     for (size_t i = 0; i < n; ++i) {
       const char kind = kinds[i];
+      params[i] = &storage[i];
       if (kind == 'i' || kind == 'f') {
         const uint32_t v = static_cast<uint32_t>(values[i]);
         std::memcpy(&storage[i], &v, sizeof v);
       } else if (kind == 'l') {
         storage[i] = static_cast<uint64_t>(values[i]);
+      } else if (kind == 'T') {
+        const TensorMapSpec& spec = maps.at(values[i]);
+        storage[i] = slots.at(spec.slot);
+        if (!store.dry_run) {
+          if (!spec.encode(&encoded[values[i]], storage[i])) return false;
+          params[i] = &encoded[values[i]];
+        }
       } else {
         TORCH_CHECK(kind >= '0' && kind <= '9', "fusedkit native launch: parameter kind ", kind);
         storage[i] = slots.at(kind - '0') + static_cast<uint64_t>(values[i]);
       }
-      params[i] = &storage[i];
     }
     params[n] = &storage[n];          // global scratch
     params[n + 1] = &storage[n + 1];  // profile scratch
@@ -651,6 +691,116 @@ class NormNode : public torch::autograd::Node {
   std::mutex mutex_;
 };
 
+// A repeated matmul call (runtime.matmul's kept signature, fusedkit.native.matmul_recipe):
+// its launch on slots (a, b, bias, out, pre), out laid out (lead..., N), and for a call with
+// a gradient what its node keeps and runs: the activation's gradient as a kept elementwise
+// launch of (grad, saved), then the products and the bias's sum in ATen, as the Python
+// backward (library.matmul_backward) runs them; the Python backward for everything else.
+struct MatmulRecipe {
+  SlotLaunch forward;
+  c10::Device device;
+  int64_t m = 0, k = 0, n = 0;
+  std::vector<int64_t> out_shape;
+  at::ScalarType dtype = at::kFloat;
+  bool store_pre = false;  // pre (M, N) written beside out, kept for the backward
+  int saves = 0;           // what the backward reads besides a and b: 0 nothing, 1 out (ReLU), 2 pre
+  bool has_bias = false;
+  GradStep act_grad;       // kernel 0: no activation (the gradient passes as it is)
+  std::string name;
+  py::object fallback;     // (grad (M, N), a, b, saved, needs) -> three gradients, a's as a is shaped
+
+  MatmulRecipe(SlotLaunch f, c10::Device d) : forward(std::move(f)), device(d) {}
+  ~MatmulRecipe() {
+    if (Py_IsInitialized() && !Py_IsFinalizing()) {
+      py::gil_scoped_acquire gil;
+      fallback = py::object();
+      act_grad.kernel_ref = py::object();
+    } else {
+      fallback.release();
+      act_grad.kernel_ref.release();
+    }
+  }
+};
+
+class MatmulNode : public torch::autograd::Node {
+ public:
+  MatmulNode(std::shared_ptr<MatmulRecipe> recipe, std::shared_ptr<Store> store)
+      : recipe_(std::move(recipe)), store_(std::move(store)) {}
+
+  std::string name() const override { return recipe_->name; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list result(3);
+    if (grads.empty() || !grads[0].defined()) return result;
+    std::unique_lock<std::mutex> lock(mutex_);
+    py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
+    std::array<at::Tensor, 3> saved;  // a, b, out or pre
+    for (size_t i = 0; i < saved_.size(); ++i) saved[i] = saved_[i].unpack(getptr());
+    lock.unlock();
+    const MatmulRecipe& r = *recipe_;
+    const at::Tensor grad = grads[0].reshape({r.m, r.n});  // (a view of the engine's, as a view's node gives)
+    std::array<bool, 3> needs{};
+    for (size_t i = 0; i < 3; ++i) needs[i] = should_compute_output(i);
+    if (planned(grad, saved, needs, result)) return result;
+    auto wrap = [](const at::Tensor& t) {
+      return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
+    };
+    python_backward(r.name, result, [&] {
+      return r.fallback(wrap(grad), wrap(saved[0]), wrap(saved[1]), wrap(saved[2]),
+                        py::make_tuple(needs[0], needs[1], needs[2]));
+    });
+    return result;
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : saved_) s.reset_data();
+  }
+
+  std::vector<torch::autograd::SavedVariable> saved_;  // a, b, then out or pre where read
+
+ private:
+  // The Python backward's launches, from C++: only where it would launch them (no gradient of
+  // the gradient, no dispatch mode or profiler) and the activation's gradient is kept.
+  bool planned(const at::Tensor& grad, const std::array<at::Tensor, 3>& saved, const std::array<bool, 3>& needs,
+               torch::autograd::variable_list& result) {
+    const MatmulRecipe& r = *recipe_;
+    if (at::GradMode::is_enabled() || !eager_and_unobserved() || !store_->hooks.idle()) return false;
+    const at::Tensor& a = saved[0];
+    const at::Tensor& b = saved[1];
+    for (const at::Tensor* t : {&grad, &a, &b, &saved[2]}) {
+      if (t->defined() && (t->device() != r.device || t->is_neg() || t->is_conj() || t->layout() != at::kStrided ||
+                           !t->has_storage() || t->key_set().has(c10::DispatchKey::Python))) {
+        return false;
+      }
+    }
+    at::Tensor g;
+    if (r.act_grad.kernel == 0) {
+      g = grad.contiguous();
+    } else {
+      if (!saved[2].defined()) return false;
+      const std::vector<const at::Tensor*> ts{&grad, &saved[2]};
+      const GradStep& step = r.act_grad;
+      const Launch* l = store_->find(step.kernel, r.device, ts, [&](const Param& p) {
+        return p.kind == step.param.kind && p.bits == step.param.bits;
+      });
+      if (l == nullptr || l->pair) return false;
+      g = store_->launch(*l, ts)[0];
+      if (!g.defined()) return false;
+      if (!g.is_contiguous()) g = g.contiguous();
+    }
+    // (torch.mm as F.linear's backward runs them; the bias's sum as nn.Linear's)
+    if (needs[0]) result[0] = at::mm(g, b.t()).reshape(a.sizes());
+    if (needs[1]) result[1] = at::mm(a.reshape({r.m, r.k}).t(), g);
+    if (needs[2] && r.has_bias) result[2] = g.sum(0);
+    return true;
+  }
+
+  std::shared_ptr<MatmulRecipe> recipe_;
+  std::shared_ptr<Store> store_;
+  std::mutex mutex_;
+};
+
 class Table {
  public:
   explicit Table(bool dry_run) : store_(std::make_shared<Store>(dry_run)) {}
@@ -759,6 +909,52 @@ class Table {
     return py::make_tuple(y_py, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(h))));
   }
 
+  // The result of a repeated matmul call (out, laid out (lead..., N)), with its autograd node
+  // where an operand needs a gradient, or None where the kept launch does not take it: the
+  // signature matched the recipe's in Python (runtime.matmul.call_key).
+  py::object matmul(const std::shared_ptr<MatmulRecipe>& recipe, py::handle a_obj, py::handle b_obj,
+                    py::handle bias_obj) {
+    if (!eager_and_unobserved() || !store_->hooks.idle()) return py::none();
+    const MatmulRecipe& r = *recipe;
+    std::array<at::Tensor, 3> in;  // a, b, bias
+    const std::array<py::handle, 3> objs{a_obj, b_obj, bias_obj};
+    bool needs_grad = false;
+    const bool grad_mode = at::GradMode::is_enabled();
+    for (size_t i = 0; i < 3; ++i) {
+      if (objs[i].is_none()) continue;
+      if (!THPVariable_Check(objs[i].ptr())) return py::none();
+      in[i] = THPVariable_Unpack(objs[i].ptr());
+      if (!in[i].has_storage() || !aligned(in[i]) || in[i].device() != r.device ||
+          in[i]._fw_grad(/*level=*/0).defined()) {
+        return py::none();
+      }
+      needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
+    }
+    if (in[2].defined() != r.has_bias) return py::none();
+    if (!store_->dry_run && (!r.device.is_cuda() ||
+                             c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() != r.device)) {
+      return py::none();  // (Python launches under the right device)
+    }
+    const auto options = at::TensorOptions().device(r.device).dtype(r.dtype);
+    at::Tensor out = at::empty(r.out_shape, options);
+    at::Tensor pre = r.store_pre ? at::empty({r.m, r.n}, options) : at::Tensor();
+    const uint64_t o = address(out);
+    const std::vector<uint64_t> slots{address(in[0]), address(in[1]), in[2].defined() ? address(in[2]) : o, o,
+                                      pre.defined() ? address(pre) : o};
+    if (!r.forward.run(slots, r.device, *store_)) return py::none();
+    if (needs_grad) {
+      auto node = NodeFactory<NodeHandle>::template make<MatmulNode>(recipe, store_);
+      node->set_next_edges(torch::autograd::collect_next_edges(in[0], in[1], in[2]));
+      torch::autograd::set_history(out, node);
+      node->saved_.reserve(3);
+      node->saved_.emplace_back(in[0], false);
+      node->saved_.emplace_back(in[1], false);
+      if (r.saves == 1) node->saved_.emplace_back(out, /*is_output=*/true);
+      if (r.saves == 2) node->saved_.emplace_back(pre, false);
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+  }
+
   std::vector<uint64_t> last_params() const { return store_->last_params; }
 
   void watch_launch_hooks(py::object runtime, py::object chain_type) {
@@ -804,6 +1000,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  zeroed, need_weight, has_bias, dh_dtype};
            })
       .def("has_backward", [](const NormRecipe& r, bool given) { return r.backward[given ? 1 : 0].has_value(); });
+  py::class_<MatmulRecipe, std::shared_ptr<MatmulRecipe>>(m, "MatmulRecipe");
   py::class_<Table>(m, "Table")
       .def(py::init<bool>(), py::arg("dry_run") = false)
       .def("add",
@@ -849,6 +1046,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              r->r_dtype = r_dtype;
              r->stats = stats;
              r->alpha = alpha;
+             r->name = std::move(name);
+             r->fallback = std::move(fallback);
+             return r;
+           })
+      .def("matmul", &Table::matmul)
+      .def("matmul_recipe",
+           [](Table&, uint64_t function, unsigned grid, unsigned block, unsigned shared, std::string kinds,
+              std::vector<int64_t> values,
+              std::vector<std::tuple<int, int, int, int, std::array<uint32_t, 2>, std::array<uint64_t, 2>, uint64_t>> maps,
+              c10::Device device, int64_t m, int64_t k, int64_t n, std::vector<int64_t> out_shape, at::ScalarType dtype,
+              bool store_pre, int saves, bool has_bias, py::object act_grad, int act_kind, int64_t act_bits,
+              std::string name, py::object fallback) {
+             TORCH_CHECK(kinds.size() == values.size(), "kinds and values differ in length");
+             TORCH_CHECK(saves >= 0 && saves <= 2, "saves must be 0, 1 or 2");
+             SlotLaunch launch{function, grid, block, shared, std::move(kinds), std::move(values), {}};
+             for (auto& [slot, swizzle, elem_size, elem_type, box, dims, row_bytes] : maps) {
+               launch.maps.push_back(TensorMapSpec{slot, swizzle, elem_size, elem_type, box, dims, row_bytes});
+             }
+             auto r = std::make_shared<MatmulRecipe>(std::move(launch), device);
+             r->m = m;
+             r->k = k;
+             r->n = n;
+             r->out_shape = std::move(out_shape);
+             r->dtype = dtype;
+             r->store_pre = store_pre;
+             r->saves = saves;
+             r->has_bias = has_bias;
+             const int64_t id = act_grad.is_none() ? 0 : reinterpret_cast<int64_t>(act_grad.ptr());
+             r->act_grad = GradStep{id, Param{act_kind, act_bits}, 0, act_grad};
              r->name = std::move(name);
              r->fallback = std::move(fallback);
              return r;
