@@ -714,7 +714,11 @@ def native_matmul(kept, a, a2, b, bias, out):
             return None
         step = (step[0], _param(*step))
     fallback = functools.partial(_native_matmul_grads, activation, bias is not None)
-    return native.matmul_recipe(kept, a, a2, b, bias, out, step, "FusedkitMatmulBackward", fallback)
+    launched = matmul.table_launch(kept.plan, a2, b, bias)
+    store_pre = kept.grad and activation in matmul.NEEDS_PRE
+    return native.matmul_recipe(
+        kept, a, a2, b, bias, out, launched, store_pre, step, "FusedkitMatmulBackward", fallback
+    )
 
 
 def _native_matmul_grads(activation, has_bias: bool, grad, a, b, saved, needs) -> tuple:

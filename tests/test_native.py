@@ -902,8 +902,11 @@ def _matmul_recipe(table, monkeypatch, a, b, bias, activation, grad_step=None, f
     out = torch.empty(kept.m, kept.n, dtype=a.dtype)
     if fallback is None:
         fallback = functools.partial(autograd._native_matmul_grads, activation, bias is not None)
+    a2 = a.reshape(kept.m, kept.k)
+    launched = mm.table_launch(kept.plan, a2, b, bias)
+    store_pre = activation in mm.NEEDS_PRE
     made = native.matmul_recipe(
-        kept, a, a.reshape(kept.m, kept.k), b, bias, out, grad_step, "FusedkitMatmulBackward", fallback, table
+        kept, a, a2, b, bias, out, launched, store_pre, grad_step, "FusedkitMatmulBackward", fallback, table
     )
     assert made is not None
     return made[1], ints

@@ -81,6 +81,7 @@ __all__ = [
     "run",
     "split_k_buffers",
     "tf32_enabled",
+    "table_launch",
     "torch_activation",
     "validate",
     "with_lead",
@@ -771,6 +772,22 @@ class KeptMatmul:
         pre = torch.empty_like(out)
         launch_matmul(a2, b, bias, self.activation, out, pre, self.plan)
         return out, pre
+
+
+def table_launch(plan: Plan, a2, b, bias) -> tuple | None:
+    """``(entry, tma, scalars)`` of the compiled kernel ``plan`` launches for aligned pointers
+    (``launch.Entry``; whether it is the TMA kernel; its integer arguments after the pointers),
+    as the C++ table repeats it (``native.matmul_recipe``); None where none is kept yet or the
+    launch needs more than its operands (a K-major copy of ``b``, split-K's workspace)."""
+    aligned = (True,) * 11
+    if plan.copy_b:
+        return None
+    if plan.tma_ok:
+        entry = TMA_LAUNCHES.get(plan.prefix + (True,) + aligned)
+        scalars = matmul_tma.tail_args(a2, b, bias, a2, matmul_m_bucket(a2.shape[0]))[3:]
+        return None if entry is None else (entry, True, scalars)
+    entry = None if plan.split_k > 1 else LAUNCHES.get(plan.prefix + (False,) + aligned)
+    return None if entry is None else (entry, False, plan.ints)
 
 
 def remember(key, a2, b, bias, activation, lead, out, grad: bool) -> None:

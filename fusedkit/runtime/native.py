@@ -579,39 +579,30 @@ def _matmul_layout(entry, a2, b, out, scalars: tuple, tma: bool):
     return "".join(kinds), packed, maps
 
 
-def matmul_recipe(kept, a, a2, b, bias, out, grad_step, name: str, fallback, table=None):
+def matmul_recipe(kept, a, a2, b, bias, out, launched, store_pre: bool, grad_step, name: str, fallback, table=None):
     """The C++ table's copy of ``kept`` (a ``runtime.matmul.KeptMatmul`` whose call ``a``
-    (``a2`` its 2-D view), ``b``, ``bias`` launched into ``out``) as ``(table, handle)``; its
-    node's backward launches ``grad_step`` (``(kernel, param)`` of the activation's gradient on
-    (grad, saved), None without an activation), else runs ``fallback(grad, a, b, saved,
-    needs)``. None where the table is off, not built, or cannot repeat the launch: a copy of
-    ``b`` first, split-K, a kernel not yet kept for aligned pointers, a 2-D ``a2`` that is not a
-    view of ``a``. ``a``'s layout is the signature's, so the kept launch reads it as ``a2``."""
-    from . import matmul as mm
-    from .configs import matmul_m_bucket
-
-    if not enabled() or (table is None and not applies()):
+    (``a2`` its 2-D view), ``b``, ``bias`` launched into ``out``) as ``(table, handle)``;
+    ``launched``: ``(entry, tma, scalars)``, the kept launch it repeats (``runtime.matmul.
+    table_launch``: the TMA kernel's or the pointer kernel's, and the kernel's integer arguments
+    after its pointers). ``store_pre``: the call keeps its pre-activation for the backward
+    (a recorded GELU or SiLU). Its node's backward launches ``grad_step`` (``(kernel, param)`` of the
+    activation's gradient on (grad, saved), None without an activation), else runs
+    ``fallback(grad, a, b, saved, needs)``. None where the table is off, not built, or cannot
+    repeat the launch (a parameter it does not pack, a 2-D ``a2`` that is not a view of ``a``).
+    ``a``'s layout is the signature's, so the launch reads it as ``a2``."""
+    if not enabled() or (table is None and not applies()) or launched is None:
         return None
-    plan = kept.plan
-    if plan.copy_b or (a2 is not a and a2.data_ptr() != a.data_ptr()):
+    if a2 is not a and a2.data_ptr() != a.data_ptr():
         return None
-    aligned = (True,) * 11
-    if plan.tma_ok:
-        entry = mm.TMA_LAUNCHES.get(plan.prefix + (True,) + aligned)
-        m_bucket = matmul_m_bucket(a2.shape[0])
-        scalars = (a2.shape[0], b.shape[1], a2.shape[1], m_bucket, bias.stride(0) if bias is not None else 0)
-    else:
-        entry = None if plan.split_k > 1 else mm.LAUNCHES.get(plan.prefix + (False,) + aligned)
-        scalars = plan.ints
+    entry, tma, scalars = launched
     geometry = None if entry is None else _plain_launch(entry)
-    layout = None if geometry is None else _matmul_layout(entry, a2, b, out, scalars, plan.tma_ok)
+    layout = None if geometry is None else _matmul_layout(entry, a2, b, out, scalars, tma)
     step = (None, 0, 0) if grad_step is None else (grad_step[0], *(_param_encoding(grad_step[1]) or (None, None)))
     if layout is None or step[1] is None:
         return None
     table = table if table is not None else _table()
     if table is None:
         return None
-    store_pre = kept.grad and kept.activation in mm.NEEDS_PRE
     saves = 2 if store_pre else 1 if kept.activation == "relu" else 0
     handle = table.matmul_recipe(
         entry.function,
