@@ -1031,3 +1031,33 @@ def test_matmuls_from_the_table_equal_pythons(fk_settings, case):
     reference = mm.matmul_reference(*wide, activation)
     floor = fusedkit.testing.matmul_error_floor(*wide)
     fusedkit.testing.assert_rel_err(results[-1][0].double(), reference, fusedkit.testing.matmul_rel_err(dtype), floor)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the table launches on a GPU")
+def test_a_matmul_from_the_table_in_a_cuda_graph_and_a_new_thread(fk_settings):
+    # Its descriptors are encoded on the host for the captured addresses: a replay reads the
+    # inputs' new values; a thread without a current context launches too.
+    import threading
+
+    from fusedkit.runtime import matmul as mm
+
+    fk_settings(native_launch=True)
+    fusedkit.clear_caches()
+    a, weight = rand((96, 256), torch.bfloat16, DEVICE), rand((384, 256), torch.bfloat16, DEVICE)
+    for _ in range(3):
+        fusedkit.matmul(a, weight.t(), None, "gelu")
+    if type(mm.NATIVE.get(mm.call_key(a, weight.t(), None, "gelu"))) is not tuple:
+        pytest.skip("no table copy was made (a Triton other than 3.6, or the build failed)")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static = fusedkit.matmul(a, weight.t(), None, "gelu")
+    a.copy_(rand(a.shape, a.dtype, DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, fusedkit.matmul(a, weight.t(), None, "gelu"))
+    got = []
+    thread = threading.Thread(target=lambda: got.append(fusedkit.matmul(a, weight.t(), None, "gelu")))
+    thread.start()
+    thread.join()
+    assert torch.equal(got[0], static)
