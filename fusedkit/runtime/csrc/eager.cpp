@@ -7,8 +7,10 @@
 // kernel's parameters the way Triton 3.6's launcher packs them, and cuLaunchKernel on the
 // current stream. A call whose operands require a gradient gets its autograd node here
 // too, as torch's own ops get theirs (KeptBackward: the saved tensors in C++; the kernel's
-// backward as kept launches where its plan's are kept, else in Python). Anything it does
-// not match returns None, and Python takes the call.
+// backward as kept launches where its plan's are kept, else in Python). The norms
+// (NormRecipe, NormNode) and the matmul (MatmulRecipe, MatmulNode: TMA descriptors encoded
+// per call) are matched by their signature in Python and launched here the same way.
+// Anything it does not match returns None, and Python takes the call.
 
 #include <torch/extension.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
