@@ -432,3 +432,58 @@ def test_norm_kernels_compile_with_wide_loads_and_no_local_memory():
     facts = run_fresh(NORMS, **NO_DEFAULT_FMA)
     for case, f in facts.items():
         assert f["wide_loads"] > 0 and not f["local"], (case, f)
+
+
+TABLE_PACKING = r"""
+import json, torch
+from types import SimpleNamespace
+from fusedkit.runtime import matmul_tma, native, triton_api
+from fusedkit.runtime.codegen import compile_matmul_tma
+from fusedkit.runtime.configs import MATMUL_TMA_FIXED_OPTIONS, matmul_tma_fixed_tile
+from fusedkit.kernels.matmul_tma import matmul_tma_kernel
+from fusedkit.runtime.launch import constexpr_names
+
+tile = matmul_tma_fixed_tile(2)
+c = compile_matmul_tma(torch.bfloat16, tile, MATMUL_TMA_FIXED_OPTIONS["num_warps"],
+                       MATMUL_TMA_FIXED_OPTIONS["num_stages"], activation="gelu", store_pre=True)
+metas = c.metadata.tensordesc_meta
+layouts = tuple((m["swizzle"], m["elem_size"], triton_api.TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
+                for m in metas)
+cx = c.src.constants  # (by name, or by argument index on releases that re-key them)
+tail = tuple(cx[n] if n in cx else cx[(matmul_tma_kernel.arg_names.index(n),)] for n in constexpr_names(matmul_tma_kernel))
+entry = SimpleNamespace(compiled=c, tail=tail, layouts=layouts)
+a2 = torch.empty(200, 768, dtype=torch.bfloat16)
+w = torch.empty(3072, 768, dtype=torch.bfloat16)
+out = torch.empty(200, 3072, dtype=torch.bfloat16)
+scalars = matmul_tma.tail_args(a2, w.t(), None, out, 256)[3:]
+kinds, values, maps = native._matmul_layout(entry, a2, w.t(), out, scalars, True)
+try:
+    from triton.backends.driver import expand_signature
+    expanded = expand_signature(c.src.signature.values(), metas, "nvTmaDesc")
+except ImportError:  # (an older release expands it inside its CUDA launcher, unexposed)
+    expanded = None
+theirs = expanded and ["T" if t == "nvTmaDesc" else "p" if t.startswith("*") else t for t in expanded if t != "constexpr"]
+ours = ["p" if k.isdigit() else {"T": "T", "i": "i32", "l": "i64"}[k] for k in kinds]
+descs = matmul_tma.descriptors(a2, w.t(), out, out, tile)
+described = [[list(d.shape), list(d.strides), list(m["block_size"])] for d, m in zip(descs, metas)]
+print(json.dumps({"ours": ours, "theirs": theirs, "values": values, "maps": maps, "described": described}))
+"""
+
+
+def test_the_launch_tables_tma_matmul_packing_is_the_launchers():
+    # The C++ table packs a kept TMA matmul launch from the compiled kernel's signature: each
+    # descriptor then its view's sizes (i32) and strides (i64), as this Triton's launcher expands
+    # a descriptor parameter; and it encodes each descriptor from the sizes and strides the
+    # Python launch's TensorDescriptor has and the block the compiled kernel recorded (a 128-byte
+    # swizzle's box is 64 bf16 wide: innermost first, the row stride in bytes), as the launcher.
+    r = run_fresh(TABLE_PACKING)
+    if r["theirs"] is None:
+        pytest.skip("this Triton does not expose its launcher's signature expansion")
+    assert r["ours"] == r["theirs"]
+    at = 0
+    for j, (shape, strides, block) in enumerate(r["described"]):
+        at = r["ours"].index("T", at)
+        assert r["values"][at + 1 : at + 5] == shape + strides, j
+        slot, swizzle, elem_size, elem_type, box, dims, row_bytes = r["maps"][j]
+        assert (box, dims, row_bytes) == (block[::-1], shape[::-1], strides[0] * elem_size), j
+        at += 1
