@@ -450,7 +450,8 @@ metas = c.metadata.tensordesc_meta
 layouts = tuple((m["swizzle"], m["elem_size"], triton_api.TMA_HOST_TYPE[m["elem_type"]], tuple(m["block_size"]))
                 for m in metas)
 cx = c.src.constants  # (by name, or by argument index on releases that re-key them)
-tail = tuple(cx[n] if n in cx else cx[(matmul_tma_kernel.arg_names.index(n),)] for n in constexpr_names(matmul_tma_kernel))
+names = matmul_tma_kernel.arg_names
+tail = tuple(cx[n] if n in cx else cx[(names.index(n),)] for n in constexpr_names(matmul_tma_kernel))
 entry = SimpleNamespace(compiled=c, tail=tail, layouts=layouts)
 a2 = torch.empty(200, 768, dtype=torch.bfloat16)
 w = torch.empty(3072, 768, dtype=torch.bfloat16)
@@ -462,7 +463,9 @@ try:
     expanded = expand_signature(c.src.signature.values(), metas, "nvTmaDesc")
 except ImportError:  # (an older release expands it inside its CUDA launcher, unexposed)
     expanded = None
-theirs = expanded and ["T" if t == "nvTmaDesc" else "p" if t.startswith("*") else t for t in expanded if t != "constexpr"]
+theirs = expanded and [
+    "T" if t == "nvTmaDesc" else "p" if t.startswith("*") else t for t in expanded if t != "constexpr"
+]
 ours = ["p" if k.isdigit() else {"T": "T", "i": "i32", "l": "i64"}[k] for k in kinds]
 descs = matmul_tma.descriptors(a2, w.t(), out, out, tile)
 described = [[list(d.shape), list(d.strides), list(m["block_size"])] for d, m in zip(descs, metas)]
