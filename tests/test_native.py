@@ -27,6 +27,7 @@ from conftest import DEVICE, ON_GPU
 from helpers import norm_forward_addresses, norms_recorded, rand
 
 import fusedkit
+from fusedkit import testing as fk_testing
 from fusedkit.kernels.elementwise import NOT_SPECIALISED, POINTER_ARGS
 from fusedkit.library import ADD_GELU, ADD_RELU, SILU_MUL, SILU_MUL_GRAD
 from fusedkit.runtime import elementwise as ew
@@ -951,14 +952,14 @@ def test_a_matmul_nodes_backward_launches_the_kept_activation_gradient(table, mo
     # the table, no Python; the products after it.
     from fusedkit.library import RELU_GRAD
 
-    a = rand((6, 32), torch.float32, "cpu").requires_grad_()
-    weight = rand((48, 32), torch.float32, "cpu").requires_grad_()
+    a = rand((6, 32), torch.float32, DEVICE).requires_grad_()
+    weight = rand((48, 32), torch.float32, DEVICE).requires_grad_()
     calls = []
     handle, _ = _matmul_recipe(
         table, monkeypatch, a, weight.t(), None, "relu", (RELU_GRAD, 1), lambda *args: calls.append(args)
     )
     out = table.matmul(handle, a, weight.t(), None)
-    grad = rand(out.shape, torch.float32, "cpu")
+    grad = rand(out.shape, torch.float32, DEVICE)
     _kept_relu_grad_in(table, grad, out)
     params = table.last_params()
     torch.autograd.grad(out, (a, weight), grad)
@@ -1029,8 +1030,8 @@ def test_matmuls_from_the_table_equal_pythons(fk_settings, case):
         assert all(torch.equal(x, y) for x, y in zip(grads, results[1][1]))
     wide = [None if t is None else t.detach().double() for t in (a, weight.t(), bias)]
     reference = mm.matmul_reference(*wide, activation)
-    floor = fusedkit.testing.matmul_error_floor(*wide)
-    fusedkit.testing.assert_rel_err(results[-1][0].double(), reference, fusedkit.testing.matmul_rel_err(dtype), floor)
+    floor = fk_testing.matmul_error_floor(*wide)
+    fk_testing.assert_rel_err(results[-1][0].double(), reference, fk_testing.matmul_rel_err(dtype), floor)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the table launches on a GPU")
