@@ -707,7 +707,7 @@ class NormNode : public torch::autograd::Node {
   std::mutex mutex_;
 };
 
-// A repeated matmul call (runtime.matmul's kept signature, fusedkit.native.matmul_recipe):
+// A repeated matmul call (runtime.matmul's kept signature; runtime.native.matmul_recipe):
 // its launch on slots (a, b, bias, out, pre), out laid out (lead..., N), and for a call with
 // a gradient what its node keeps and runs: the activation's gradient as a kept elementwise
 // launch of (grad, saved), then the products and the bias's sum in ATen, as the Python
