@@ -947,25 +947,36 @@ def test_a_matmul_launches_from_the_table_with_its_node(table, monkeypatch):
     assert table.matmul(handle, misaligned, weight.t(), bias) is None
 
 
-def test_a_matmul_nodes_backward_launches_the_kept_activation_gradient(table, monkeypatch):
-    # ReLU: the node saves the result and launches relu_grad's kept launch on (grad, out) from
-    # the table, no Python; the products after it.
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32), (32,)], ids=["2d", "3d", "1d"])
+def test_a_matmul_nodes_backward_launches_the_kept_activation_gradient(table, monkeypatch, shape):
+    # ReLU: the node saves the result (laid out as a's leading dims) and launches relu_grad's kept
+    # launch on the 2-D (grad, out), as the Python backward would, from the table, no Python;
+    # the products after it. Without that launch kept, the Python backward gets the 2-D views.
+    from fusedkit import autograd
     from fusedkit.library import RELU_GRAD
 
-    a = rand((6, 32), torch.float32, DEVICE).requires_grad_()
+    a = rand(shape, torch.float32, DEVICE).requires_grad_()
     weight = rand((48, 32), torch.float32, DEVICE).requires_grad_()
     calls = []
-    handle, _ = _matmul_recipe(
-        table, monkeypatch, a, weight.t(), None, "relu", (RELU_GRAD, 1), lambda *args: calls.append(args)
-    )
+
+    def fallback(*args):
+        calls.append(args)
+        return autograd._native_matmul_grads("relu", False, *args)
+
+    handle, _ = _matmul_recipe(table, monkeypatch, a, weight.t(), None, "relu", (RELU_GRAD, 1), fallback)
     out = table.matmul(handle, a, weight.t(), None)
     grad = rand(out.shape, torch.float32, DEVICE)
-    _kept_relu_grad_in(table, grad, out)
+    grads = torch.autograd.grad(out, (a, weight), grad)
+    assert len(calls) == 1 and calls[0][0].shape == calls[0][3].shape == (a.numel() // 32, 48)
+    assert [g.shape for g in grads] == [a.shape, weight.shape]
+    out = table.matmul(handle, a, weight.t(), None)
+    _kept_relu_grad_in(table, grad.reshape(-1, 48), out.reshape(-1, 48))
     params = table.last_params()
-    torch.autograd.grad(out, (a, weight), grad)
-    assert not calls  # (the Python backward never ran)
+    grads = torch.autograd.grad(out, (a, weight), grad)
+    assert len(calls) == 1  # (the Python backward did not run again)
     launched = table.last_params()
     assert launched != params and launched[1:3] == [grad.data_ptr(), out.data_ptr()]  # (its result first)
+    assert [g.shape for g in grads] == [a.shape, weight.shape]
 
 
 def test_a_matmul_node_keeps_autograds_rules(table, monkeypatch):
@@ -989,6 +1000,7 @@ def test_a_matmul_node_keeps_autograds_rules(table, monkeypatch):
 _MATMUL_CASES = {
     "gelu-bias-3d-bf16": ((2, 64, 256), torch.bfloat16, True, "gelu", True),
     "relu-fp16": ((128, 256), torch.float16, False, "relu", True),
+    "relu-3d-bias": ((2, 64, 256), torch.bfloat16, True, "relu", True),
     "plain-bias-no-grad": ((128, 256), torch.bfloat16, True, None, False),
     "silu-fp32": ((64, 256), torch.float32, True, "silu", True),
     "gelu_tanh-a-column-major": ((128, 256), torch.bfloat16, True, "gelu_tanh", "mmajor"),
@@ -999,15 +1011,19 @@ _MATMUL_CASES = {
 
 @pytest.mark.skipif(not ON_GPU, reason="the table launches on a GPU")
 @pytest.mark.parametrize("case", _MATMUL_CASES, ids=list(_MATMUL_CASES))
-def test_matmuls_from_the_table_equal_pythons(fk_settings, case):
+def test_matmuls_from_the_table_equal_pythons(fk_settings, monkeypatch, case):
     # The same calls through the first call's path, the Python kept launch (the second) and the
     # C++ table (the third on, its backward launching the kept activation gradient from the
     # fourth): bit-identical results and gradients, and within the float64 reference's bound.
+    from fusedkit import autograd
     from fusedkit.runtime import matmul as mm
 
     shape, dtype, has_bias, activation, grad = _MATMUL_CASES[case]
     fk_settings(native_launch=True)
     fusedkit.clear_caches()
+    fallbacks = []
+    python_grads = autograd._native_matmul_grads
+    monkeypatch.setattr(autograd, "_native_matmul_grads", lambda *args: fallbacks.append(1) or python_grads(*args))
     a = rand(shape, dtype, DEVICE)
     if grad == "mmajor":
         a = rand(shape[::-1], dtype, DEVICE).t()
@@ -1017,11 +1033,15 @@ def test_matmuls_from_the_table_equal_pythons(fk_settings, case):
     for t in leaves:
         t.requires_grad_(bool(grad))
     g = rand((*shape[:-1], 384), dtype, DEVICE)
-    results = []
+    results, python_backwards = [], []
     for _ in range(5):
         out = fusedkit.matmul(a, weight.t(), bias, activation)
         grads = torch.autograd.grad(out, leaves, g) if grad else ()
         results.append((out.detach(), grads, out.grad_fn))
+        python_backwards.append(len(fallbacks))
+    # (the table's node runs the Python backward at most once, before the activation gradient's
+    # launch is kept: the fourth and fifth backwards are the table's own)
+    assert python_backwards[2] == python_backwards[4] <= 1
     key = mm.call_key(a, weight.t(), bias, activation)
     assert type(mm.NATIVE.get(key)) is tuple
     for i, (out, grads, fn) in enumerate(results):

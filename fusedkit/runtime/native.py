@@ -526,7 +526,7 @@ _MATMUL_POINTERS = {
     "colsum_ptr": "3",
     "b2_ptr": "1",
     "bias2_ptr": "3",
-    "pre2_ptr": "4",
+    "pre2_ptr": "3",  # (read only by the gated epilogue: the Python launch passes out)
 }
 #: The TMA kernel's descriptor parameters: (slot, whether the view is the tensor's transpose).
 _MATMUL_DESCRIPTORS = ("a_desc", "b_desc", "c_desc", "pre_desc", "b2_desc", "pre2_desc")

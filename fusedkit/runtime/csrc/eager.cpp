@@ -754,7 +754,10 @@ class MatmulNode : public torch::autograd::Node {
     for (size_t i = 0; i < saved_.size(); ++i) saved[i] = saved_[i].unpack(getptr());
     lock.unlock();
     const MatmulRecipe& r = *recipe_;
-    const at::Tensor grad = grads[0].reshape({r.m, r.n});  // (a view of the engine's, as a view's node gives)
+    // (the gradient and a saved output as the Python path's 2-D ones: views, the result being
+    // laid out (lead..., N))
+    const at::Tensor grad = grads[0].reshape({r.m, r.n});
+    if (saved[2].defined() && saved[2].dim() != 2) saved[2] = saved[2].reshape({r.m, r.n});
     std::array<bool, 3> needs{};
     for (size_t i = 0; i < 3; ++i) needs[i] = should_compute_output(i);
     if (planned(grad, saved, needs, result)) return result;
