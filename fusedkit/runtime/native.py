@@ -47,7 +47,7 @@ import triton
 
 from .. import registry, settings
 from ..kernels.elementwise import POINTER_ARGS
-from . import launch, triton_api
+from . import launch, matmul_tma, triton_api
 
 __all__ = [
     "TABLE",
@@ -375,20 +375,32 @@ def register(kept, entry, table=None) -> bool:
 # gradient), the parameters' partial sums (an absent one reads dh's).
 
 
-def _slot_layout(entry, pointers: dict, scalars: tuple) -> tuple[str, list[int]] | None:
-    """The table's ``kinds`` and ``values`` for a kept launch of ``entry`` whose pointer
-    parameters are ``pointers`` (name -> (slot digit, byte offset)) and whose other arguments
-    are ``scalars`` then the entry's constants, in the order Triton passes them; None where a
-    parameter is of a type the table does not pack."""
+def _slot_layout(entry, pointers: dict, scalars: tuple, views: dict | None = None):
+    """The table's ``kinds``, ``values`` and descriptor ``maps`` for a kept launch of ``entry``
+    whose pointer parameters are ``pointers`` (name -> (slot digit, byte offset)), whose TMA
+    descriptor parameters are ``views`` (name -> (slot, (rows, cols), (row stride, column
+    stride), the compiled layout)), and whose other arguments are ``scalars`` then the entry's
+    constants, in the order Triton passes them (the descriptors and pointers first); None where
+    a parameter is of a type the table does not pack."""
+    views = views or {}
     signature = triton_api.signature(entry.compiled)
-    values = (None,) * len(pointers) + (*scalars, *entry.tail)
+    values = (None,) * (len(views) + len(pointers)) + (*scalars, *entry.tail)
     if len(signature) != len(values):
         return None
-    kinds, packed = [], []
+    kinds, packed, maps = [], [], []
     for (name, ty), value in zip(signature.items(), values):
         if ty == "constexpr":
             continue
-        if ty.startswith("*"):
+        if name in views:
+            if not ty.startswith("tensordesc"):
+                return None
+            slot, (rows, cols), (s0, s1), (swizzle, elem_size, elem_type, block) = views[name]
+            kinds.append("T")
+            packed.append(len(maps))
+            maps.append((slot, swizzle, elem_size, elem_type, (block[1], block[0]), (cols, rows), s0 * elem_size))
+            kinds += ["i", "i", "l", "l"]  # (the launcher passes the view's sizes and strides after it)
+            packed += [rows, cols, s0, s1]
+        elif ty.startswith("*"):
             if name not in pointers:
                 return None
             slot, offset = pointers[name]
@@ -406,7 +418,7 @@ def _slot_layout(entry, pointers: dict, scalars: tuple) -> tuple[str, list[int]]
             packed.append(bits)
         else:
             return None
-    return "".join(kinds), packed
+    return "".join(kinds), packed, maps
 
 
 def _plain_launch(entry) -> tuple[int, int, int] | None:
@@ -451,7 +463,7 @@ def norm_recipe(recipe, fallback, table=None):
     handle = table.norm_recipe(
         recipe.entry.function,
         *geometry,
-        *layout,
+        *layout[:2],  # (kinds and values: a norm's launch has no descriptors)
         recipe.device,
         list(recipe.shape),
         recipe.y_dtype,
@@ -496,7 +508,7 @@ def norm_backward(handle, given: bool, recipe, backward) -> bool:
         given,
         backward.entry.function,
         *geometry,
-        *layout,
+        *layout[:2],
         rows_dtype,
         weight_dtype or rows_dtype,
         list(rows_strides),
@@ -528,55 +540,26 @@ _MATMUL_POINTERS = {
     "bias2_ptr": "3",
     "pre2_ptr": "3",  # (read only by the gated epilogue: the Python launch passes out)
 }
-#: The TMA kernel's descriptor parameters: (slot, whether the view is the tensor's transpose).
+#: The TMA kernel's descriptor parameters, in order.
 _MATMUL_DESCRIPTORS = ("a_desc", "b_desc", "c_desc", "pre_desc", "b2_desc", "pre2_desc")
 
 
 def _matmul_layout(entry, a2, b, out, scalars: tuple, tma: bool):
-    """``(kinds, values, maps)`` of a kept matmul launch (``entry``) on slots, or None where a
-    parameter is of a type the table does not pack. ``scalars``: the kernel's integer arguments
-    after its pointers, in order."""
-    from . import matmul_tma
-
-    signature = triton_api.signature(entry.compiled)
+    """:func:`_slot_layout` of a kept matmul launch (``entry``) on slots: the TMA kernel's
+    descriptors of the views the kept launch read (``matmul_tma.encoded_args``), the pointers
+    the kernel has; ``scalars``: its integer arguments after its pointers, in order."""
     views = {}
     if tma:
         if entry.layouts is None or len(entry.layouts) != len(_MATMUL_DESCRIPTORS):
             return None
         flips = (matmul_tma.a_mmajor(a2), matmul_tma.b_kmajor(b), False, False, matmul_tma.b_kmajor(b), False)
         tensors = (a2, b, out, out, b, out)
-        slots = ("0", "1", "3", "4", "1", "4")
-        for name, t, flip, slot, layout in zip(_MATMUL_DESCRIPTORS, tensors, flips, slots, entry.layouts):
+        for name, t, flip, slot, layout in zip(_MATMUL_DESCRIPTORS, tensors, flips, (0, 1, 3, 4, 1, 4), entry.layouts):
             _, shape, strides = matmul_tma.row_major(t, flip)
-            views[name] = (int(slot), shape, strides, layout)
-    heads = len(views) + sum(1 for name in signature if name in _MATMUL_POINTERS)
-    values = (None,) * heads + (*scalars, *entry.tail)
-    if len(signature) != len(values):
-        return None
-    kinds, packed, maps = [], [], []
-    for (name, ty), value in zip(signature.items(), values):
-        if ty == "constexpr":
-            continue
-        if name in views:
-            if not ty.startswith("tensordesc"):
-                return None
-            slot, (rows, cols), (s0, s1), (swizzle, elem_size, elem_type, block) = views[name]
-            kinds.append("T")
-            packed.append(len(maps))
-            maps.append((slot, swizzle, elem_size, elem_type, (block[1], block[0]), (cols, rows), s0 * elem_size))
-            kinds += ["i", "i", "l", "l"]  # (the launcher passes the view's sizes and strides after it)
-            packed += [rows, cols, s0, s1]
-        elif ty.startswith("*"):
-            if name not in _MATMUL_POINTERS:
-                return None
-            kinds.append(_MATMUL_POINTERS[name])
-            packed.append(0)
-        elif ty in ("i32", "i64") and type(value) is int:
-            kinds.append("i" if ty == "i32" else "l")
-            packed.append(value)
-        else:
-            return None
-    return "".join(kinds), packed, maps
+            views[name] = (slot, shape, strides, layout)
+    signature = triton_api.signature(entry.compiled)
+    pointers = {name: (slot, 0) for name, slot in _MATMUL_POINTERS.items() if name in signature}
+    return _slot_layout(entry, pointers, scalars, views)
 
 
 def matmul_recipe(kept, a, a2, b, bias, out, launched, store_pre: bool, grad_step, name: str, fallback, table=None):
