@@ -120,24 +120,27 @@ struct Param {
   }
 };
 
+// Drop the Python references a C++ object holds: under the GIL, since its last owner may
+// free it on an autograd thread (a node outliving the table); leaked, not touched, by an
+// interpreter on its way out.
+template <typename... Objects>
+void drop_python(Objects&... objects) {
+  if (Py_IsInitialized() && !Py_IsFinalizing()) {
+    py::gil_scoped_acquire gil;
+    ((objects = py::object()), ...);
+  } else {
+    (objects.release(), ...);
+  }
+}
+
 // Triton's launch hooks (a profiler's, e.g. proton): while one is set, launches go through
 // Triton, where it sees them. `runtime` is triton.knobs.runtime (null: no hooks in this
 // Triton); a hook is idle when None or an empty HookChain.
 struct LaunchHooks {
   py::object runtime, chain_type;
 
-  // The store that holds these can be freed last by a node on an autograd thread: drop
-  // the Python references under the GIL.
-  ~LaunchHooks() {
-    if (Py_IsInitialized() && !Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      runtime = py::object();
-      chain_type = py::object();
-    } else {
-      runtime.release();
-      chain_type.release();
-    }
-  }
+  // (the store that holds these can be freed last by a node on an autograd thread)
+  ~LaunchHooks() { drop_python(runtime, chain_type); }
 
   // Once a call: attribute names interned once, no Python frames.
   bool idle() const {
@@ -198,17 +201,10 @@ struct BackwardSpec {
 
   BackwardSpec(py::object f, int s, std::string n, std::vector<GradStep> p)
       : fn(std::move(f)), saves(s), name(std::move(n)), plan(std::move(p)) {}
-  // A node can outlive the table (and be freed on an autograd thread): release the
-  // Python function under the GIL.
+  // (a node can outlive the table, and be freed on an autograd thread)
   ~BackwardSpec() {
-    if (Py_IsInitialized() && !Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      fn = py::object();
-      plan.clear();
-    } else {  // an interpreter on its way out: leak rather than touch it
-      fn.release();
-      for (auto& step : plan) step.kernel_ref.release();
-    }
+    drop_python(fn);
+    for (auto& step : plan) drop_python(step.kernel_ref);
   }
 };
 
@@ -580,15 +576,8 @@ struct NormRecipe {
   std::array<std::optional<NormBackwardPlan>, 2> backward;
 
   NormRecipe(SlotLaunch f, c10::Device d) : forward(std::move(f)), device(d) {}
-  // A node can outlive its recipe's table (and be freed on an autograd thread).
-  ~NormRecipe() {
-    if (Py_IsInitialized() && !Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      fallback = py::object();
-    } else {
-      fallback.release();
-    }
-  }
+  // (a node can outlive its recipe's table, and be freed on an autograd thread)
+  ~NormRecipe() { drop_python(fallback); }
 };
 
 bool aligned(const at::Tensor& t) {
@@ -597,25 +586,56 @@ bool aligned(const at::Tensor& t) {
 
 uint64_t address(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
 
-// A norm call's autograd node: saves the normalised rows (h, an output, with a residual; else
-// x), the parameters and the statistics; its backward is the kept launch where the call's
-// gradients are laid out as the learnt one's were, else Python's.
-class NormNode : public torch::autograd::Node {
+// The node of a recipe's call (a norm's, a matmul's): named as the recipe says, its saved
+// tensors as torch's nodes save them (SavedVariable), released by the engine under a lock
+// that unpacking them takes too (release_variables may run on another thread).
+template <typename Recipe>
+class RecipeNode : public torch::autograd::Node {
  public:
-  NormNode(std::shared_ptr<NormRecipe> recipe, std::shared_ptr<Store> store)
+  RecipeNode(std::shared_ptr<Recipe> recipe, std::shared_ptr<Store> store)
       : recipe_(std::move(recipe)), store_(std::move(store)) {}
 
   std::string name() const override { return recipe_->name; }
 
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : saved_) s.reset_data();
+  }
+
+  std::vector<torch::autograd::SavedVariable> saved_;
+
+ protected:
+  // The saved tensors (undefined past those saved), the lock held while they unpack only: the
+  // Python backward of a gradient of the gradient runs this node again, on this thread.
+  template <size_t N>
+  std::array<at::Tensor, N> unpack() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::array<at::Tensor, N> saved;
+    for (size_t i = 0; i < saved_.size() && i < N; ++i) saved[i] = saved_[i].unpack(getptr());
+    return saved;
+  }
+
+  static py::object wrap(const at::Tensor& t) {
+    return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
+  }
+
+  std::shared_ptr<Recipe> recipe_;
+  std::shared_ptr<Store> store_;
+
+ private:
+  std::mutex mutex_;
+};
+
+// A norm call's autograd node: saves the normalised rows (h, an output, with a residual; else
+// x), the parameters and the statistics; its backward is the kept launch where the call's
+// gradients are laid out as the learnt one's were, else Python's.
+class NormNode : public RecipeNode<NormRecipe> {
+ public:
+  using RecipeNode::RecipeNode;
+
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    // (the lock against release_variables on another thread, held while the saved tensors
-    // unpack only: the Python backward of a gradient of the gradient runs this node again,
-    // through h, on this thread)
-    std::unique_lock<std::mutex> lock(mutex_);
     py::gil_scoped_acquire gil;  // the recipe and the Python backward are the GIL's
-    std::array<at::Tensor, 4> saved;  // rows, weight, bias, stats
-    for (size_t i = 0; i < saved.size(); ++i) saved[i] = saved_[i].unpack(getptr());
-    lock.unlock();
+    const std::array<at::Tensor, 4> saved = unpack<4>();  // rows, weight, bias, stats
     const at::Tensor dy = grads.empty() ? at::Tensor() : grads[0];
     const at::Tensor dh_out = grads.size() > 1 ? grads[1] : at::Tensor();
     torch::autograd::variable_list result(4);
@@ -623,22 +643,12 @@ class NormNode : public torch::autograd::Node {
     // (the inputs that take a gradient, as a Python Function's needs_input_grad says)
     for (size_t i = 0; i < 4; ++i) needs[i] = should_compute_output(i);
     if (planned(dy, dh_out, saved, needs, result)) return result;
-    auto wrap = [](const at::Tensor& t) {
-      return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
-    };
     python_backward(recipe_->name, result, [&] {
       return recipe_->fallback(py::cast(recipe_), wrap(dy), wrap(dh_out), wrap(saved[0]), wrap(saved[1]),
                                wrap(saved[2]), wrap(saved[3]), py::make_tuple(needs[0], needs[1], needs[2], needs[3]));
     });
     return result;
   }
-
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& s : saved_) s.reset_data();
-  }
-
-  std::vector<torch::autograd::SavedVariable> saved_;  // rows, weight, bias, stats
 
  private:
   // The kept backward launch into result: only where the Python path would launch it (no
@@ -701,10 +711,6 @@ class NormNode : public torch::autograd::Node {
     if (needs[0]) result[0] = dh.scalar_type() == r.x_dtype ? dh : dh.to(r.x_dtype);
     return true;
   }
-
-  std::shared_ptr<NormRecipe> recipe_;
-  std::shared_ptr<Store> store_;
-  std::mutex mutex_;
 };
 
 // A repeated matmul call (runtime.matmul's kept signature; runtime.native.matmul_recipe):
@@ -726,33 +732,18 @@ struct MatmulRecipe {
   py::object fallback;     // (grad (M, N), a, b, saved, needs) -> three gradients, a's as a is shaped
 
   MatmulRecipe(SlotLaunch f, c10::Device d) : forward(std::move(f)), device(d) {}
-  ~MatmulRecipe() {
-    if (Py_IsInitialized() && !Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      fallback = py::object();
-      act_grad.kernel_ref = py::object();
-    } else {
-      fallback.release();
-      act_grad.kernel_ref.release();
-    }
-  }
+  ~MatmulRecipe() { drop_python(fallback, act_grad.kernel_ref); }
 };
 
-class MatmulNode : public torch::autograd::Node {
+class MatmulNode : public RecipeNode<MatmulRecipe> {
  public:
-  MatmulNode(std::shared_ptr<MatmulRecipe> recipe, std::shared_ptr<Store> store)
-      : recipe_(std::move(recipe)), store_(std::move(store)) {}
-
-  std::string name() const override { return recipe_->name; }
+  using RecipeNode::RecipeNode;
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list result(3);
     if (grads.empty() || !grads[0].defined()) return result;
-    std::unique_lock<std::mutex> lock(mutex_);
     py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
-    std::array<at::Tensor, 3> saved;  // a, b, out or pre
-    for (size_t i = 0; i < saved_.size(); ++i) saved[i] = saved_[i].unpack(getptr());
-    lock.unlock();
+    std::array<at::Tensor, 3> saved = unpack<3>();  // a, b, then out or pre where saved
     const MatmulRecipe& r = *recipe_;
     // (the gradient and a saved output as the Python path's 2-D ones: views, the result being
     // laid out (lead..., N))
@@ -761,22 +752,12 @@ class MatmulNode : public torch::autograd::Node {
     std::array<bool, 3> needs{};
     for (size_t i = 0; i < 3; ++i) needs[i] = should_compute_output(i);
     if (planned(grad, saved, needs, result)) return result;
-    auto wrap = [](const at::Tensor& t) {
-      return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none();
-    };
     python_backward(r.name, result, [&] {
       return r.fallback(wrap(grad), wrap(saved[0]), wrap(saved[1]), wrap(saved[2]),
                         py::make_tuple(needs[0], needs[1], needs[2]));
     });
     return result;
   }
-
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& s : saved_) s.reset_data();
-  }
-
-  std::vector<torch::autograd::SavedVariable> saved_;  // a, b, then out or pre where read
 
  private:
   // The Python backward's launches, from C++: only where it would launch them (no gradient of
@@ -814,10 +795,6 @@ class MatmulNode : public torch::autograd::Node {
     if (needs[2] && r.has_bias) result[2] = g.sum(0);
     return true;
   }
-
-  std::shared_ptr<MatmulRecipe> recipe_;
-  std::shared_ptr<Store> store_;
-  std::mutex mutex_;
 };
 
 class Table {
