@@ -861,27 +861,12 @@ class Table {
   // checks of the call (its signature matched the recipe's) are made there.
   py::object norm(const std::shared_ptr<NormRecipe>& recipe, py::handle x_obj, py::handle r_obj, py::handle w_obj,
                   py::handle b_obj) {
-    if (!eager_and_unobserved() || !store_->hooks.idle()) return py::none();
     std::array<at::Tensor, 4> in;  // x, residual, weight, bias
-    const std::array<py::handle, 4> objs{x_obj, r_obj, w_obj, b_obj};
     bool needs_grad = false;
-    const bool grad_mode = at::GradMode::is_enabled();
-    for (size_t i = 0; i < 4; ++i) {
-      if (objs[i].is_none()) continue;
-      if (!THPVariable_Check(objs[i].ptr())) return py::none();
-      in[i] = THPVariable_Unpack(objs[i].ptr());
-      // (the call's key holds the classes; a wrapper without storage is Python's to resolve)
-      if (!in[i].has_storage() || !aligned(in[i]) || in[i].device() != recipe->device ||
-          in[i]._fw_grad(/*level=*/0).defined()) {
-        return py::none();
-      }
-      needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
+    if (!take(std::array<py::handle, 4>{x_obj, r_obj, w_obj, b_obj}, recipe->device, in, needs_grad)) {
+      return py::none();
     }
     const NormRecipe& r = *recipe;
-    if (!store_->dry_run && (!r.device.is_cuda() ||
-                             c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() != r.device)) {
-      return py::none();  // (Python launches under the right device)
-    }
     const auto options = at::TensorOptions().device(r.device);
     at::Tensor y = at::empty(r.shape, options.dtype(r.y_dtype));
     at::Tensor h = r.residual ? at::empty(r.shape, options.dtype(r.h_dtype)) : at::Tensor();
@@ -910,26 +895,12 @@ class Table {
   // signature matched the recipe's in Python (runtime.matmul.call_key).
   py::object matmul(const std::shared_ptr<MatmulRecipe>& recipe, py::handle a_obj, py::handle b_obj,
                     py::handle bias_obj) {
-    if (!eager_and_unobserved() || !store_->hooks.idle()) return py::none();
     const MatmulRecipe& r = *recipe;
     std::array<at::Tensor, 3> in;  // a, b, bias
-    const std::array<py::handle, 3> objs{a_obj, b_obj, bias_obj};
     bool needs_grad = false;
-    const bool grad_mode = at::GradMode::is_enabled();
-    for (size_t i = 0; i < 3; ++i) {
-      if (objs[i].is_none()) continue;
-      if (!THPVariable_Check(objs[i].ptr())) return py::none();
-      in[i] = THPVariable_Unpack(objs[i].ptr());
-      if (!in[i].has_storage() || !aligned(in[i]) || in[i].device() != r.device ||
-          in[i]._fw_grad(/*level=*/0).defined()) {
-        return py::none();
-      }
-      needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
-    }
-    if (in[2].defined() != r.has_bias) return py::none();
-    if (!store_->dry_run && (!r.device.is_cuda() ||
-                             c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() != r.device)) {
-      return py::none();  // (Python launches under the right device)
+    if (!take(std::array<py::handle, 3>{a_obj, b_obj, bias_obj}, r.device, in, needs_grad) ||
+        in[2].defined() != r.has_bias) {
+      return py::none();
     }
     const auto options = at::TensorOptions().device(r.device).dtype(r.dtype);
     at::Tensor out = at::empty(r.out_shape, options);
@@ -959,6 +930,30 @@ class Table {
   }
 
  private:
+  // A recipe call's operands (None: absent) into in, and whether autograd records the call;
+  // false where the kept launch does not take them (Python's: no eager call unobserved, a
+  // non-tensor, a wrapper without storage, a misaligned or dual tensor, another device, or
+  // another device current). The call's key in Python holds the classes.
+  template <size_t N>
+  bool take(const std::array<py::handle, N>& objs, const c10::Device& device, std::array<at::Tensor, N>& in,
+            bool& needs_grad) const {
+    if (!eager_and_unobserved() || !store_->hooks.idle()) return false;
+    const bool grad_mode = at::GradMode::is_enabled();
+    for (size_t i = 0; i < N; ++i) {
+      if (objs[i].is_none()) continue;
+      if (!THPVariable_Check(objs[i].ptr())) return false;
+      in[i] = THPVariable_Unpack(objs[i].ptr());
+      if (!in[i].has_storage() || !aligned(in[i]) || in[i].device() != device ||
+          in[i]._fw_grad(/*level=*/0).defined()) {
+        return false;
+      }
+      needs_grad = needs_grad || (grad_mode && in[i].requires_grad());
+    }
+    // (Python launches under the right device)
+    return store_->dry_run ||
+           (device.is_cuda() && c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() == device);
+  }
+
   // The result's autograd node: its edges to the operands, and what the kernel's backward
   // reads saved as torch's own nodes save it (version-checked, through saved-tensor hooks,
   // released after a backward without retain_graph).
