@@ -233,6 +233,10 @@ def test_autocast_casts_a_weight_once_a_region_as_f_linear_does():
         first, again = (dispatch.autocast(x, w)[1] for _ in range(2))
         assert first.dtype == torch.bfloat16 and first.data_ptr() == again.data_ptr()
         assert dispatch.autocast(x, w.detach())[1].data_ptr() != first.data_ptr()  # (autocast caches weights only)
+        # fusedkit.nn and fuse pass the transpose: the leaf's cached cast, transposed
+        first_t, again_t = (dispatch.autocast(x, w.t())[1] for _ in range(2))
+        assert first_t.data_ptr() == again_t.data_ptr() == first.data_ptr() and first_t.shape == (24, 40)
+        assert torch.equal(first_t, w.t().to(torch.bfloat16))
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.inference_mode():
         first, again = (dispatch.autocast(x, w)[1] for _ in range(2))
         assert (first.data_ptr() == again.data_ptr()) == dispatch._autocast_caches_in_inference_mode("cuda")
@@ -244,6 +248,22 @@ def test_autocast_casts_a_weight_once_a_region_as_f_linear_does():
     for g, r in zip(got, want):  # (through the cached cast, into the float32 weights)
         assert g.dtype == torch.float32
         assert_rel_err(g, r.double(), 3e-2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, ref = fusedkit.matmul(x, w.t(), None, "gelu"), F.gelu(F.linear(x, w))
+    got, want = (torch.autograd.grad(out.float().square().sum(), w) for out in (y, ref))
+    assert got[0].dtype == torch.float32 and got[0].shape == w.shape  # (through the transposed cached cast)
+    assert_rel_err(got[0], want[0].double(), 3e-2)
+
+
+def test_only_a_leafs_exact_transpose_takes_its_cached_cast():
+    # (w.t() casts as w's cached cast transposed; any other view casts as itself)
+    from fusedkit import dispatch
+
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    assert dispatch._transposed_leaf(w.t()) is w
+    for other in (w, w[:, :2].t(), w[1:].t(), w.t().t(), w.t().contiguous(), w.view(3, 5)):
+        assert dispatch._transposed_leaf(other) is None
+    assert dispatch._transposed_leaf(w.detach().t()) is not w  # (and needs no grad: _cast casts it)
 
 
 def test_a_cast_without_grad_history_keeps_no_plan_without_autograd(monkeypatch):
