@@ -341,7 +341,31 @@ def latency(data: dict) -> str:
             ],
             "lrrlrrrrrr",
         )
+    host = data.get("host") or []
+    if host:
+        text += "\n\n" + host_table(host, data.get("host dtype", ""), data.get("processes", 1))
     return text + "\n\n" + footnote(data["environment"], "latency")
+
+
+def host_table(rows: list[dict], dtype: str, processes: int) -> str:
+    """The host time of every public op, a row per op and mode, a column per size: fusedkit's
+    host time over eager's (below 1.00: fusedkit issues faster), then fusedkit's µs."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    cells = {(r["op"], r["mode"], r["shape"]): r for r in rows}
+    body = []
+    for op, mode in dict.fromkeys((r["op"], r["mode"]) for r in rows):
+        line = [f"`{op}`", mode]
+        for shape in shapes:
+            r = cells.get((op, mode, shape))
+            line.append("" if r is None else f"{r['fusedkit host'] / r['eager host']:.2f} ({r['fusedkit host']:.1f})")
+        body.append(line)
+    ratios = [r["fusedkit host"] / r["eager host"] for r in rows]
+    where = f", median of {processes} processes" if processes > 1 else ""
+    head = (
+        f"Host time a call ({SHORT.get(dtype, dtype)}), the GPU idle before each call{where}: fusedkit / eager "
+        f"(fusedkit's µs). {sum(x <= 1.0 for x in ratios)} of {len(ratios)} at or below 1.00."
+    )
+    return head + "\n\n" + table(["op", "mode", *shapes], body, "ll" + "r" * len(shapes))
 
 
 def backward(data: dict) -> str:

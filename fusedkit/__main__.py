@@ -242,8 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="--models only: run the report in N processes, one after another, and give each number's "
-        "median and the training step's range (default 1)",
+        help="--models and --latency only: run the report in N processes, one after another, and give "
+        "each number's median and the range of the training step's (models) or the host time's ratio "
+        "(latency) (default 1)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="hold this process, and those --processes starts, to one CPU core (the last it may use): the "
+        "latency report's host times are measured so",
     )
     p.add_argument(
         "--add",

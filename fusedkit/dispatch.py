@@ -284,7 +284,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _transposed_leaf(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is the ``.t()`` of, where ``t`` is one: autocast caches only a leaf's
     cast, not a view's, and ``w.t()`` cast as a view costs a weight-sized cast kernel a call (a
-    fused BERT step's matmuls spent 110 of their 172 us a call there on the H100)."""
+    fused BERT step's matmuls spent about two thirds of their host time there; docs/design.md)."""
     base = t._base
     if base is None or t.dim() != 2 or base.dim() != 2:
         return None

@@ -36,7 +36,8 @@ for r in $reports; do case $r in
   elementwise) report elementwise --kernels ops --sizes 20,24,28 --csv "$dir/elementwise.csv" --plots "$dir" ;;
   ncu) report ncu --ncu --kernels add_relu,add --dtypes fp32,bf16 --sizes 20,26 --no-compile ;;
   matmul) report matmul --matmul --dtypes "${MATMUL_DTYPES:-bf16,fp16}" --plots "$dir" ;;
-  latency) report latency --latency ;;
+  # (three processes on one core: the host table's protocol, docs/benchmarks.md "Small tensors")
+  latency) report latency --latency --processes "${LATENCY_PROCESSES:-3}" --pin ;;
   backward) report backward --backward --dtypes bf16 ;;
   norms) report norms --norms --dtypes bf16 ;;
   traffic) report traffic --traffic ;;

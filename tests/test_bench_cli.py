@@ -109,6 +109,13 @@ def test_latency_report_runs(tmp_path):
     (row,) = data["elementwise"]
     assert row["n"] == 1024 and row["fusedkit.add_relu"] > 0 and row["torch.add"] > 0
     assert data["linear"] and "ratios to torch.add" in stdout
+    # the host table: every public op, forward and forward + backward, against its eager composition
+    host = {(r["op"], r["mode"]) for r in data["host"]}
+    public = {"add", "add_relu", "silu_mul", "gelu_mul", "add_gelu", "rms_norm", "layer_norm", "add_rms_norm"}
+    public |= {"add_layer_norm", "matmul", "matmul gelu", "linear_relu", "mlp", "gated_mlp"}
+    assert host >= {(op, mode) for op in public for mode in ("forward", "fwd+bwd")}
+    assert all(r["fusedkit host"] > 0 and r["eager host"] > 0 for r in data["host"])
+    assert "rows at or below eager's host time" in stdout
 
 
 def test_latency_report_without_sizes_takes_the_devices_defaults(monkeypatch, capsys):

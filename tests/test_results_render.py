@@ -57,3 +57,17 @@ def test_a_latency_record_with_norm_rows_renders_them(render):
     row.update({"fusedkit fwd+bwd": 60.0, "eager fwd+bwd": 80.0})
     text = render.latency({**latency, "norms": [row]})
     assert "| bf16 | 16 | 2048 | `add_rms_norm` | 30.0 | 20.0 | 1.50 | 60.0 | 80.0 | 0.75 |" in text
+
+
+def test_a_latency_record_with_host_rows_renders_one_row_per_op_and_mode(render):
+    latency = render.load(RECORDS, "latency")
+    host = [
+        {"op": "add", "shape": "1024", "mode": "forward", "fusedkit host": 6.0, "eager host": 8.0},
+        {"op": "add", "shape": "65536", "mode": "forward", "fusedkit host": 9.0, "eager host": 6.0},
+        {"op": "matmul", "shape": "1x1024x1024", "mode": "fwd+bwd", "fusedkit host": 30.0, "eager host": 40.0},
+    ]
+    text = render.latency({**latency, "host": host, "host dtype": "bfloat16", "processes": 3})
+    assert "Host time a call (bf16), the GPU idle before each call, median of 3 processes" in text
+    assert "2 of 3 at or below 1.00" in text
+    assert "| `add` | forward | 0.75 (6.0) | 1.50 (9.0) |  |" in text
+    assert "| `matmul` | fwd+bwd |  |  | 0.75 (30.0) |" in text

@@ -13,11 +13,14 @@ them; the peers run in the same process on the same operands:
 - the norms at decode- and block-sized rows: ``fusedkit.rms_norm`` / ``add_rms_norm`` /
   ``layer_norm`` / ``add_layer_norm`` against ``F.rms_norm`` / ``F.layer_norm`` (after
   ``x + r``), forward without a gradient and forward + backward.
+- host time alone (:mod:`fusedkit.bench.host`): every public op against its eager
+  composition, each call timed with the GPU idle, in one dtype (bf16 when asked for).
 On a CPU the same harness runs the interpreter or the PyTorch path; those are not GPU times.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -27,9 +30,10 @@ import fusedkit
 from fusedkit import autograd
 from fusedkit.library import ADD_RELU
 
+from .host import HOST_MATMULS, HOST_ROWS, HOST_SIZES, format_host_table, host_steps, run_host
 from .progress import bar as progress_bar
 
-__all__ = ["run_latency", "format_latency_table", "LATENCY_SIZES", "LINEAR_SHAPES", "NORM_SHAPES"]
+__all__ = ["run_latency", "format_latency_table", "merge_latency", "LATENCY_SIZES", "LINEAR_SHAPES", "NORM_SHAPES"]
 
 #: Calls per timing, and rounds (the median is reported) on a GPU; far fewer on a CPU.
 CALLS, ROUNDS = 2000, 5
@@ -131,10 +135,13 @@ def run_latency(
     use_compile=True,
     progress=True,
     norm_shapes=NORM_SHAPES,
+    host_grid=(HOST_SIZES, HOST_ROWS, HOST_MATMULS),
 ) -> dict:
     rows, linear, norms = [], [], []
     floats = [dt for dt in dtypes if dt.is_floating_point and dt != torch.float64]
+    host_dtype = torch.bfloat16 if torch.bfloat16 in floats else (floats[0] if floats else None)
     steps = len(dtypes) * len(sizes) + len(floats) * (len(linear_shapes) + len(norm_shapes))
+    steps += host_steps(*host_grid) if host_dtype is not None and host_grid else 0
     bar = progress_bar(steps, "latency", progress)
     for dt in dtypes:
         for n in sizes:
@@ -192,8 +199,33 @@ def run_latency(
                 }
             )
             bar.update()
+    host = run_host(host_dtype, device, *host_grid, bar=bar) if host_dtype is not None and host_grid else []
     bar.close()
-    return {"elementwise": rows, "linear": linear, "norms": norms}
+    result = {"elementwise": rows, "linear": linear, "norms": norms, "host": host}
+    if host:
+        result["host dtype"] = str(host_dtype).removeprefix("torch.")
+    return result
+
+
+def merge_latency(results: list[dict]) -> dict:
+    """One latency result from several processes' (the same grid in each, rows in one order):
+    each time the median of the processes', and each host row its ratio's range."""
+    merged = {k: v for k, v in results[0].items() if k != "environment"}
+    for section in ("elementwise", "linear", "norms", "host"):
+        rows = []
+        for cells in zip(*(r.get(section) or [] for r in results)):
+            row = {}
+            for key, first in cells[0].items():
+                values = [c.get(key) for c in cells]
+                numbers = all(isinstance(v, float) for v in values)
+                row[key] = statistics.median(values) if numbers else first
+            if section == "host":
+                ratios = [c["fusedkit host"] / c["eager host"] for c in cells]
+                row["ratio range"] = [min(ratios), max(ratios)]
+            rows.append(row)
+        merged[section] = rows
+    merged["processes"] = len(results)
+    return merged
 
 
 def format_latency_table(result: dict) -> str:
@@ -252,4 +284,7 @@ def format_latency_table(result: dict) -> str:
                 f"{r['dtype']:<9} {r['rows']:>5} {r['n']:>6} {r['op']:<15} {f:>9.1f} {t:>7.1f} {f / t:>6.2f} "
                 f"{fb:>9.1f} {tb:>13.1f} {fb / tb:>6.2f}"
             )
+    host = result.get("host") or []
+    if host:
+        lines += ["", format_host_table(host, result.get("host dtype", ""), result.get("processes", 1))]
     return "\n".join(lines)

@@ -1026,27 +1026,12 @@ def run_processes(argv: list[str], processes: int, progress=True) -> tuple[list[
     another: (rows, skipped, per-process rows). Each row is a model and variant's median over
     the processes that ran it, with ``train_x_range``, the least and most stock eager / this
     training step of one process: one slow host cannot make or break a row."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
+    from .processes import run_children
 
-    runs, skipped = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(processes):
-            path = os.path.join(tmp, f"models{i}.json")
-            cmd = [sys.executable, "-m", "fusedkit", "bench", *argv, "--no-progress", "--json", path]
-            if progress:
-                print(f"[models] process {i + 1} of {processes}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=False, stdout=sys.stderr if progress else subprocess.DEVNULL)
-            if not os.path.exists(path):
-                skipped[f"process {i + 1}"] = "it wrote no results (it failed: see its output)"
-                continue
-            with open(path) as f:
-                data = json.load(f)
-            runs.append(data["models"])
-            skipped.update(data.get("skipped") or {})
+    payloads, skipped = run_children(argv, processes, "models", progress)
+    runs = [data["models"] for data in payloads]
+    for data in payloads:
+        skipped.update(data.get("skipped") or {})
     return merge_processes(runs), skipped, runs
 
 

@@ -427,7 +427,12 @@ def run_command(args) -> int:
     sizes = args.sizes or list(GPU_SIZES if gpu else CPU_SIZES)
     use_compile = gpu and not args.no_compile
     progress = not args.no_progress
+    if args.pin:  # (before anything starts a thread: autograd's device threads inherit it)
+        core = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {core})
     env = environment(device)
+    if args.pin:
+        env["pinned_core"] = core
     if not gpu:
         where = "Triton's interpreter" if INTERPRETED else "PyTorch"
         print(
@@ -484,17 +489,30 @@ def run_command(args) -> int:
         print_report(env, (format_models_table(rows, skipped),), args.json, payload)
         return 0
     if args.latency:
-        from .latency import LATENCY_SIZES, LINEAR_SHAPES, NORM_SHAPES, format_latency_table, run_latency
+        from .host import HOST_MATMULS, HOST_ROWS, HOST_SIZES
+        from .latency import LATENCY_SIZES, LINEAR_SHAPES, NORM_SHAPES, format_latency_table, merge_latency, run_latency
+        from .processes import run_children
 
-        result = run_latency(
-            dtypes,
-            device,
-            args.sizes or (LATENCY_SIZES if gpu else CPU_SIZES),
-            LINEAR_SHAPES if gpu else ((1, 64),),
-            use_compile=use_compile,
-            progress=progress,
-            norm_shapes=NORM_SHAPES if gpu else ((2, 64),),
-        )
+        if args.processes > 1:  # the same report in that many processes, one after another
+            child = ["--latency", "--dtypes", ",".join(args.dtypes)]
+            child += ["--sizes", ",".join(map(str, args.sizes))] if args.sizes else []
+            child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
+            payloads, failed = run_children(child, args.processes, "latency", progress)
+            if not payloads:
+                print(f"--processes {args.processes}: no process finished ({failed})")
+                return 1
+            result = {**merge_latency(payloads), **({"skipped": failed} if failed else {})}
+        else:
+            result = run_latency(
+                dtypes,
+                device,
+                args.sizes or (LATENCY_SIZES if gpu else CPU_SIZES),
+                LINEAR_SHAPES if gpu else ((1, 64),),
+                use_compile=use_compile,
+                progress=progress,
+                norm_shapes=NORM_SHAPES if gpu else ((2, 64),),
+                host_grid=(HOST_SIZES, HOST_ROWS, HOST_MATMULS) if gpu else ((1 << 10,), ((2, 64),), ((1, 64),)),
+            )
         print_report(env, (format_latency_table(result),), args.json, result)
         return 0
     if args.matmul:
