@@ -417,10 +417,18 @@ def _composes(x, tensors) -> bool:
     )
 
 
+#: The MLP ops' operands by tensor-parallel role (:func:`sharding.local_mlp`).
+_MLP_ROLES = (sharding.ROWS, sharding.COLUMN, sharding.COLUMN_BIAS, sharding.ROW, sharding.ROW_BIAS)
+_GATED_ROLES = (sharding.ROWS, sharding.COLUMN, sharding.COLUMN, sharding.ROW, sharding.COLUMN_BIAS)
+_GATED_ROLES += (sharding.COLUMN_BIAS, sharding.ROW_BIAS)
+
+
 def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     """``F.linear(act(F.linear(x, w1, b1)), w2, b2)`` (see :func:`fusedkit.mlp`): checked before
     anything runs; eager calls on the kernels (``autograd.MLP`` where a gradient is needed);
-    traced, transformed and DTensor calls, and the PyTorch backend, run the composition."""
+    DTensors placed as tensor parallelism places an MLP on each rank's shards
+    (``sharding.local_mlp``); traced, transformed and other DTensor calls, and the PyTorch
+    backend, run the composition."""
     _check_tensors("mlp", (("x", x), ("w1", w1), ("w2", w2)))
     _check_tensors("mlp", (("b1", b1), ("b2", b2)), optional=True)
     act = _mlp_activation(
@@ -439,6 +447,12 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
             raise ShapeError(f"mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
     tensors = (x, w1, b1, w2, b2)
     _check_like_x("mlp", x, zip(("w1", "b1", "w2", "b2"), tensors[1:]))
+    if sharding.has_dtensor(tensors) and not _is_compiling():
+        y = sharding.local_mlp(
+            lambda x, w1, b1, w2, b2: mlp(x, w1, b1, w2, b2, activation, approximate, recompute), _MLP_ROLES, tensors
+        )
+        if y is not None:
+            return y
     if _composes(x, tensors):
         return F.linear(mm.torch_activation(F.linear(x, w1, b1), act), w2, b2)
     lead = x.shape[:-1]
@@ -459,7 +473,8 @@ GATED_ACTIVATIONS = {("silu", "none"): "silu", ("gelu", "none"): "gelu", ("gelu"
 def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, recompute: bool):
     """``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)`` (see
     :func:`fusedkit.gated_mlp`): checked before anything runs; eager calls on the kernels
-    (``autograd.GatedMLP`` where a gradient is needed); traced, transformed and DTensor calls,
+    (``autograd.GatedMLP`` where a gradient is needed), on each rank's shards for DTensors placed
+    as tensor parallelism places it (``sharding.local_mlp``); traced, transformed and other DTensor calls,
     the PyTorch backend, and gate and up weights laid out differently run the composition."""
     key = None
     if _plain_eager() and settings.current().fast_launch:
@@ -496,6 +511,15 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
             raise ShapeError(f"gated_mlp(): {name} must have shape ({size},), got {tuple(value.shape)}")
     tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_like_x("gated_mlp", x, zip(("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"), tensors[1:]))
+    if sharding.has_dtensor(tensors) and not _is_compiling():
+
+        def local(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+            bias = (b_gate, b_up, b_down)
+            return gated_mlp(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
+
+        y = sharding.local_mlp(local, _GATED_ROLES, tensors)
+        if y is not None:
+            return y
     composed = _composes(x, tensors)
     if not composed:
         # (strides compared as the kernel will read them: a lazily negated view resolves to a copy)

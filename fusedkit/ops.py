@@ -286,8 +286,10 @@ def mlp(
     gradient is written once and never read back. Saved for the backward: ``x`` and the
     activation's input (ReLU: its output), where eager keeps GELU's and SiLU's input and
     output; ``recompute=True`` keeps only ``x`` and runs the first GEMM again in the backward.
-    Follows ``torch.autocast`` as ``F.linear`` does. Traced, ``torch.func``, DTensor and CPU
-    calls run the PyTorch composition.
+    Follows ``torch.autocast`` as ``F.linear`` does. DTensor operands placed as tensor
+    parallelism places an MLP (``w1`` column-parallel, ``w2`` row-parallel; or rows sharded;
+    or all replicated) run on each rank's shards (:mod:`fusedkit.sharding`). Traced,
+    ``torch.func``, other DTensor and CPU calls run the PyTorch composition.
     """
     return dispatch.mlp(x, w1, b1, w2, b2, activation, approximate, recompute)
 
@@ -315,8 +317,11 @@ def gated_mlp(
     projections are never written for inference, and for training they are the two tensors of
     the hidden size kept for the backward (eager keeps four). ``recompute=True`` keeps only
     ``x`` and runs that GEMM again in the backward. Follows ``torch.autocast`` as ``F.linear``
-    does. Traced, ``torch.func``, DTensor and CPU calls, and gate and up weights with different
-    strides, run the PyTorch composition; a gradient of the gradient differentiates it.
+    does. DTensor operands placed as tensor parallelism places a gated MLP (gate and up
+    column-parallel, down row-parallel; or rows sharded; or all replicated) run on each rank's
+    shards (:mod:`fusedkit.sharding`). Traced, ``torch.func``, other DTensor and CPU calls, and
+    gate and up weights with different strides, run the PyTorch composition; a gradient of the
+    gradient differentiates it.
     """
     return dispatch.gated_mlp(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
 

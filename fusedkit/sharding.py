@@ -18,6 +18,14 @@ inputs each op computes on its local shards, and what placement the result then 
   (``Partial``), only without an activation, which does not distribute over a sum (a
   row-parallel layer's activation runs after the reduction: :mod:`fusedkit.dispatch`).
 
+The MLP ops (``fusedkit.mlp``, ``fusedkit.gated_mlp``) are Python functions over several
+kernels, not one registered op: on DTensors they run on each rank's local shards through
+DTensor's ``local_map`` where the placements are one of tensor parallelism's (:func:`local_mlp`):
+all replicated; rows sharded with the weights replicated; or the column-parallel up (and gate)
+projections and the row-parallel down projection of Megatron-style tensor parallelism, whose
+local results are partial sums (``Partial``; the down projection's bias is added after them,
+once). Other placements run the ops' PyTorch composition, which DTensor shards op by op.
+
 The rules are registered as ``torch.distributed.tensor`` is imported, before or after
 ``fusedkit`` (no DTensor exists before): at ``import fusedkit`` when it is imported already,
 else by a finder on ``sys.meta_path`` that registers them right after its import. So
@@ -35,7 +43,7 @@ import torch
 
 from . import autograd  # noqa: F401 - defines the torch.ops.fusedkit ops the rules are for
 
-__all__ = ["ensure_registered", "has_dtensor", "install", "k_sharded", "reduce_partial"]
+__all__ = ["ensure_registered", "has_dtensor", "install", "k_sharded", "local_mlp", "reduce_partial"]
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -114,6 +122,70 @@ def k_sharded(a, b) -> bool:
         isinstance(t, _DTensor) and t.dim() >= 1 and any(p.is_shard(dim % t.dim()) for p in t.placements)
         for t, dim in ((a, -1), (b, 0))
     )
+
+
+#: An MLP operand's role in :func:`local_mlp`: the input rows, a column-parallel weight (output
+#: features sharded: the up and gate projections) or its bias, the row-parallel weight (input
+#: features sharded: the down projection) or its bias.
+ROWS, COLUMN, COLUMN_BIAS, ROW, ROW_BIAS = "rows", "column", "column bias", "row", "row bias"
+
+
+def _mlp_placements(roles, tensors):
+    """``(in_placements, in_grad_placements, out_placement, bias_after)`` for an MLP op's operands
+    on a 1-D mesh (None for a missing one), or None where their placements are none of
+    :func:`local_mlp`'s; ``bias_after``: the row bias is added to the reduced result, not on
+    every rank."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    given = [t for t in tensors if t is not None]
+    if not all(isinstance(t, _DTensor) for t in given):
+        return None  # (plain tensors beside DTensors: DTensor's own ops say what it takes)
+    mesh = given[0].device_mesh
+    if mesh.ndim != 1 or any(t.device_mesh != mesh for t in given):
+        return None
+    where = {role: t.placements[0] for role, t in zip(roles, tensors) if t is not None}
+    shards = [t.placements[0] for t in given]
+    x = tensors[0]
+
+    def each(placement_of):
+        return tuple(None if t is None else (placement_of(role),) for role, t in zip(roles, tensors))
+
+    if all(p.is_replicate() for p in shards):
+        ins = each(lambda role: Replicate())
+        return ins, ins, Replicate(), False
+    rows = where[ROWS]
+    if rows.is_shard() and rows.dim % x.dim() != x.dim() - 1 and all(p.is_replicate() for p in shards[1:]):
+        # each rank's rows: its rows of the result; the parameters' gradients summed over ranks
+        ins = each(lambda role: rows if role == ROWS else Replicate())
+        grads = each(lambda role: rows if role == ROWS else Partial())
+        return ins, grads, Shard(rows.dim % x.dim()), False
+    wanted = {ROWS: Replicate(), COLUMN: Shard(0), COLUMN_BIAS: Shard(0), ROW: Shard(1), ROW_BIAS: Replicate()}
+    if all(p == wanted[role] for role, p in where.items()):
+        # Megatron's MLP: the hidden features sharded; each rank's down projection a partial sum
+        ins = each(wanted.__getitem__)
+        grads = each(lambda role: Partial() if role == ROWS else wanted[role])
+        return ins, grads, Partial(), True
+    return None
+
+
+def local_mlp(call, roles, tensors):
+    """``call(*tensors)`` (an MLP op on plain tensors, the operands in ``roles``' order) on each
+    rank's local shards of the DTensors ``tensors``, the result a DTensor; None where their
+    placements are none that a local call computes (:func:`_mlp_placements`)."""
+    from torch.distributed.tensor.experimental import local_map
+
+    found = _mlp_placements(roles, tensors)
+    if found is None:
+        return None
+    ins, grads, out, bias_after = found
+    bias = tensors[roles.index(ROW_BIAS)] if bias_after and ROW_BIAS in roles else None
+    if bias is not None:  # (added once, to the reduced result)
+        at = roles.index(ROW_BIAS)
+        tensors = (*tensors[:at], None, *tensors[at + 1 :])
+        ins, grads = (tuple(None if i == at else p for i, p in enumerate(t)) for t in (ins, grads))
+    mesh = next(t for t in tensors if t is not None).device_mesh
+    y = local_map(call, [out], in_placements=ins, in_grad_placements=grads, device_mesh=mesh)(*tensors)
+    return y if bias is None else reduce_partial(y) + bias
 
 
 def reduce_partial(t):

@@ -219,13 +219,80 @@ def check_rules(mesh, device) -> dict:
             torch.relu(h + y),
         ),
     }
+    # The MLP ops on the placements a tensor-parallel MLP gives them (and one they do not take):
+    # each rank's shards through one local call of the op, where a case says so.
+    g, u, act = x @ w.t() + b, x @ w.t() * 0.5, torch.nn.functional.silu
+    cases |= {
+        "gated_mlp_tensor_parallel": (
+            lambda: (
+                spread(x, Replicate()),
+                *(spread(t, Shard(0)) for t in (w, w * 0.5)),
+                spread(w.t().contiguous(), Shard(1)),
+                *(spread(t, Shard(0)) for t in (b, torch.zeros_like(b))),
+                spread(x[0], Replicate()),
+            ),
+            lambda x, wg, wu, wd, *bias: fusedkit.gated_mlp(x, wg, wu, wd, bias=bias),
+            (act(g) * u) @ w + x[0],
+        ),
+        "gated_mlp_tensor_parallel_partial": (
+            lambda: (
+                spread(x, Replicate()),
+                *(spread(t, Shard(0)) for t in (w, w * 0.5)),
+                spread(w.t().contiguous(), Shard(1)),
+            ),
+            fusedkit.gated_mlp,
+            (act(x @ w.t()) * u) @ w,
+        ),
+        "gated_mlp_rows": (
+            lambda: (spread(x, Shard(0)), *(spread(t, Replicate()) for t in (w, w * 0.5, w.t().contiguous()))),
+            fusedkit.gated_mlp,
+            (act(x @ w.t()) * u) @ w,
+        ),
+        "mlp_tensor_parallel": (
+            lambda: (
+                spread(x, Replicate()),
+                spread(w, Shard(0)),
+                spread(b, Shard(0)),
+                spread(w.t().contiguous(), Shard(1)),
+                spread(x[0], Replicate()),
+            ),
+            fusedkit.mlp,
+            torch.nn.functional.gelu(g) @ w + x[0],
+        ),
+        "mlp_rows": (
+            lambda: (spread(x, Shard(0)), *(spread(t, Replicate()) for t in (w, b, w.t().contiguous(), x[0]))),
+            fusedkit.mlp,
+            torch.nn.functional.gelu(g) @ w + x[0],
+        ),
+        "mlp_k_sharded": (  # (no local call computes it: the composition, op by op)
+            lambda: (spread(x, Shard(1)), *(spread(t, Replicate()) for t in (w, b, w.t().contiguous(), x[0]))),
+            fusedkit.mlp,
+            torch.nn.functional.gelu(g) @ w + x[0],
+        ),
+    }
+    local = [0]
+
+    def counting(op):
+        def call(x, *args, **kwargs):
+            local[0] += not isinstance(x, DTensor)  # (a call on one rank's shards)
+            return op(x, *args, **kwargs)
+
+        return call
+
     found = {}
-    for name, (operands, call, want) in cases.items():
-        args = operands()
-        with CommDebugMode() as comms:
-            got = call(*args)
-        counts = {str(k).split(".")[-1]: v for k, v in comms.get_comm_counts().items() if v}
-        found[name] = [[str(p) for p in got.placements], (got.full_tensor().cpu() - want).abs().max().item(), counts]
+    real = fusedkit.dispatch.mlp, fusedkit.dispatch.gated_mlp
+    fusedkit.dispatch.mlp, fusedkit.dispatch.gated_mlp = (counting(op) for op in real)
+    try:
+        for name, (operands, call, want) in cases.items():
+            args = operands()
+            local[0] = 0
+            with CommDebugMode() as comms:
+                got = call(*args)
+            counts = {str(k).split(".")[-1]: v for k, v in comms.get_comm_counts().items() if v}
+            diff = (got.full_tensor().cpu() - want).abs().max().item()
+            found[name] = [[str(p) for p in got.placements], diff, counts, local[0]]
+    finally:
+        fusedkit.dispatch.mlp, fusedkit.dispatch.gated_mlp = real
     return found
 
 

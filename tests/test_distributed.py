@@ -35,6 +35,13 @@ RULES = {
     "add_relu_out_replicated": (["R"], {"all_gather_into_tensor": 1}),
     "add_rms_norm_rows": (["S(0)"], {}),
     "rms_norm_rows_weight_grad": (["P(sum)"], {}),
+    # the MLP ops: (placements, collectives, the op's calls on one rank's shards)
+    "gated_mlp_tensor_parallel": (["R"], {"all_reduce": 1}, 1),  # (the down bias after the reduction)
+    "gated_mlp_tensor_parallel_partial": (["P(sum)"], {}, 1),
+    "gated_mlp_rows": (["S(0)"], {}, 1),
+    "mlp_tensor_parallel": (["R"], {"all_reduce": 1}, 1),
+    "mlp_rows": (["S(0)"], {}, 1),
+    "mlp_k_sharded": (["R"], {"all_reduce": 1}, 0),
 }
 
 
@@ -105,9 +112,9 @@ def test_ddp_of_the_earlier_models(result):
 
 @pytest.mark.parametrize("case", sorted(RULES))
 def test_ops_on_dtensors_follow_their_rules(result, case):
-    placements, diff, comms = result["rules"][case]
-    want_placements, want_comms = RULES[case]
-    assert placements == want_placements
+    placements, diff, comms, local = result["rules"][case]
+    want_placements, want_comms, *want_local = RULES[case]
+    assert placements == want_placements and local == (want_local or [0])[0]
     assert diff < tolerance(result) * 10
     if result["world"] > 1:  # (a one-rank mesh may skip its collectives)
         assert comms == want_comms
