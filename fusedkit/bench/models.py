@@ -20,6 +20,9 @@ same model stock, eager and under ``torch.compile``, in one process:
   ``fusedkit.silu_mul``. Where Liger-Kernel imports, its SwiGLU MLP forward is a variant
   too (``liger``); ``fusedkit_gated``: the whole MLP as one ``fusedkit.gated_mlp`` (gate and up
   projections in one GEMM with the gate in its epilogue).
+- ``llama_layer``: transformers' ``LlamaDecoderLayer`` at the 1B-class LLaMA's sizes, fused
+  by ``fusedkit.fuse`` as a whole model is (its two RMSNorms, the residual join with the
+  second, and the gated MLP); Liger-Kernel's RMSNorm and SwiGLU MLP as a peer (``liger``).
 
 For each model and variant (``eager``: stock; ``fusedkit``: the fused model, eager;
 ``compiled``: ``torch.compile`` of the stock model; blocks train with SGD and momentum):
@@ -141,6 +144,9 @@ class ModelCase:
     decode: bool = False
     #: A whole model that ``fusedkit.fuse`` finds the sites of (the others are blocks fused by hand).
     whole: bool = False
+    #: A block that ``fusedkit.fuse`` finds the sites of, as a whole model's are (on the device,
+    #: from an example batch); the other blocks are fused by hand.
+    traced: bool = False
 
 
 # --- ResNet-50 (torchvision) ------------------------------------------------------------
@@ -354,6 +360,57 @@ def _llama_batch(shape, gen, small):
     return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
 
 
+# --- LLaMA decoder layer (transformers) -------------------------------------------------
+
+
+class _LlamaLayer(torch.nn.Module):
+    """A transformers ``LlamaDecoderLayer`` on hidden states, with the rotary embedding its
+    model computes once for every layer (the layer takes the cos and sin)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, hidden_states):
+        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
+        out = self.layer(hidden_states, position_embeddings=self.rotary(hidden_states, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _build_llama_layer(small: bool):
+    from transformers import LlamaConfig
+
+    sizes = {k: v for k, v in (LLAMA_TINY if small else LLAMA_1B).items() if k not in ("num_hidden_layers", "vocab_size")}
+    config = LlamaConfig(**sizes, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    return _LlamaLayer(config)
+
+
+def _llama_layer_batch(shape, gen, small):
+    n, t = shape
+    c = (LLAMA_TINY if small else LLAMA_1B)["hidden_size"]
+    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+
+
+def _fuse_llama_layer_liger(model, example=None) -> int:
+    """The peer: Liger-Kernel's ``LigerRMSNorm`` for the layer's two norms (their weights
+    loaded) and its SwiGLU MLP forward, what ``apply_liger_kernel_to_llama`` gives a layer."""
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    layer = model.layer
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        stock = getattr(layer, name)
+        norm = LigerRMSNorm(stock.weight.shape[0], eps=stock.variance_epsilon)
+        norm.load_state_dict(stock.state_dict())
+        setattr(layer, name, norm.to(stock.weight.device, stock.weight.dtype))
+    layer.mlp.forward = types.MethodType(LigerSwiGLUMLP.forward, layer.mlp)
+    return 3
+
+
 # --- Whole models: fusedkit.fuse finds the sites ---------------------------------------
 
 
@@ -465,6 +522,9 @@ _SMALL_IMAGES = Sizes(train=(2, 32), bs1=(1, 32), serve=(2, 32))
 #: step's shapes for the MLP; the block attends to that one token, with no KV cache).
 _TOKENS = Sizes(train=(8, 1024), bs1=(1, 1), serve=(64, 1))
 _SMALL_TOKENS = Sizes(train=(2, 8), bs1=(1, 1), serve=(3, 1))
+#: The decoder layer: training and serving on 4 sequences of 1024 tokens (a prefill), batch 1
+#: one such sequence (its attention needs the sequence: no single-token decode without a cache).
+_LLAMA_LAYER_TOKENS = Sizes(train=(4, 1024), bs1=(1, 1024), serve=(4, 1024))
 #: Whole language models: training and serving (prefill) on the training batch, batch 1 a
 #: prefill of one sequence; the decode step through ``generate`` (``DECODE_BATCHES``).
 _GPT2_TOKENS = Sizes(train=(8, 512), bs1=(1, 512), serve=(8, 512))
@@ -614,6 +674,21 @@ MODELS = {
             _SMALL_TOKENS,
             lr=0.05,
             peers=(("fusedkit_gated", "fusedkit", _fuse_llama_gated), ("liger", "liger_kernel", _fuse_llama_liger)),
+        ),
+        ModelCase(
+            "llama_layer",
+            "transformers LlamaDecoderLayer (1B-class: 2048 / 5632), through fusedkit.fuse: its norms, "
+            "residual join and gated MLP",
+            "transformers",
+            _build_llama_layer,
+            _fuse_whole,
+            _llama_layer_batch,
+            _mse,
+            _LLAMA_LAYER_TOKENS,
+            _SMALL_TOKENS,
+            lr=0.05,
+            traced=True,
+            peers=(("liger", "liger_kernel", _fuse_llama_layer_liger),),
         ),
     )
 }
@@ -783,7 +858,7 @@ def variant_model(case, variant, stock, device, example=None):
     peer = next((fuse_peer for name, _, fuse_peer in case.peers if name == variant), None)
     fmt = torch.channels_last if case.channels_last else torch.contiguous_format
     fused = variant in ("fusedkit", "fusedkit_compiled")
-    if fused and not case.whole:
+    if fused and not (case.whole or case.traced):
         model = fuse(case, stock).to(device, memory_format=fmt)
     else:
         model = copy.deepcopy(stock).to(device, memory_format=fmt)
