@@ -383,8 +383,8 @@ class _LlamaLayer(torch.nn.Module):
 def _build_llama_layer(small: bool):
     from transformers import LlamaConfig
 
-    sizes = {k: v for k, v in (LLAMA_TINY if small else LLAMA_1B).items() if k not in ("num_hidden_layers", "vocab_size")}
-    config = LlamaConfig(**sizes, num_hidden_layers=1)
+    sizes = dict(LLAMA_TINY if small else LLAMA_1B, num_hidden_layers=1)
+    config = LlamaConfig(**sizes)
     config._attn_implementation = "sdpa"
     return _LlamaLayer(config)
 
