@@ -747,11 +747,11 @@ class MatmulNode : public RecipeNode<MatmulRecipe> {
     const MatmulRecipe& r = *recipe_;
     // (the gradient and a saved output as the Python path's 2-D ones: views, the result being
     // laid out (lead..., N))
-    const at::Tensor grad = grads[0].reshape({r.m, r.n});
+    at::Tensor grad = grads[0].reshape({r.m, r.n});
     if (saved[2].defined() && saved[2].dim() != 2) saved[2] = saved[2].reshape({r.m, r.n});
     std::array<bool, 3> needs{};
     for (size_t i = 0; i < 3; ++i) needs[i] = should_compute_output(i);
-    if (planned(grad, saved, needs, result)) return result;
+    if (planned(grads, grad, saved, needs, result)) return result;
     python_backward(r.name, result, [&] {
       return r.fallback(wrap(grad), wrap(saved[0]), wrap(saved[1]), wrap(saved[2]),
                         py::make_tuple(needs[0], needs[1], needs[2]));
@@ -762,13 +762,13 @@ class MatmulNode : public RecipeNode<MatmulRecipe> {
  private:
   // The Python backward's launches, from C++: only where it would launch them (no gradient of
   // the gradient, no dispatch mode or profiler) and the activation's gradient is kept.
-  bool planned(const at::Tensor& grad, const std::array<at::Tensor, 3>& saved, const std::array<bool, 3>& needs,
-               torch::autograd::variable_list& result) {
+  bool planned(torch::autograd::variable_list& grads, at::Tensor& grad, const std::array<at::Tensor, 3>& saved,
+               const std::array<bool, 3>& needs, torch::autograd::variable_list& result) {
     const MatmulRecipe& r = *recipe_;
     if (at::GradMode::is_enabled() || !eager_and_unobserved() || !store_->hooks.idle()) return false;
     const at::Tensor& a = saved[0];
     const at::Tensor& b = saved[1];
-    for (const at::Tensor* t : {&grad, &a, &b, &saved[2]}) {
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&grad), &a, &b, &saved[2]}) {
       if (t->defined() && (t->device() != r.device || t->is_neg() || t->is_conj() || t->layout() != at::kStrided ||
                            !t->has_storage() || t->key_set().has(c10::DispatchKey::Python))) {
         return false;
@@ -788,6 +788,11 @@ class MatmulNode : public RecipeNode<MatmulRecipe> {
       g = store_->launch(*l, ts)[0];
       if (!g.defined()) return false;
       if (!g.is_contiguous()) g = g.contiguous();
+      // The incoming gradient is read: let it go before the products allocate theirs, as
+      // eager's activation node frees it before the linear's node runs (the step's peak
+      // would otherwise hold it beside the activation's gradient and a's).
+      grad.reset();
+      grads[0].reset();
     }
     // (torch.mm as F.linear's backward runs them; the bias's sum as nn.Linear's)
     if (needs[0]) result[0] = at::mm(g, b.t()).reshape(a.sizes());
