@@ -262,7 +262,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (
         weight.dtype is torch.float32
         and weight.is_cuda  # (CPU autocast has no lower-precision op that is a view: there t casts)
-        and t.requires_grad  # (and so its base: w.detach().t() is no transpose of w)
+        and t.requires_grad
         and weight.is_leaf
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and torch.is_autocast_cache_enabled()
@@ -286,11 +286,13 @@ def _transposed_leaf(t: torch.Tensor) -> torch.Tensor | None:
     cast, not a view's, and ``w.t()`` cast as a view costs a weight-sized cast kernel a call (a
     fused BERT step's matmuls spent about two thirds of their host time there; docs/design.md)."""
     base = t._base
-    if base is None or t.dim() != 2 or base.dim() != 2:
-        return None
-    if t.shape[::-1] != base.shape or t.stride()[::-1] != base.stride():
-        return None
-    return base if t.storage_offset() == base.storage_offset() else None
+    if base is None or t.dim() != 2 or base.dim() != 2 or t.is_leaf or not base.requires_grad:
+        return None  # (a leaf view's gradient is its own: torch.randn(n, k).t().requires_grad_())
+    if t.shape[::-1] != base.shape or t.stride()[::-1] != base.stride() or t.data_ptr() != base.data_ptr():
+        return None  # (not its transpose; or a view of the data the base had before w.data = ...)
+    if t.retains_grad or t._backward_hooks:
+        return None  # (the view's own hooks and .grad: a cast of the leaf would pass them by)
+    return base
 
 
 @functools.cache

@@ -261,9 +261,21 @@ def test_only_a_leafs_exact_transpose_takes_its_cached_cast():
 
     w = torch.nn.Parameter(torch.randn(5, 3))
     assert dispatch._transposed_leaf(w.t()) is w
-    for other in (w, w[:, :2].t(), w[1:].t(), w.t().t(), w.t().contiguous(), w.view(3, 5)):
+    for other in (w, w[:, :2].t(), w[1:].t(), w.t().t(), w.t().contiguous(), w.view(3, 5), w.detach().t()):
         assert dispatch._transposed_leaf(other) is None
-    assert dispatch._transposed_leaf(w.detach().t()) is not w  # (and needs no grad: _cast casts it)
+    # a leaf view's gradient is its own, wherever it came from
+    assert dispatch._transposed_leaf(torch.randn(5, 3).t().requires_grad_()) is None
+    with torch.no_grad():
+        own = w.t()
+    assert dispatch._transposed_leaf(own.requires_grad_()) is None
+    # the view's own hooks and .grad, and a view of the data w had before w.data was replaced
+    hooked, kept, stale = w.t(), w.t(), w.t()
+    hooked.register_hook(lambda g: g)
+    kept.retain_grad()
+    assert dispatch._transposed_leaf(hooked) is dispatch._transposed_leaf(kept) is None
+    assert dispatch._transposed_leaf(stale) is w
+    w.data = torch.randn(5, 3)
+    assert dispatch._transposed_leaf(stale) is None
 
 
 def test_a_cast_without_grad_history_keeps_no_plan_without_autograd(monkeypatch):

@@ -606,7 +606,8 @@ class RecipeNode : public torch::autograd::Node {
 
  protected:
   // The saved tensors (undefined past those saved), the lock held while they unpack only: the
-  // Python backward of a gradient of the gradient runs this node again, on this thread.
+  // Python backward of a gradient of the gradient runs this node again, on this thread. Called
+  // without the GIL: every path takes this lock before the GIL, never the other way round.
   template <size_t N>
   std::array<at::Tensor, N> unpack() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -634,8 +635,10 @@ class NormNode : public RecipeNode<NormRecipe> {
   using RecipeNode::RecipeNode;
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    py::gil_scoped_acquire gil;  // the recipe and the Python backward are the GIL's
+    // (unpacked before the GIL is taken: the lock, then the GIL, as release_variables takes
+    // them when a saved-tensor hook's destructor needs the GIL; a hook's unpack takes it itself)
     const std::array<at::Tensor, 4> saved = unpack<4>();  // rows, weight, bias, stats
+    py::gil_scoped_acquire gil;  // the recipe and the Python backward are the GIL's
     const at::Tensor dy = grads.empty() ? at::Tensor() : grads[0];
     const at::Tensor dh_out = grads.size() > 1 ? grads[1] : at::Tensor();
     torch::autograd::variable_list result(4);
@@ -742,8 +745,8 @@ class MatmulNode : public RecipeNode<MatmulRecipe> {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list result(3);
     if (grads.empty() || !grads[0].defined()) return result;
+    std::array<at::Tensor, 3> saved = unpack<3>();  // a, b, then out or pre where saved (before the GIL: NormNode's)
     py::gil_scoped_acquire gil;  // the store and the Python backward are the GIL's
-    std::array<at::Tensor, 3> saved = unpack<3>();  // a, b, then out or pre where saved
     const MatmulRecipe& r = *recipe_;
     // (the gradient and a saved output as the Python path's 2-D ones: views, the result being
     // laid out (lead..., N))
