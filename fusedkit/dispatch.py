@@ -252,6 +252,11 @@ def autocast(*tensors) -> tuple:
     )
 
 
+#: Devices whose autocast casts a weight through its cache by way of ``_einsum`` (CPU autocast
+#: has no lower-precision op that is a view: there a weight casts each call, as ``t.to``).
+CACHED_CAST_DEVICES = ("cuda",)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype`` as autocast's ``F.linear`` gets it: a model's weight (a float32 leaf that
     requires grad), or its transpose ``w.t()`` as ``fusedkit.nn`` and ``fuse`` pass it, through
@@ -261,7 +266,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     weight = t if leaf is None else leaf
     if (
         weight.dtype is torch.float32
-        and weight.is_cuda  # (CPU autocast has no lower-precision op that is a view: there t casts)
+        and weight.device.type in CACHED_CAST_DEVICES
         and t.requires_grad
         and weight.is_leaf
         and type(weight) in (torch.Tensor, torch.nn.Parameter)

@@ -453,3 +453,19 @@ def test_a_kept_plan_answers_only_the_argument_types_the_checks_take():
     fusedkit.gated_mlp(x, w_gate, w_up, w_down, activation="silu")
     with pytest.raises(ArgumentError):
         fusedkit.gated_mlp(x, w_gate, w_up, w_down, activation=np.str_("silu"))
+
+
+def test_a_transposed_weights_cached_cast_carries_its_gradient_to_the_leaf(monkeypatch):
+    # (the CUDA path on the CPU: a stand-in for autocast's cached cast, a differentiable cast)
+    from fusedkit import dispatch
+
+    monkeypatch.setattr(dispatch, "CACHED_CAST_DEVICES", ("cpu",))
+    monkeypatch.setattr(dispatch, "_einsum", lambda eq, ts: ts[0].to(torch.bfloat16))
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    cast = dispatch._cast(w.t(), torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and cast.shape == (3, 5) and torch.equal(cast, w.t().to(torch.bfloat16))
+    (grad,) = torch.autograd.grad(cast.float().square().sum(), w)
+    torch.testing.assert_close(grad, 2 * w.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
+    own = torch.randn(5, 3).t().requires_grad_()  # (a leaf view: its gradient is its own)
+    (grad,) = torch.autograd.grad(dispatch._cast(own, torch.bfloat16).float().sum(), own)
+    assert grad.shape == own.shape
