@@ -143,8 +143,8 @@ def _mlp_placements(roles, tensors):
     mesh = given[0].device_mesh
     if mesh.ndim != 1 or any(t.device_mesh != mesh for t in given):
         return None
-    where = {role: t.placements[0] for role, t in zip(roles, tensors) if t is not None}
-    shards = [t.placements[0] for t in given]
+    placed = [(role, t.placements[0]) for role, t in zip(roles, tensors) if t is not None]
+    shards = [p for _, p in placed]
     x = tensors[0]
 
     def each(placement_of):
@@ -153,14 +153,16 @@ def _mlp_placements(roles, tensors):
     if all(p.is_replicate() for p in shards):
         ins = each(lambda role: Replicate())
         return ins, ins, Replicate(), False
-    rows = where[ROWS]
-    if rows.is_shard() and rows.dim % x.dim() != x.dim() - 1 and all(p.is_replicate() for p in shards[1:]):
+    rows = shards[0]
+    # (evenly: local_map makes the result from each rank's rows as if every rank held as many)
+    even = rows.is_shard() and x.shape[rows.dim % x.dim()] % mesh.size() == 0
+    if even and rows.dim % x.dim() != x.dim() - 1 and all(p.is_replicate() for p in shards[1:]):
         # each rank's rows: its rows of the result; the parameters' gradients summed over ranks
         ins = each(lambda role: rows if role == ROWS else Replicate())
         grads = each(lambda role: rows if role == ROWS else Partial())
         return ins, grads, Shard(rows.dim % x.dim()), False
     wanted = {ROWS: Replicate(), COLUMN: Shard(0), COLUMN_BIAS: Shard(0), ROW: Shard(1), ROW_BIAS: Replicate()}
-    if all(p == wanted[role] for role, p in where.items()):
+    if all(p == wanted[role] for role, p in placed):  # (each operand: gate and up share a role)
         # Megatron's MLP: the hidden features sharded; each rank's down projection a partial sum
         ins = each(wanted.__getitem__)
         grads = each(lambda role: Partial() if role == ROWS else wanted[role])

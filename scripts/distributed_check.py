@@ -264,6 +264,21 @@ def check_rules(mesh, device) -> dict:
             fusedkit.mlp,
             torch.nn.functional.gelu(g) @ w + x[0],
         ),
+        "mlp_rows_uneven": (  # (5 rows on 2 ranks: local_map would take each rank's rows as 3)
+            lambda: (spread(x[:5], Shard(0)), *(spread(t, Replicate()) for t in (w, b, w.t().contiguous(), x[0]))),
+            fusedkit.mlp,
+            torch.nn.functional.gelu(g[:5]) @ w + x[0],
+        ),
+        "gated_mlp_gate_and_up_placed_apart": (  # (the up projection sharded, the gate not)
+            lambda: (
+                spread(x, Replicate()),
+                spread(w, Replicate()),
+                spread(w * 0.5, Shard(0)),
+                spread(w.t().contiguous(), Shard(1)),
+            ),
+            fusedkit.gated_mlp,
+            (act(x @ w.t()) * u) @ w,
+        ),
         "mlp_k_sharded": (  # (no local call computes it: the composition, op by op)
             lambda: (spread(x, Shard(1)), *(spread(t, Replicate()) for t in (w, b, w.t().contiguous(), x[0]))),
             fusedkit.mlp,

@@ -42,6 +42,10 @@ RULES = {
     "mlp_tensor_parallel": (["R"], {"all_reduce": 1}, 1),
     "mlp_rows": (["S(0)"], {}, 1),
     "mlp_k_sharded": (["R"], {"all_reduce": 1}, 0),
+    # (placements a local call would get wrong: rows that do not divide among the ranks, and a
+    # gate placed otherwise than its up projection; the composition computes them)
+    "mlp_rows_uneven": (["S(0)"], {}, 0),
+    "gated_mlp_gate_and_up_placed_apart": (["P(sum)"], {}, 0),
 }
 
 
