@@ -102,9 +102,11 @@ class MLP(nn.Module):
     ``fc2.bias``), whose state dicts load as they are; transformers' ``GPT2MLP`` state dicts
     load too (``c_fc`` and ``c_proj``, ``Conv1D`` weights stored (in, out): transposed into
     ``fc1`` and ``fc2`` as they load). ``activation``: "gelu" (``approximate``
-    "none" or "tanh"), "relu" or "silu". Forward hooks on ``fc1`` and ``fc2`` do not run (the
-    two projections are one call); their parametrizations do. Follows ``torch.autocast`` as
-    ``nn.Linear`` does.
+    "none" or "tanh"), "relu" or "silu". Where a hook is registered on ``fc1`` or ``fc2`` (or
+    a global module hook: tensor parallelism's ``parallelize_module`` registers some), or a
+    projection was replaced by another layer, the two run as modules and the activation as
+    PyTorch's, so every hook and layer sees its call; parametrizations apply either way.
+    Follows ``torch.autocast`` as ``nn.Linear`` does.
     """
 
     def __init__(
@@ -138,6 +140,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
+        if _runs_as_modules(fc1, fc2):
+            h = fc1(x)
+            if self.activation == "gelu":
+                h = nn.functional.gelu(h, approximate=self.approximate)
+            else:
+                h = nn.functional.relu(h) if self.activation == "relu" else nn.functional.silu(h)
+            return fc2(h)
         return mlp(
             x,
             fc1.weight,

@@ -278,3 +278,23 @@ def test_module_loads_a_gpt2_mlp_and_matches_it():
     fused.load_state_dict(stock.state_dict())
     _assert_same_step(stock, fused, 12)
     torch.testing.assert_close(fused.fc1.weight.grad, stock.c_fc.weight.grad.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation,approximate", [("gelu", "tanh"), ("relu", "none"), ("silu", "none")])
+def test_module_with_a_hooked_projection_runs_its_layers_and_their_hooks(activation, approximate):
+    # (as SwiGLU: a hook on fc1 or fc2, a global one, or a layer put in fc2's place sees its call)
+    torch.manual_seed(5)
+    module = fusedkit.nn.MLP(12, 20, activation=activation, approximate=approximate, device=DEVICE)
+    x = rand((7, 12), torch.float32, DEVICE)
+    plain = module(x)
+    seen = []
+    handle = module.fc1.register_forward_hook(lambda m, args, out: seen.append(("fc1", tuple(out.shape))))
+    hooked = module(x)
+    handle.remove()
+    assert seen == [("fc1", (7, 20))]
+    torch.testing.assert_close(hooked, plain, rtol=1e-4, atol=1e-4)
+    with torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__)):
+        module(x)
+    assert seen[1:] == ["Linear", "Linear", "MLP"]
+    module.fc2 = torch.nn.Sequential(module.fc2)  # (another layer in its place)
+    torch.testing.assert_close(module(x), plain, rtol=1e-4, atol=1e-4)
