@@ -436,6 +436,14 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     DTensors placed as tensor parallelism places an MLP on each rank's shards
     (``sharding.local_mlp``); traced, transformed and other DTensor calls, and the PyTorch
     backend, run the composition."""
+    key = None
+    if _plain_eager() and settings.current().fast_launch and type(activation) is type(approximate) is str:
+        # a repeated signature: its checks and path were settled by its first call
+        key = _mlp_key((x, w1, b1, w2, b2), activation, approximate, bool(recompute))
+        kept = MLP_KEPT.get(key) if key is not None else None
+        if kept is not None:
+            return _mlp_run(kept, *(autocast(x, w1, b1, w2, b2) if kept.cast else (x, w1, b1, w2, b2)))
+    given = (x, w1, b1, w2, b2)
     _check_tensors("mlp", (("x", x), ("w1", w1), ("w2", w2)))
     _check_tensors("mlp", (("b1", b1), ("b2", b2)), optional=True)
     act = _mlp_activation(
@@ -462,15 +470,22 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
             return y
     if _composes(x, tensors):
         return F.linear(mm.torch_activation(F.linear(x, w1, b1), act), w2, b2)
-    lead = x.shape[:-1]
-    x2 = mm.resolve_neg(x).reshape(lead.numel(), inner)
-    w1, b1, w2, b2 = (mm.resolve_neg(t) for t in (w1, b1, w2, b2))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        y = autograd.MLP.apply(x2, w1, b1, w2, b2, act, bool(recompute))
+    used = tuple(mm.resolve_neg(t) for t in tensors)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in given)
+    plan = MLPPlan(x.shape[:-1], inner, act, grad, bool(recompute), any(a is not b for a, b in zip(given, tensors)))
+    if key is not None and all(a is b for a, b in zip(tensors, used)):  # (no negated view resolved)
+        MLP_KEPT.keep(key, plan)
+    return _mlp_run(plan, *used)
+
+
+def _mlp_run(plan: MLPPlan, x, w1, b1, w2, b2):
+    x2 = x.reshape(plan.lead.numel(), plan.inner)
+    if plan.grad:
+        y = autograd.MLP.apply(x2, w1, b1, w2, b2, plan.act, plan.recompute)
     else:
-        h = mm.forward(x2, w1.t(), b1, act, False)[0]
+        h = mm.forward(x2, w1.t(), b1, plan.act, False)[0]
         y = mm.forward(h, w2.t(), b2, None, False)[0]
-    return y.view(*lead, y.shape[1])
+    return y.view(*plan.lead, y.shape[1])
 
 
 #: ``fusedkit.gated_mlp``'s activations: (activation, approximate) -> the gated epilogue's name.
@@ -487,11 +502,12 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
     if _plain_eager() and settings.current().fast_launch:
         # a repeated signature: its checks and path were settled by its first call (a decode
         # step's MLP is all host time)
-        key = _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute)
-        kept = GATED_KEPT.get(key) if key is not None else None
-        if kept is not None:
+        if (bias is None or (type(bias) is tuple and len(bias) == 3)) and type(activation) is type(approximate) is str:
             tensors = (x, w_gate, w_up, w_down, *(bias or (None, None, None)))
-            return _gated_run(kept, *(autocast(*tensors) if kept.cast else tensors))
+            key = _mlp_key(tensors, activation, approximate, bool(recompute))
+            kept = GATED_KEPT.get(key) if key is not None else None
+            if kept is not None:
+                return _gated_run(kept, *(autocast(*tensors) if kept.cast else tensors))
     _check_tensors("gated_mlp", (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     if bias is None:
         bias = (None, None, None)
@@ -550,7 +566,7 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
     # would lose every later region's gradients, not that region's alone, as F.linear's are)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in given)
     recast = any(a is not b for a, b in zip(given, cast))
-    plan = GatedPlan(x.shape[:-1], inner, act, grad, bool(recompute), recast)
+    plan = MLPPlan(x.shape[:-1], inner, act, grad, bool(recompute), recast)
     # (kept where the call's own tensors, or autocast's casts of them, go to the kernels: no
     # negated view resolved or bias made alike on the way)
     used = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
@@ -559,9 +575,9 @@ def gated_mlp(x, w_gate, w_up, w_down, activation: str, approximate: str, bias, 
     return _gated_run(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
 
 
-class GatedPlan(NamedTuple):
-    """A gated MLP call's settled path (:func:`gated_mlp`): the kernels, with autograd's Function
-    where a gradient is needed."""
+class MLPPlan(NamedTuple):
+    """An MLP op's settled path (:func:`mlp`, :func:`gated_mlp`): the kernels, with autograd's
+    Function where a gradient is needed."""
 
     lead: torch.Size
     inner: int
@@ -571,21 +587,17 @@ class GatedPlan(NamedTuple):
     cast: bool  # autocast casts the tensors (its dtype is in the call's key)
 
 
-#: Kept gated MLP plans by call signature (:func:`_gated_key`), for eager calls on plain tensors.
+#: Kept MLP op plans by call signature (:func:`_mlp_key`), for eager calls on plain tensors.
+MLP_KEPT = CallCache()
 GATED_KEPT = CallCache()
 
 
-def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute) -> tuple | None:
-    """Everything a gated MLP call's checks and path depend on (the tensors' classes, shapes,
-    strides, dtypes, devices, whether they require grad and carry a negation bit; the
-    arguments; grad mode and autocast), or None where it cannot be a key."""
-    if (bias is not None and (type(bias) is not tuple or len(bias) != 3)) or not (
-        type(activation) is type(approximate) is str
-    ):
-        return None
+def _mlp_key(tensors, *args) -> tuple | None:
+    """Everything an MLP op's checks and path depend on (the tensors' classes, shapes, strides,
+    dtypes, devices, whether they require grad and carry a negation or conjugate bit; ``args``,
+    its other arguments; grad mode and autocast), or None where it cannot be a key."""
     try:
-        device = x.device.type
-        tensors = (x, w_gate, w_up, w_down, *(bias or (None, None, None)))
+        device = tensors[0].device.type
         autocast = device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
         key = (
             tuple(
@@ -594,9 +606,7 @@ def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute
                 else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_conj())
                 for t in tensors
             ),
-            activation,
-            approximate,
-            bool(recompute),
+            *args,
             torch.is_grad_enabled(),
             autocast and torch.get_autocast_dtype(device),
         )
@@ -606,7 +616,7 @@ def _gated_key(x, w_gate, w_up, w_down, activation, approximate, bias, recompute
     return key
 
 
-def _gated_run(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+def _gated_run(plan: MLPPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     x2 = x.reshape(plan.lead.numel(), plan.inner)
     if plan.grad:
         y = autograd.GatedMLP.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, plan.act, plan.recompute)

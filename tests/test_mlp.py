@@ -298,3 +298,38 @@ def test_module_with_a_hooked_projection_runs_its_layers_and_their_hooks(activat
     assert seen[1:] == ["Linear", "Linear", "MLP"]
     module.fc2 = torch.nn.Sequential(module.fc2)  # (another layer in its place)
     torch.testing.assert_close(module(x), plain, rtol=1e-4, atol=1e-4)
+
+
+def test_a_repeated_call_takes_its_kept_plan(monkeypatch):
+    # The second call of a signature skips the checks (dispatch.MLP_KEPT): the same results and
+    # gradients; grad mode, recompute and the autocast dtype are part of the signature, and
+    # autocast's casts are made again each call; a call whose tensors the first call changed on
+    # the way (a lazily negated view, resolved) is not kept.
+    from fusedkit import dispatch
+
+    fusedkit.clear_caches()
+    x = rand((3, 2, 24), torch.float32, DEVICE).requires_grad_()
+    w1, b1, w2, b2 = (t.requires_grad_() for t in params(torch.float32))
+    runs = []
+    for _ in range(2):
+        y = fusedkit.mlp(x, w1, b1, w2, b2)
+        runs.append((y, *torch.autograd.grad(y.square().sum(), (x, w1, b1, w2, b2))))
+    assert len(dispatch.MLP_KEPT) == 1 and all(torch.equal(a, b) for a, b in zip(*runs))
+    for _ in range(2):
+        y = fusedkit.mlp(x, w1, b1, w2, b2, recompute=True)
+    assert len(dispatch.MLP_KEPT) == 2 and torch.equal(y, runs[0][0])
+    with torch.no_grad():
+        assert torch.equal(fusedkit.mlp(x, w1, b1, w2, b2), runs[0][0])
+    assert len(dispatch.MLP_KEPT) == 3
+    device_type = "cuda" if DEVICE.type == "cuda" else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        cast = [fusedkit.mlp(x, w1, b1, w2, b2) for _ in range(2)]
+    assert [y.dtype for y in cast] == [torch.bfloat16] * 2 and torch.equal(*cast)
+    assert len(dispatch.MLP_KEPT) == 4
+    negated = torch.randn(3, 2, 24, dtype=torch.complex64, device=DEVICE).conj().imag
+    want = reference(negated.resolve_neg(), w1, b1, w2, b2, "gelu", "none")
+    for _ in range(2):
+        assert_rel_err(fusedkit.mlp(negated, w1, b1, w2, b2), want, 1e-5)
+    assert len(dispatch.MLP_KEPT) == 4
+    with pytest.raises(ShapeError):  # (another signature: checked again)
+        fusedkit.mlp(x, w1, b1, w2, b2[:-1])
