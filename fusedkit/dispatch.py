@@ -291,8 +291,11 @@ def _transposed_leaf(t: torch.Tensor) -> torch.Tensor | None:
     cast, not a view's, and ``w.t()`` cast as a view costs a weight-sized cast kernel a call (a
     fused BERT step's matmuls spent about two thirds of their host time there; docs/design.md)."""
     base = t._base
-    if base is None or t.dim() != 2 or base.dim() != 2 or t.is_leaf or not base.requires_grad:
-        return None  # (a leaf view's gradient is its own: torch.randn(n, k).t().requires_grad_())
+    if base is None or t.dim() != 2 or base.dim() != 2 or not base.requires_grad:
+        return None
+    if t.is_leaf and torch.is_grad_enabled():
+        return None  # (a leaf view's gradient is its own: torch.randn(n, k).t().requires_grad_(); w.t()
+        # made under no_grad is a leaf too, and casts as w's there: generate() runs so)
     if t.shape[::-1] != base.shape or t.stride()[::-1] != base.stride() or t.data_ptr() != base.data_ptr():
         return None  # (not its transpose; or a view of the data the base had before w.data = ...)
     if t.retains_grad or t._backward_hooks:

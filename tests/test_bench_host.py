@@ -85,14 +85,32 @@ def test_latency_with_processes_merges_the_childrens_reports(monkeypatch, capsys
         "host": [{"op": "add", "shape": "1024", "mode": "forward", "fusedkit host": 4.0, "eager host": 8.0}],
         "host dtype": "bfloat16",
     }
-    argvs = []
-    monkeypatch.setattr(
-        processes, "run_children", lambda argv, n, label, progress: argvs.append(argv) or ([child] * n, {})
-    )
+    argvs, failed = [], {}
+
+    def children(argv, n, label, progress):
+        argvs.append(argv)
+        return [child] * (n - len(failed)), failed
+
+    monkeypatch.setattr(processes, "run_children", children)
     assert main(["bench", "--latency", "--processes", "2", "--dtypes", "bf16", "--no-compile", "--no-progress"]) == 0
     assert argvs == [["--latency", "--dtypes", "bf16", "--no-compile"]]
     out = capsys.readouterr().out
     assert "median of 2 processes" in out and "0.50-0.50" in out
+    # sizes as the children read them (a number below 64 is an exponent there: 2**5 is 32 elements)
+    main(["bench", "--latency", "--processes", "2", "--sizes", "5,1000", "--no-progress"])
+    assert argvs[-1][argvs[-1].index("--sizes") + 1] == "2**5,1000"
+    capsys.readouterr()
+    # a process that did not finish: the others' numbers, the missing one named, and the report fails
+    failed["process 2"] = "it wrote no results"
+    assert main(["bench", "--latency", "--processes", "2", "--no-progress"]) == 1
+    assert "1 finished; did not: {'process 2'" in capsys.readouterr().out
+
+
+def test_merging_processes_whose_rows_differ_is_refused():
+    row = {"op": "add", "shape": "1024", "mode": "forward", "fusedkit host": 1.0, "eager host": 1.0}
+    runs = [{"host": [row]}, {"host": [dict(row, shape="2048")]}]
+    with pytest.raises(ValueError, match="rows differ"):
+        latency.merge_latency(runs)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
@@ -108,4 +126,7 @@ def test_pin_holds_the_report_to_one_core(monkeypatch, capsys):
     real = report.print_report
     monkeypatch.setattr(report, "print_report", lambda env, *a: seen.update(env) or real(env, *a))
     main(["bench", "--latency", "--pin", "--no-progress"])
-    assert pinned == [{max(os.sched_getaffinity(0))}] and seen["pinned_core"] == max(os.sched_getaffinity(0))
+    core = max(os.sched_getaffinity(0))
+    threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    assert len(pinned) >= len(threads) and all(cores == {core} for cores in pinned)  # (every thread)
+    assert seen["pinned_core"] == core

@@ -267,6 +267,7 @@ def test_only_a_leafs_exact_transpose_takes_its_cached_cast():
     assert dispatch._transposed_leaf(torch.randn(5, 3).t().requires_grad_()) is None
     with torch.no_grad():
         own = w.t()
+        assert dispatch._transposed_leaf(own) is w  # (no graph: generate() casts w.t() as w there)
     assert dispatch._transposed_leaf(own.requires_grad_()) is None
     # the view's own hooks and .grad, and a view of the data w had before w.data was replaced
     hooked, kept, stale = w.t(), w.t(), w.t()
@@ -460,12 +461,17 @@ def test_a_transposed_weights_cached_cast_carries_its_gradient_to_the_leaf(monke
     from fusedkit import dispatch
 
     monkeypatch.setattr(dispatch, "CACHED_CAST_DEVICES", ("cpu",))
-    monkeypatch.setattr(dispatch, "_einsum", lambda eq, ts: ts[0].to(torch.bfloat16))
+    handed = []
+    monkeypatch.setattr(dispatch, "_einsum", lambda eq, ts: handed.append(ts[0]) or ts[0].to(torch.bfloat16))
     w = torch.nn.Parameter(torch.randn(5, 3))
     cast = dispatch._cast(w.t(), torch.bfloat16)
+    assert len(handed) == 1 and handed[0] is w  # (the leaf, whose cast autocast caches: not the view)
+    with torch.no_grad():
+        dispatch._cast(w.t(), torch.bfloat16)
+    assert handed[-1] is w
     assert cast.dtype == torch.bfloat16 and cast.shape == (3, 5) and torch.equal(cast, w.t().to(torch.bfloat16))
     (grad,) = torch.autograd.grad(cast.float().square().sum(), w)
     torch.testing.assert_close(grad, 2 * w.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
     own = torch.randn(5, 3).t().requires_grad_()  # (a leaf view: its gradient is its own)
     (grad,) = torch.autograd.grad(dispatch._cast(own, torch.bfloat16).float().sum(), own)
-    assert grad.shape == own.shape
+    assert grad.shape == own.shape and handed[-1] is own

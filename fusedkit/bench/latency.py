@@ -213,6 +213,9 @@ def merge_latency(results: list[dict]) -> dict:
     merged = {k: v for k, v in results[0].items() if k != "environment"}
     for section in ("elementwise", "linear", "norms", "host"):
         rows = []
+        grids = [[_label(row) for row in r.get(section) or []] for r in results]
+        if any(g != grids[0] for g in grids):
+            raise ValueError(f"the processes' {section} rows differ: {grids}")
         for cells in zip(*(r.get(section) or [] for r in results)):
             row = {}
             for key, first in cells[0].items():
@@ -226,6 +229,11 @@ def merge_latency(results: list[dict]) -> dict:
         merged[section] = rows
     merged["processes"] = len(results)
     return merged
+
+
+def _label(row: dict) -> tuple:
+    """What a row is of (its op, sizes, dtype, mode): its fields that are not times."""
+    return tuple((k, v) for k, v in row.items() if not isinstance(v, float) and v is not None)
 
 
 def format_latency_table(result: dict) -> str:

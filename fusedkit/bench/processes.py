@@ -27,9 +27,9 @@ def run_children(argv: list[str], processes: int, label: str, progress=True) -> 
                 print(f"[{label}] process {i + 1} of {processes}", file=sys.stderr, flush=True)
             env = dict(os.environ, **{PROCESS_ENV: str(i)})
             subprocess.run(cmd, check=False, env=env, stdout=sys.stderr if progress else subprocess.DEVNULL)
-            if not os.path.exists(path):
+            try:
+                with open(path) as f:
+                    payloads.append(json.load(f))
+            except (OSError, ValueError):  # (none written, or cut short)
                 failed[f"process {i + 1}"] = "it wrote no results (it failed: see its output)"
-                continue
-            with open(path) as f:
-                payloads.append(json.load(f))
     return payloads, failed

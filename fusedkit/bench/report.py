@@ -427,9 +427,11 @@ def run_command(args) -> int:
     sizes = args.sizes or list(GPU_SIZES if gpu else CPU_SIZES)
     use_compile = gpu and not args.no_compile
     progress = not args.no_progress
-    if args.pin:  # (before anything starts a thread: autograd's device threads inherit it)
+    if args.pin:  # (every thread so far; those started later inherit it, autograd's device threads too)
         core = max(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {core})
+        for thread in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+            with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+                os.sched_setaffinity(int(thread), {core})
     env = environment(device)
     if args.pin:
         env["pinned_core"] = core
@@ -495,13 +497,22 @@ def run_command(args) -> int:
 
         if args.processes > 1:  # the same report in that many processes, one after another
             child = ["--latency", "--dtypes", ",".join(args.dtypes)]
-            child += ["--sizes", ",".join(map(str, args.sizes))] if args.sizes else []
+            # (as the children parse them: a number below 64 is an exponent there)
+            child += (
+                ["--sizes", ",".join(f"2**{n.bit_length() - 1}" if n < 64 else str(n) for n in args.sizes)]
+                if args.sizes
+                else []
+            )
             child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
             payloads, failed = run_children(child, args.processes, "latency", progress)
             if not payloads:
                 print(f"--processes {args.processes}: no process finished ({failed})")
                 return 1
             result = {**merge_latency(payloads), **({"skipped": failed} if failed else {})}
+            if failed:  # (the others' medians are reported, and the report fails)
+                print(f"--processes {args.processes}: {len(payloads)} finished; did not: {failed}")
+                print_report(env, (format_latency_table(result),), args.json, result)
+                return 1
         else:
             result = run_latency(
                 dtypes,
