@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize
 
 from . import nn as fnn
@@ -1215,12 +1216,54 @@ def advise(model, *example_inputs, **example_kwargs) -> list[FusionSite]:
 
 def _fused_forward(self, *args, **kwargs):
     # A call of the traced call's shape (fusion_call.CallSpec) runs the fused code on this
-    # module itself: parameters, parametrizations and buffers are read where they live now.
-    code, traced_inputs = self.__dict__["_fusedkit_fused"]
+    # module itself: parameters, parametrizations and buffers are read where they live now;
+    # unless a submodule the code does not call changed since (_Inlined).
+    code, traced_inputs, inlined = self.__dict__["_fusedkit_fused"]
     inputs = traced_inputs(args, kwargs)
-    if inputs is not None:
+    if inputs is not None and not inlined.changed(self):
         return code(self, *inputs)
     return type(self).forward(self, *args, **kwargs)
+
+
+class _Inlined:
+    """The submodules of a fused module that its code does not call as modules (traced through,
+    or fused away: an MLP whose projections are one ``gated_mlp`` call, a norm): a hook
+    registered on one after ``fuse`` (or a global module hook), or one replaced (an adapter's
+    or a quantised layer in its place), would be passed by, so the module runs its own forward
+    then (:meth:`changed`), warning once; the fused code again once that is undone."""
+
+    __slots__ = ("slots", "hooks", "warned")
+
+    def __init__(self, m: torch.nn.Module, gm: fx.GraphModule):
+        called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        self.slots, self.hooks, self.warned = [], [], False
+        for path, sub in m.named_modules(remove_duplicate=False):
+            if not path or any(path == c or path.startswith(c + ".") for c in called):
+                continue  # (m's own hooks run as it is called; a called module's are its own)
+            parent, _, name = path.rpartition(".")
+            self.slots.append((m.get_submodule(parent)._modules, name, sub))
+            self.hooks += [sub._forward_pre_hooks, sub._forward_hooks, sub._backward_pre_hooks, sub._backward_hooks]
+
+    def changed(self, m: torch.nn.Module) -> bool:
+        hooks = (
+            any(self.hooks)
+            or _module_hooks._global_forward_hooks
+            or _module_hooks._global_forward_pre_hooks
+            or _module_hooks._global_backward_hooks
+            or _module_hooks._global_backward_pre_hooks
+        )
+        if not hooks and all(modules.get(name) is sub for modules, name, sub in self.slots):
+            return False
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"fusedkit: a submodule of {type(m).__name__} that its fused forward does not call "
+                "has a hook now, or was replaced (or a global module hook is set): it runs its own "
+                "forward while that lasts (call fusedkit.fuse again to fuse it as it is)",
+                UserWarning,
+                stacklevel=3,
+            )
+        return True
 
 
 def _install(m: torch.nn.Module, gm: fx.GraphModule, call: CallSpec) -> None:
@@ -1233,7 +1276,7 @@ def _install(m: torch.nn.Module, gm: fx.GraphModule, call: CallSpec) -> None:
             object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), gm))
             node.target = name
     gm.recompile()
-    m.__dict__["_fusedkit_fused"] = (type(gm).forward, call.inputs)
+    m.__dict__["_fusedkit_fused"] = (type(gm).forward, call.inputs, _Inlined(m, gm))
     m.__dict__["forward"] = types.MethodType(_fused_forward, m)
 
 

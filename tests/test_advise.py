@@ -1049,3 +1049,44 @@ def test_a_gate_that_broadcasts_against_up_is_fused_as_a_gate():
     want = model(x)
     assert [s.pattern for s in fusedkit.advise(model, x)] == ["silu * mul"]
     torch.testing.assert_close(fusedkit.fuse(model, x)(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_submodule_hooked_or_replaced_after_fuse_makes_its_module_run_its_own_forward():
+    # (found by a hostile pass: a LoRA-style wrapper put in a fused-away projection's place was
+    # passed by, and a norm replaced by nn.Identity failed in the fused code)
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x, r):
+            return self.down(F.gelu(self.up(self.norm(x + r))))
+
+    class Shifted(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.5
+
+    torch.manual_seed(0)
+    model, x, r = Block().to(DEVICE), rand((4, 8), torch.float32, DEVICE), rand((4, 8), torch.float32, DEVICE)
+    fusedkit.fuse(model, x, r)
+    assert {s.pattern for s in model.fusion_sites} == {"add -> layer_norm", "linear -> gelu"}
+    own = lambda: Block.forward(model, x, r)  # noqa: E731
+    seen = []
+    handle = model.up.register_forward_hook(lambda m, args, out: seen.append("up"))
+    with pytest.warns(UserWarning, match="runs its own forward while that lasts"):
+        torch.testing.assert_close(model(x, r), own())
+    assert seen == ["up", "up"]  # (the fused forward fell back: the hook saw the call)
+    handle.remove()
+    model(x, r)
+    assert seen == ["up", "up"]  # (fused again)
+    stock_up = model.up
+    model.up = Shifted(8, 16).to(DEVICE)
+    model.up.load_state_dict(stock_up.state_dict())
+    torch.testing.assert_close(model(x, r), own())  # (the wrapper's + 0.5 included)
+    model.up = stock_up
+    model.norm = nn.Identity()
+    torch.testing.assert_close(model(x, r), own())
+    with torch.nn.modules.module.register_module_forward_hook(lambda *a: seen.append("global")):
+        model(x, r)
+    assert "global" in seen
