@@ -1071,7 +1071,7 @@ def test_a_submodule_hooked_or_replaced_after_fuse_makes_its_module_run_its_own_
     model, x, r = Block().to(DEVICE), rand((4, 8), torch.float32, DEVICE), rand((4, 8), torch.float32, DEVICE)
     fusedkit.fuse(model, x, r)
     assert {s.pattern for s in model.fusion_sites} == {"add -> layer_norm", "linear -> gelu"}
-    own = lambda: Block.forward(model, x, r)  # noqa: E731
+    own = lambda: Block.forward(model, x, r)
     seen = []
     handle = model.up.register_forward_hook(lambda m, args, out: seen.append("up"))
     with pytest.warns(UserWarning, match="runs its own forward while that lasts"):
