@@ -455,6 +455,9 @@ def _norm_refusal(norm: _Norm, node: fx.Node, h_dtype) -> str | None:
     another result dtype (a foreign RMSNorm returns its weight's and input's promoted dtype)."""
     if h_dtype not in FLOAT_DTYPES:
         return f"fusedkit's norms do not take {h_dtype} input"
+    if norm.composed and h_dtype == torch.float64:
+        # (LLaMA's RMSNorm, and its copies, upcast to float32 only: float64 rows in float32)
+        return "it computes float64 rows in float32, where fusedkit's norm computes them in float64"
     want, ours = _dtype(node), norm_dtype(h_dtype, node.meta.get("device", "cpu"), norm.rms)
     if want is not None and want != ours:
         return f"it returns {want} where fusedkit's norm gives {ours}"

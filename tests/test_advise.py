@@ -1090,3 +1090,35 @@ def test_a_submodule_hooked_or_replaced_after_fuse_makes_its_module_run_its_own_
     with torch.nn.modules.module.register_module_forward_hook(lambda *a: seen.append("global")):
         model(x, r)
     assert "global" in seen
+
+
+def test_a_foreign_rms_norm_on_float64_rows_is_left_as_it_computes_them_in_float32():
+    # (LLaMA's RMSNorm upcasts to float32 only: fused in float64 it differed past float64's
+    # tolerance, and fuse refused the whole model; found by a hostile pass)
+    class CopiedRMSNorm(nn.Module):
+        def __init__(self, n, eps=1e-6):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(n)), eps
+
+        def forward(self, hidden_states):
+            dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = CopiedRMSNorm(8)
+
+        def forward(self, x, r):
+            return self.norm(x + r)
+
+    x, r = rand((4, 8), torch.float32, DEVICE), rand((4, 8), torch.float32, DEVICE)
+    assert [s.pattern for s in fusedkit.advise(Block().to(DEVICE), x, r)] == ["add -> rms_norm"]
+    model = Block().to(DEVICE).double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fusedkit.fuse(model, x.double(), r.double())
+    assert model.fusion_sites == []
+    assert "computes float64 rows in float32" in " ".join(str(w.message) for w in caught)
