@@ -1069,10 +1069,12 @@ FUSE_OUTLIER = 16
 
 def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.GraphModule, list, list, frozenset]:
     """``model`` traced from ``call`` in both modes, its sites rewritten: (graph, sites, notes,
-    the classes kept whole), notes saying what it keeps whole and leaves unfused.
+    the classes kept whole), notes saying what it keeps whole and leaves unfused. Where its
+    forward reads ``self.training`` itself (functional dropout: OPT's, Falcon's, Bloom's
+    decoder layers), the graph of the other mode, fused alike, is ``gm.meta["other mode"]``.
     ``TracingError`` where it does not trace, where the traced code returns other than the
     module did (``returned``, by :func:`_structure`: fx makes a ``ModelOutput`` a dict), or
-    where its forward reads ``self.training`` itself (a traced copy would keep one mode)."""
+    where the two modes' codes differ in their sites."""
     gm, sites, whole = _traced(model, None, call=call)
     with _mode(model, not model.training):
         other, both = _trace(model, whole, call=call)
@@ -1085,11 +1087,20 @@ def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.G
     if gm.meta["output"] != returned:
         got, want = _kind(gm.meta["output"]), _kind(returned)
         raise TracingError(f"{_title(model)}: its traced forward returns {got} where it returned {want}")
-    if other.code != gm.code:
-        raise TracingError(
-            f"{type(model).__name__}'s forward reads self.training outside a module (functional "
-            "dropout or batch statistics): a traced copy would keep one mode"
-        )
+    gm.meta["other mode"] = None
+    if other.code != gm.code:  # (it reads self.training outside a module: one code a mode)
+        with _mode(model, not model.training):
+            other, other_sites, _ = _traced(model, None, whole, call)
+        if [(s.pattern, s.module) for s in other_sites] != [(s.pattern, s.module) for s in sites]:
+            raise TracingError(
+                f"{type(model).__name__}'s forward reads self.training outside a module, and its "
+                "train and eval codes have different sites"
+            )
+        for site in other_sites:
+            _rewrite(other, site)
+        other.graph.lint()
+        other.recompile()
+        gm.meta["other mode"] = other
     for site in sites:
         _rewrite(gm, site)
     gm.graph.lint()
@@ -1221,10 +1232,10 @@ def _fused_forward(self, *args, **kwargs):
     # A call of the traced call's shape (fusion_call.CallSpec) runs the fused code on this
     # module itself: parameters, parametrizations and buffers are read where they live now;
     # unless a submodule the code does not call changed since (_Inlined).
-    code, traced_inputs, inlined = self.__dict__["_fusedkit_fused"]
+    codes, traced_inputs, inlined = self.__dict__["_fusedkit_fused"]
     inputs = traced_inputs(args, kwargs)
     if inputs is not None and not inlined.changed(self):
-        return code(self, *inputs)
+        return codes[self.training](self, *inputs)
     return type(self).forward(self, *args, **kwargs)
 
 
@@ -1235,11 +1246,13 @@ class _Inlined:
     or a quantised layer in its place), would be passed by, so the module runs its own forward
     then (:meth:`changed`), warning once; the fused code again once that is undone."""
 
-    __slots__ = ("slots", "hooks", "warned")
+    __slots__ = ("slots", "hooks", "warned", "modes")
 
-    def __init__(self, m: torch.nn.Module, gm: fx.GraphModule):
+    def __init__(self, m: torch.nn.Module, gm: fx.GraphModule, modes: bool = False):
         called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-        self.slots, self.hooks, self.warned = [], [], False
+        # modes: its code is one a mode (it reads self.training), which its inlined submodules'
+        # modes must then follow (set apart, they would run in its mode)
+        self.slots, self.hooks, self.warned, self.modes = [], [], False, modes
         for path, sub in m.named_modules(remove_duplicate=False):
             if not path or any(path == c or path.startswith(c + ".") for c in called):
                 continue  # (m's own hooks run as it is called; a called module's are its own)
@@ -1256,13 +1269,15 @@ class _Inlined:
             or _module_hooks._global_backward_pre_hooks
         )
         if not hooks and all(modules.get(name) is sub for modules, name, sub in self.slots):
-            return False
+            if not self.modes or all(sub.training is m.training for _, _, sub in self.slots):
+                return False
         if not self.warned:
             self.warned = True
             warnings.warn(
                 f"fusedkit: a submodule of {type(m).__name__} that its fused forward does not call "
-                "has a hook now, or was replaced (or a global module hook is set): it runs its own "
-                "forward while that lasts (call fusedkit.fuse again to fuse it as it is)",
+                "has a hook now, or was replaced, or is in another mode (or a global module hook is "
+                "set): it runs its own forward while that lasts (call fusedkit.fuse again to fuse "
+                "it as it is)",
                 UserWarning,
                 stacklevel=3,
             )
@@ -1273,13 +1288,17 @@ def _install(m: torch.nn.Module, gm: fx.GraphModule, call: CallSpec) -> None:
     """Run ``gm``'s code as ``m``'s forward for calls of ``call``'s shape, on ``m``: ``m``
     keeps its class, hooks and state dict keys. Constants fx made attributes of the traced
     copy become attributes of ``m``."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and not _resolves(m, node.target):
-            name = f"_fusedkit_constant_{node.target.replace('.', '_')}"
-            object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), gm))
-            node.target = name
-    gm.recompile()
-    m.__dict__["_fusedkit_fused"] = (type(gm).forward, call.inputs, _Inlined(m, gm))
+    other = gm.meta.get("other mode")
+    for g, mode in ((gm, ""), (other, "other_mode_")) if other is not None else ((gm, ""),):
+        for node in g.graph.nodes:
+            if node.op == "get_attr" and not _resolves(m, node.target):
+                name = f"_fusedkit_constant_{mode}{node.target.replace('.', '_')}"
+                object.__setattr__(m, name, functools.reduce(getattr, node.target.split("."), g))
+                node.target = name
+        g.recompile()
+    codes = {m.training: type(gm).forward}
+    codes[not m.training] = type(gm).forward if other is None else type(other).forward
+    m.__dict__["_fusedkit_fused"] = (codes, call.inputs, _Inlined(m, gm, modes=other is not None))
     m.__dict__["forward"] = types.MethodType(_fused_forward, m)
 
 
@@ -1294,7 +1313,7 @@ def _resolves(m: torch.nn.Module, target: str) -> bool:
 def fused_code(m: torch.nn.Module) -> str | None:
     """The fused forward :func:`fuse` gave module ``m``, as Python source, or None."""
     fused = m.__dict__.get("_fusedkit_fused")
-    return None if fused is None else inspect.getsource(fused[0])
+    return None if fused is None else inspect.getsource(fused[0][m.training])
 
 
 def unfuse(model: torch.nn.Module) -> torch.nn.Module:

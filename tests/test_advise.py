@@ -346,15 +346,35 @@ def test_module_names_of_a_module_called_twice():
     assert [s.module for s in fusedkit.advise(Twice().to(DEVICE), x)] == ["mlp", "mlp"]
 
 
-def test_a_forward_reading_self_training_is_left_unfused():
+def test_a_forward_reading_self_training_is_fused_with_one_code_a_mode():
+    # (functional dropout, as OPT's, Falcon's and Bloom's decoder layers have: a traced copy of
+    # one mode would keep its dropout on, or off, in the other)
     class Functional(nn.Module):
-        def forward(self, x):
-            return F.dropout(torch.relu(x + 1), 0.5, training=self.training)
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Identity())
 
-    model = Functional()
-    with pytest.warns(UserWarning, match="reads self.training"):
-        assert fusedkit.fuse(model, rand((4,), torch.float32, DEVICE)) is model
-    assert model.fusion_sites == [] and fusion.fused_code(model) is None
+        def forward(self, x, r):
+            return F.dropout(torch.relu(self.inner(x) + r), 0.5, training=self.training)
+
+    model, x, r = Functional().eval(), rand((64,), torch.float32, DEVICE), rand((64,), torch.float32, DEVICE)
+    assert fusedkit.fuse(model, x, r) is model
+    assert [s.pattern for s in model.fusion_sites] == ["add -> relu"]
+    assert "training = False" in fusion.fused_code(model) and "add_relu" in fusion.fused_code(model)
+    for mode in (True, False, True):
+        model.train(mode)
+        assert ("training = True" in fusion.fused_code(model)) == mode
+        torch.manual_seed(3)
+        got = model(x, r)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, Functional.forward(model, x, r))
+    model.train()
+    model.inner.eval()  # (an inlined submodule set apart: the module's own forward runs)
+    with pytest.warns(UserWarning, match="another mode"):
+        torch.manual_seed(3)
+        got = model(x, r)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, Functional.forward(model, x, r))
 
 
 def test_the_report_gives_the_gpu_busy_time_saved():
