@@ -371,10 +371,58 @@ def _shape(value):
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
+def _transposed_weight(node) -> fx.Node | None:
+    """The 2-D parameter ``node`` is the transpose of (``w.T``, ``w.t()``), used only there; else None."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("T",):
+        w = node.args[0]
+    elif node.op == "call_method" and node.target == "t" and len(node.args) == 1:
+        w = node.args[0]
+    else:
+        return None
+    shape = _shape(w)
+    return w if isinstance(w, fx.Node) and w.op == "get_attr" and shape is not None and len(shape) == 2 else None
+
+
+def _matmul_by_transpose(node: fx.Node):
+    """``(x, w)`` of ``x @ w.T`` (``operator.matmul`` or ``torch.matmul``: a linear layer written
+    out, as Falcon's ``FalconLinear`` is), ``w`` a 2-D parameter; else None."""
+    if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
+        return None
+    if len(node.args) != 2:
+        return None
+    w = _transposed_weight(node.args[1])
+    return None if w is None else (node.args[0], w)
+
+
+def _linear_parts(node: fx.Node) -> tuple:
+    """The nodes besides ``node`` that a written-out linear layer's site replaces (its product
+    and the weight's transpose), innermost last; none for the other forms."""
+    product = node if _matmul_by_transpose(node) is not None else None
+    if product is None and node.op == "call_function" and node.target in _ADD_FUNCTIONS:
+        product = next((a for a in node.args if isinstance(a, fx.Node) and _matmul_by_transpose(a)), None)
+    if product is None:
+        return ()
+    return ((product,) if product is not node else ()) + (product.args[1],)
+
+
 def _linear_operands(node: fx.Node, modules: dict):
     """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node that
     ``fusedkit.matmul`` takes (a 2-D weight, a bias of one value per output), or None: an
-    ``nn.Linear`` (its weight is read transposed), ``F.linear`` or a plain ``torch.addmm``."""
+    ``nn.Linear`` (its weight is read transposed), ``F.linear``, a plain ``torch.addmm``, or a
+    linear layer written out, ``x @ w.T`` and ``x @ w.T + b``."""
+    written = _matmul_by_transpose(node)
+    if written is not None:
+        return written[0], written[1], None, True
+    if node.op == "call_function" and node.target in _ADD_FUNCTIONS and len(node.args) == 2 and not node.kwargs:
+        for product, bias in (node.args, node.args[::-1]):
+            written = isinstance(product, fx.Node) and len(product.users) == 1 and _matmul_by_transpose(product)
+            if written:
+                ws, bs = _shape(written[1]), _shape(bias)
+                if isinstance(bias, fx.Node) and bias.op == "get_attr" and bs == ws[:1]:
+                    return written[0], written[1], bias, True
+        return None
     if (
         node.op == "call_module"
         and type(modules[node.target]) is torch.nn.Linear
@@ -613,6 +661,7 @@ def _find(gm: fx.GraphModule, declined: list) -> list[FusionSite]:
             declined.append((site[0], _common_module(node, last), why))
             continue
         used.update(nodes)
+        used.update(_linear_parts(node) if site[0].startswith("linear") else ())
         kept = last if site[0].endswith("* mul") else node
         sites.append(FusionSite(site[0], _common_module(node, last), _bytes_saved(nodes, kept), site[1], nodes))
     return sites
@@ -1020,6 +1069,7 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
     first, *middle, last = site.nodes
     modules = dict(gm.named_modules())
     graph = gm.graph
+    parts = _linear_parts(first) if site.pattern.startswith("linear") else ()
     with graph.inserting_before(middle[0] if middle else last):
         if site.pattern.startswith("linear"):
             x, w, b, transposed = _linear_operands(first, modules)
@@ -1054,6 +1104,9 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
         last.replace_all_uses_with(new)
     graph.erase_node(last)
     graph.erase_node(first)
+    for part in parts:  # (a written-out linear layer's product and transpose, now unread)
+        if not part.users:
+            graph.erase_node(part)
 
 
 #: How far the fused model's outputs may be from the original's, by dtype: a few roundings of

@@ -1142,3 +1142,34 @@ def test_a_foreign_rms_norm_on_float64_rows_is_left_as_it_computes_them_in_float
         fusedkit.fuse(model, x.double(), r.double())
     assert model.fusion_sites == []
     assert "computes float64 rows in float32" in " ".join(str(w.message) for w in caught)
+
+
+def test_a_linear_layer_written_out_is_a_linear_site():
+    # (Falcon's FalconLinear: ``input @ self.weight.T``, then ``+ self.bias`` where it has one)
+    class WrittenOut(nn.Linear):
+        def forward(self, input):
+            h = input @ self.weight.T
+            return h if self.bias is None else h + self.bias
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.mid, self.down = WrittenOut(8, 16), WrittenOut(16, 16, bias=False), WrittenOut(16, 8)
+
+        def forward(self, x):
+            h = F.gelu(self.up(x))
+            h = torch.relu(h @ self.mid.weight.t())
+            wt = self.mid.weight.T
+            return self.down(torch.relu(h @ wt) + h @ wt)  # (a transpose read twice: left)
+
+    torch.manual_seed(0)
+    model, x = Net().to(DEVICE), rand((4, 8), torch.float32, DEVICE)
+    want = model(x)
+    sites = fusedkit.advise(model, x)
+    assert [(s.pattern, s.module) for s in sites] == [("linear -> gelu", ""), ("linear -> relu", "")]
+    fusedkit.fuse(model, x)
+    code = fusion.fused_code(model)
+    assert code.count("fusedkit_ops_matmul") == 2 and code.count(" @ ") == 3  # (h @ wt twice, down's)
+    torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
