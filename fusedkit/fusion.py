@@ -1293,43 +1293,84 @@ def _fused_forward(self, *args, **kwargs):
 
 
 class _Inlined:
-    """The submodules of a fused module that its code does not call as modules (traced through,
-    or fused away: an MLP whose projections are one ``gated_mlp`` call, a norm): a hook
-    registered on one after ``fuse`` (or a global module hook), or one replaced (an adapter's
-    or a quantised layer in its place), would be passed by, so the module runs its own forward
-    then (:meth:`changed`), warning once; the fused code again once that is undone."""
+    """What a fused module's code took as it was when traced: its submodules that the code does
+    not call as modules (traced through, or fused away: an MLP whose projections are one
+    ``gated_mlp`` call, a norm), each with its class, its instance ``forward`` (none), which of
+    its parameters were None, and its hook dicts; and the numbers the code may hold as
+    constants (the module's and those submodules' number attributes: a functional dropout's
+    probability). One of them replaced (an adapter's or a quantised layer in its place), given
+    a hook, a ``forward`` (accelerate's offloading), another class or a parameter, or a number
+    changed, or a global module hook set, would be passed by: the module then runs its own
+    forward (:meth:`changed`), warning once a change, and its fused code again once undone."""
 
-    __slots__ = ("slots", "hooks", "warned", "modes")
+    __slots__ = (
+        "subs", "classes", "hooks", "places", "names", "modules", "owners", "keys", "values", "nones", "warned", "modes"
+    )  # fmt: skip
 
     def __init__(self, m: torch.nn.Module, gm: fx.GraphModule, modes: bool = False):
         called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         # modes: its code is one a mode (it reads self.training), which its inlined submodules'
         # modes must then follow (set apart, they would run in its mode)
-        self.slots, self.hooks, self.warned, self.modes = [], [], False, modes
+        self.warned, self.modes = False, modes
+        self.subs, self.classes, self.hooks, self.places, self.names, nones = [], [], [], [], [], []
+        # Each check is a map() in C and a list comparison (about a microsecond a call for a
+        # LLaMA layer). Entries: (module, key of its instance dict, value): a number, and its
+        # own forward (None).
+        entries = [(m, k, v) for k, v in vars(m).items() if type(v) is float]
+        leaf = _Tracer()  # (a layer fx calls, fused away: its numbers are read as the fused call runs)
         for path, sub in m.named_modules(remove_duplicate=False):
             if not path or any(path == c or path.startswith(c + ".") for c in called):
                 continue  # (m's own hooks run as it is called; a called module's are its own)
             parent, _, name = path.rpartition(".")
-            self.slots.append((m.get_submodule(parent)._modules, name, sub))
+            self.subs.append(sub)
+            self.classes.append(type(sub))
+            self.places.append(m.get_submodule(parent)._modules)
+            self.names.append(name)
             self.hooks += [sub._forward_pre_hooks, sub._forward_hooks, sub._backward_pre_hooks, sub._backward_hooks]
+            entries.append((sub, "forward", vars(sub).get("forward")))
+            if not leaf.is_leaf_module(sub, path):  # (traced through: its numbers became constants)
+                entries += [(sub, k, v) for k, v in vars(sub).items() if type(v) is float]
+            nones += [(sub._parameters, k) for k, v in sub._parameters.items() if v is None]
+        self.modules, self.keys, self.values = (list(t) for t in zip(*entries)) if entries else ([], [], [])
+        self.owners = [vars(o) for o in self.modules]
+        self.nones = [list(t) for t in zip(*nones)] if nones else [[], []]
+        self.nones.append([None] * len(nones))
+
+    def __deepcopy__(self, memo):
+        # The dicts it holds (_modules, _parameters, hook dicts) are values in its modules'
+        # instance dicts, which a deep copy of the model copies with their modules; the instance
+        # dicts themselves it takes from the copied modules (a copy of them would be stale).
+        copied = _Inlined.__new__(_Inlined)
+        memo[id(self)] = copied
+        for name in _Inlined.__slots__:
+            setattr(copied, name, copy.deepcopy(getattr(self, name), memo) if name != "owners" else None)
+        copied.owners = [vars(o) for o in copied.modules]
+        return copied
 
     def changed(self, m: torch.nn.Module) -> bool:
-        hooks = (
-            any(self.hooks)
-            or _module_hooks._global_forward_hooks
-            or _module_hooks._global_forward_pre_hooks
-            or _module_hooks._global_backward_hooks
-            or _module_hooks._global_backward_pre_hooks
+        params, names, unset = self.nones
+        same = (
+            not any(self.hooks)
+            and not _module_hooks._global_forward_hooks
+            and not _module_hooks._global_forward_pre_hooks
+            and not _module_hooks._global_backward_hooks
+            and not _module_hooks._global_backward_pre_hooks
+            and list(map(type, self.subs)) == self.classes
+            and list(map(dict.get, self.places, self.names)) == self.subs
+            and list(map(dict.get, self.owners, self.keys)) == self.values
+            and list(map(dict.get, params, names)) == unset
         )
-        if not hooks and all(modules.get(name) is sub for modules, name, sub in self.slots):
-            if not self.modes or all(sub.training is m.training for _, _, sub in self.slots):
-                return False
-        if not self.warned:
+        if same and (not self.modes or all(sub.training is m.training for sub in self.subs)):
+            if self.warned:
+                self.warned = False  # (a later change warns again)
+            return False
+        if not self.warned and not torch.compiler.is_compiling():
             self.warned = True
             warnings.warn(
                 f"fusedkit: a submodule of {type(m).__name__} that its fused forward does not call "
-                "has a hook now, or was replaced, or is in another mode (or a global module hook is "
-                "set): it runs its own forward while that lasts (call fusedkit.fuse again to fuse "
+                "was replaced, changed (a hook, a forward of its own, its class, a parameter, a "
+                "number the fused code holds) or set to another mode, or a global module hook is "
+                "set: it runs its own forward while that lasts (call fusedkit.fuse again to fuse "
                 "it as it is)",
                 UserWarning,
                 stacklevel=3,

@@ -1173,3 +1173,59 @@ def test_a_linear_layer_written_out_is_a_linear_site():
     torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
     model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_fused_module_follows_changes_to_what_its_code_took_as_it_was():
+    # (a second hostile pass: a forward set on the instance, as accelerate's offloading does; a
+    # class swapped; a parameter that was None given one; a functional dropout's probability
+    # changed; each in a deep copy alone; a first fallback inside torch.compile)
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.p = nn.Linear(8, 16, bias=False), nn.Linear(16, 8), 0.25
+
+        def forward(self, x):
+            return self.down(F.dropout(F.gelu(self.up(x)), self.p, training=self.training))
+
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model, x = Block().to(DEVICE), rand((4, 8), torch.float32, DEVICE)
+    fusedkit.fuse(model, x)
+    assert [s.pattern for s in model.fusion_sites] == ["linear -> gelu"]
+
+    def agrees(m):
+        torch.manual_seed(4)
+        got = m(x)
+        torch.manual_seed(4)
+        torch.testing.assert_close(got, Block.forward(m, x))
+
+    copied = copy.deepcopy(model)
+    copied.up.forward = lambda h: 3 * nn.Linear.forward(copied.up, h)
+    with pytest.warns(UserWarning, match="runs its own forward"):
+        agrees(copied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the original is its own: fused, no warning)
+        agrees(model)
+    for change, undo in (
+        (lambda: setattr(model.up, "__class__", Doubled), lambda: setattr(model.up, "__class__", nn.Linear)),
+        (
+            lambda: setattr(model.up, "bias", nn.Parameter(torch.ones(16, device=DEVICE))),
+            lambda: setattr(model.up, "bias", None),
+        ),
+        (lambda: setattr(model, "p", 0.0), lambda: setattr(model, "p", 0.25)),
+    ):
+        change()
+        model.train()
+        with pytest.warns(UserWarning, match="runs its own forward"):
+            agrees(model)
+        model.eval()
+        agrees(model)
+        undo()
+        agrees(model)  # (fused again: the next change warns again)
+    handle = model.up.register_forward_hook(lambda m, args, out: out * 2)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # (no warning traced)
+    torch.testing.assert_close(compiled(x), Block.forward(model, x))
+    handle.remove()
