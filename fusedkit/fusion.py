@@ -397,32 +397,21 @@ def _matmul_by_transpose(node: fx.Node):
 
 
 def _linear_parts(node: fx.Node) -> tuple:
-    """The nodes besides ``node`` that a written-out linear layer's site replaces (its product
-    and the weight's transpose), innermost last; none for the other forms."""
-    product = node if _matmul_by_transpose(node) is not None else None
-    if product is None and node.op == "call_function" and node.target in _ADD_FUNCTIONS:
-        product = next((a for a in node.args if isinstance(a, fx.Node) and _matmul_by_transpose(a)), None)
-    if product is None:
-        return ()
-    return ((product,) if product is not node else ()) + (product.args[1],)
+    """The node besides ``node`` that a written-out linear layer's site replaces (the weight's
+    transpose); none for the other forms."""
+    return (node.args[1],) if _matmul_by_transpose(node) is not None else ()
 
 
 def _linear_operands(node: fx.Node, modules: dict):
     """``(x, weight_or_attr, bias_or_attr, transposed)`` of a linear layer node that
     ``fusedkit.matmul`` takes (a 2-D weight, a bias of one value per output), or None: an
     ``nn.Linear`` (its weight is read transposed), ``F.linear``, a plain ``torch.addmm``, or a
-    linear layer written out, ``x @ w.T`` and ``x @ w.T + b``."""
+    linear layer written out without a bias, ``x @ w.T``. (With ``+ b`` after it, the sum
+    promotes: a float32 bias keeps an autocast product float32, where the fused call's result
+    is autocast's dtype; that form is left.)"""
     written = _matmul_by_transpose(node)
     if written is not None:
         return written[0], written[1], None, True
-    if node.op == "call_function" and node.target in _ADD_FUNCTIONS and len(node.args) == 2 and not node.kwargs:
-        for product, bias in (node.args, node.args[::-1]):
-            written = isinstance(product, fx.Node) and len(product.users) == 1 and _matmul_by_transpose(product)
-            if written:
-                ws, bs = _shape(written[1]), _shape(bias)
-                if isinstance(bias, fx.Node) and bias.op == "get_attr" and bs == ws[:1]:
-                    return written[0], written[1], bias, True
-        return None
     if (
         node.op == "call_module"
         and type(modules[node.target]) is torch.nn.Linear
@@ -1128,13 +1117,15 @@ def _fused_graph(model: torch.nn.Module, call: CallSpec, returned) -> tuple[fx.G
     ``TracingError`` where it does not trace, where the traced code returns other than the
     module did (``returned``, by :func:`_structure`: fx makes a ``ModelOutput`` a dict), or
     where the two modes' codes differ in their sites."""
-    gm, sites, whole = _traced(model, None, call=call)
+    with _mode(model, model.training):  # (every submodule in one mode: a mode's code is the mode's)
+        gm, sites, whole = _traced(model, None, call=call)
     with _mode(model, not model.training):
         other, both = _trace(model, whole, call=call)
     if both != whole:
         # (a submodule that traces in one mode only: the tracer's limit, not a forward
         # reading self.training; kept whole in both)
-        gm, sites, whole = _traced(model, None, both, call)
+        with _mode(model, model.training):
+            gm, sites, whole = _traced(model, None, both, call)
         with _mode(model, not model.training):
             other, _ = _trace(model, whole, call=call)
     if gm.meta["output"] != returned:
@@ -1292,12 +1283,16 @@ def _fused_forward(self, *args, **kwargs):
     return type(self).forward(self, *args, **kwargs)
 
 
+#: The attribute types a traced forward reads as constants (its module's numbers, flags, names).
+_HELD = (int, float, bool, str)
+
+
 class _Inlined:
     """What a fused module's code took as it was when traced: its submodules that the code does
     not call as modules (traced through, or fused away: an MLP whose projections are one
     ``gated_mlp`` call, a norm), each with its class, its instance ``forward`` (none), which of
     its parameters were None, and its hook dicts; and the numbers the code may hold as
-    constants (the module's and those submodules' number attributes: a functional dropout's
+    constants (the module's and those submodules' numbers, flags and names: a functional dropout's
     probability). One of them replaced (an adapter's or a quantised layer in its place), given
     a hook, a ``forward`` (accelerate's offloading), another class or a parameter, or a number
     changed, or a global module hook set, would be passed by: the module then runs its own
@@ -1314,9 +1309,9 @@ class _Inlined:
         self.warned, self.modes = False, modes
         self.subs, self.classes, self.hooks, self.places, self.names, nones = [], [], [], [], [], []
         # Each check is a map() in C and a list comparison (about a microsecond a call for a
-        # LLaMA layer). Entries: (module, key of its instance dict, value): a number, and its
-        # own forward (None).
-        entries = [(m, k, v) for k, v in vars(m).items() if type(v) is float]
+        # LLaMA layer). Entries: (module, key of its instance dict, value): a number, flag or
+        # name, and its own forward (None).
+        entries = [(m, k, v) for k, v in vars(m).items() if type(v) in _HELD and k != "training"]
         leaf = _Tracer()  # (a layer fx calls, fused away: its numbers are read as the fused call runs)
         for path, sub in m.named_modules(remove_duplicate=False):
             if not path or any(path == c or path.startswith(c + ".") for c in called):
@@ -1329,7 +1324,7 @@ class _Inlined:
             self.hooks += [sub._forward_pre_hooks, sub._forward_hooks, sub._backward_pre_hooks, sub._backward_hooks]
             entries.append((sub, "forward", vars(sub).get("forward")))
             if not leaf.is_leaf_module(sub, path):  # (traced through: its numbers became constants)
-                entries += [(sub, k, v) for k, v in vars(sub).items() if type(v) is float]
+                entries += [(sub, k, v) for k, v in vars(sub).items() if type(v) in _HELD and k != "training"]
             nones += [(sub._parameters, k) for k, v in sub._parameters.items() if v is None]
         self.modules, self.keys, self.values = (list(t) for t in zip(*entries)) if entries else ([], [], [])
         self.owners = [vars(o) for o in self.modules]

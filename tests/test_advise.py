@@ -1145,7 +1145,8 @@ def test_a_foreign_rms_norm_on_float64_rows_is_left_as_it_computes_them_in_float
 
 
 def test_a_linear_layer_written_out_is_a_linear_site():
-    # (Falcon's FalconLinear: ``input @ self.weight.T``, then ``+ self.bias`` where it has one)
+    # (Falcon's FalconLinear: ``input @ self.weight.T``, then ``+ self.bias`` where it has one:
+    # that sum is left, since it promotes, a float32 bias keeping an autocast product float32)
     class WrittenOut(nn.Linear):
         def forward(self, input):
             h = input @ self.weight.T
@@ -1154,13 +1155,15 @@ def test_a_linear_layer_written_out_is_a_linear_site():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.up, self.mid, self.down = WrittenOut(8, 16), WrittenOut(16, 16, bias=False), WrittenOut(16, 8)
+            self.up, self.mid = WrittenOut(8, 16, bias=False), WrittenOut(16, 16, bias=False)
+            self.biased, self.down = WrittenOut(16, 16), WrittenOut(16, 8)
 
         def forward(self, x):
             h = F.gelu(self.up(x))
             h = torch.relu(h @ self.mid.weight.t())
             wt = self.mid.weight.T
-            return self.down(torch.relu(h @ wt) + h @ wt)  # (a transpose read twice: left)
+            h = F.silu(self.biased(torch.relu(h @ wt) + h @ wt))  # (a transpose read twice; a bias: left)
+            return self.down(h)
 
     torch.manual_seed(0)
     model, x = Net().to(DEVICE), rand((4, 8), torch.float32, DEVICE)
@@ -1169,7 +1172,7 @@ def test_a_linear_layer_written_out_is_a_linear_site():
     assert [(s.pattern, s.module) for s in sites] == [("linear -> gelu", ""), ("linear -> relu", "")]
     fusedkit.fuse(model, x)
     code = fusion.fused_code(model)
-    assert code.count("fusedkit_ops_matmul") == 2 and code.count(" @ ") == 3  # (h @ wt twice, down's)
+    assert code.count("fusedkit_ops_matmul") == 2 and code.count(" @ ") == 4  # (h @ wt twice, biased's, down's)
     torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
     model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -1225,7 +1228,44 @@ def test_a_fused_module_follows_changes_to_what_its_code_took_as_it_was():
         agrees(model)
         undo()
         agrees(model)  # (fused again: the next change warns again)
+        assert not model.__dict__["_fusedkit_fused"][2].changed(model)
     handle = model.up.register_forward_hook(lambda m, args, out: out * 2)
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # (no warning traced)
     torch.testing.assert_close(compiled(x), Block.forward(model, x))
     handle.remove()
+
+
+def test_a_mode_set_apart_at_fuse_time_and_a_held_flag_are_followed():
+    # (a third review: a dropout module evaluated inside a training block when fused gave one
+    # code for both modes, without dropout; an int attribute the traced code holds, changed)
+    class Drop(nn.Module):
+        def forward(self, h):
+            return F.dropout(h, 0.5, training=self.training)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.drop, self.k = nn.Linear(8, 16), nn.Linear(16, 8), Drop(), 2
+
+        def forward(self, x):
+            return self.down(self.drop(F.gelu(self.up(x))) * self.k)
+
+    torch.manual_seed(0)
+    model, x = Block().to(DEVICE).train(), rand((4, 8), torch.float32, DEVICE)
+    model.drop.eval()
+    fusedkit.fuse(model, x)
+
+    def agrees():
+        torch.manual_seed(5)
+        got = model(x)
+        torch.manual_seed(5)
+        torch.testing.assert_close(got, Block.forward(model, x))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for train, drop_train in ((True, False), (True, True), (False, False)):
+            model.train(train)
+            model.drop.train(drop_train)
+            agrees()
+        model.k = 3
+        agrees()
