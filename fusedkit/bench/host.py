@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedkit
-from fusedkit import registry
+from fusedkit import registry, settings
 
 from .processes import PROCESS_ENV
 
@@ -153,24 +153,34 @@ def run_host(
         + [(_matmul_cases, s) for s in matmuls]
     )
     out = []
-    for cases, args in groups:
-        for op, shape, fused, eager, shapes in cases(*args, dtype, device):
-            # (a layer's scale: a matmul's operands as a model's weights would be, no overflow)
-            tensors = [torch.randn(s, device=device).div_(s[-1] ** 0.5).to(dtype) for s in shapes]
-            leaves = [t.clone().requires_grad_() for t in tensors]
-            dy = torch.randn_like(fused(*tensors))
-            for mode, call_fused, call_eager in (
-                ("forward", lambda f=fused, t=tensors: f(*t), lambda e=eager, t=tensors: e(*t)),
-                (
-                    "fwd+bwd",
-                    lambda f=fused, ls=leaves, g=dy: torch.autograd.grad(f(*ls), ls, g, allow_unused=True),
-                    lambda e=eager, ls=leaves, g=dy: torch.autograd.grad(e(*ls), ls, g, allow_unused=True),
-                ),
-            ):
-                f_us, e_us = host_pair(call_fused, call_eager, device, calls, rounds, eager_first)
-                out.append({"op": op, "shape": shape, "mode": mode, "fusedkit host": f_us, "eager host": e_us})
-        if bar is not None:
-            bar.update()
+    # (one fixed matmul tile: a tuned call's later calls take the same host path, and tuning
+    # the MLPs' four GEMMs at eight shapes would take most of a device call)
+    with settings.override(autotune=False):
+        for cases, args in groups:
+            out += _host_rows(cases, args, dtype, device, calls, rounds, eager_first)
+            if bar is not None:
+                bar.update()
+    return out
+
+
+def _host_rows(cases, args, dtype, device, calls, rounds, eager_first) -> list[dict]:
+    """The rows of one group of cases (an op family at one size), forward and forward + backward."""
+    out = []
+    for op, shape, fused, eager, shapes in cases(*args, dtype, device):
+        # (a layer's scale: a matmul's operands as a model's weights would be, no overflow)
+        tensors = [torch.randn(s, device=device).div_(s[-1] ** 0.5).to(dtype) for s in shapes]
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        dy = torch.randn_like(fused(*tensors))
+        for mode, call_fused, call_eager in (
+            ("forward", lambda f=fused, t=tensors: f(*t), lambda e=eager, t=tensors: e(*t)),
+            (
+                "fwd+bwd",
+                lambda f=fused, ls=leaves, g=dy: torch.autograd.grad(f(*ls), ls, g, allow_unused=True),
+                lambda e=eager, ls=leaves, g=dy: torch.autograd.grad(e(*ls), ls, g, allow_unused=True),
+            ),
+        ):
+            f_us, e_us = host_pair(call_fused, call_eager, device, calls, rounds, eager_first)
+            out.append({"op": op, "shape": shape, "mode": mode, "fusedkit host": f_us, "eager host": e_us})
     return out
 
 
