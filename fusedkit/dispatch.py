@@ -439,14 +439,13 @@ def mlp(x, w1, b1, w2, b2, activation: str, approximate: str, recompute: bool):
     DTensors placed as tensor parallelism places an MLP on each rank's shards
     (``sharding.local_mlp``); traced, transformed and other DTensor calls, and the PyTorch
     backend, run the composition."""
-    key = None
+    key, given = None, (x, w1, b1, w2, b2)
     if _plain_eager() and settings.current().fast_launch and type(activation) is type(approximate) is str:
         # a repeated signature: its checks and path were settled by its first call
-        key = _mlp_key((x, w1, b1, w2, b2), activation, approximate, bool(recompute))
+        key = _mlp_key(given, activation, approximate, bool(recompute))
         kept = MLP_KEPT.get(key) if key is not None else None
         if kept is not None:
-            return _mlp_run(kept, *(autocast(x, w1, b1, w2, b2) if kept.cast else (x, w1, b1, w2, b2)))
-    given = (x, w1, b1, w2, b2)
+            return _mlp_run(kept, *(autocast(*given) if kept.cast else given))
     _check_tensors("mlp", (("x", x), ("w1", w1), ("w2", w2)))
     _check_tensors("mlp", (("b1", b1), ("b2", b2)), optional=True)
     act = _mlp_activation(

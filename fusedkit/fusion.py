@@ -1093,7 +1093,7 @@ def _rewrite(gm: fx.GraphModule, site: FusionSite) -> None:
         last.replace_all_uses_with(new)
     graph.erase_node(last)
     graph.erase_node(first)
-    for part in parts:  # (a written-out linear layer's product and transpose, now unread)
+    for part in parts:  # (a written-out linear layer's transpose, now unread)
         if not part.users:
             graph.erase_node(part)
 

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from .dispatch import MLP_ACTIVATIONS
 from .errors import ArgumentError
 from .ops import add_relu, gated_mlp, gelu_mul, layer_norm, linear_relu, mlp, rms_norm, silu_mul
 from .runtime.layout import broadcast_shape
+from .runtime.matmul import torch_activation
 
 __all__ = ["LinearReLU", "AddReLU", "MLP", "SwiGLU", "GeGLU", "RMSNorm", "LayerNorm"]
 
@@ -141,12 +143,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
         if _runs_as_modules(fc1, fc2):
-            h = fc1(x)
-            if self.activation == "gelu":
-                h = nn.functional.gelu(h, approximate=self.approximate)
-            else:
-                h = nn.functional.relu(h) if self.activation == "relu" else nn.functional.silu(h)
-            return fc2(h)
+            return fc2(torch_activation(fc1(x), MLP_ACTIVATIONS[(self.activation, self.approximate)]))
         return mlp(
             x,
             fc1.weight,

@@ -180,9 +180,9 @@ def local_mlp(call, roles, tensors):
     if found is None:
         return None
     ins, grads, out, bias_after = found
-    bias = tensors[roles.index(ROW_BIAS)] if bias_after and ROW_BIAS in roles else None
+    at = roles.index(ROW_BIAS)
+    bias = tensors[at] if bias_after else None
     if bias is not None:  # (added once, to the reduced result)
-        at = roles.index(ROW_BIAS)
         tensors = (*tensors[:at], None, *tensors[at + 1 :])
         ins, grads = (tuple(None if i == at else p for i, p in enumerate(t)) for t in (ins, grads))
     mesh = next(t for t in tensors if t is not None).device_mesh

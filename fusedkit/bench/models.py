@@ -283,10 +283,19 @@ def _activation_name(mlp) -> str:
     raise ValueError(f"GPT2MLP activation {type(mlp.act).__name__} has no fusedkit epilogue")
 
 
-def _token_batch(shape, gen, small):
-    n, t = shape
-    c = (GPT2_SMALL if small else GPT2_MEDIUM)["n_embd"]
-    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+def _hidden_states(small_width: int, width: int):
+    """A block's batch maker: (input, target) hidden states of ``width`` features (``small_width``
+    at the small sizes), ``shape`` sequences by tokens."""
+
+    def batch(shape, gen, small):
+        n, t = shape
+        c = small_width if small else width
+        return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+
+    return batch
+
+
+_token_batch = _hidden_states(GPT2_SMALL["n_embd"], GPT2_MEDIUM["n_embd"])
 
 
 def _mse(out, target):
@@ -354,10 +363,7 @@ def _fuse_llama_liger(model, example=None) -> int:
     return len(mlps)
 
 
-def _llama_batch(shape, gen, small):
-    n, t = shape
-    c = (LLAMA_SMALL if small else LLAMA_7B)["hidden_size"]
-    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
+_llama_batch = _hidden_states(LLAMA_SMALL["hidden_size"], LLAMA_7B["hidden_size"])
 
 
 # --- LLaMA decoder layer (transformers) -------------------------------------------------
@@ -387,12 +393,6 @@ def _build_llama_layer(small: bool):
     config = LlamaConfig(**sizes)
     config._attn_implementation = "sdpa"
     return _LlamaLayer(config)
-
-
-def _llama_layer_batch(shape, gen, small):
-    n, t = shape
-    c = (LLAMA_TINY if small else LLAMA_1B)["hidden_size"]
-    return torch.randn(n, t, c, generator=gen), torch.randn(n, t, c, generator=gen)
 
 
 def _fuse_llama_layer_liger(model, example=None) -> int:
@@ -682,7 +682,7 @@ MODELS = {
             "transformers",
             _build_llama_layer,
             _fuse_whole,
-            _llama_layer_batch,
+            _hidden_states(LLAMA_TINY["hidden_size"], LLAMA_1B["hidden_size"]),
             _mse,
             _LLAMA_LAYER_TOKENS,
             _SMALL_TOKENS,

@@ -416,6 +416,11 @@ def _write_rows(args, env, rows, traffic) -> None:
             writer.writerows(dicts)
 
 
+def _child_flags(args) -> list[str]:
+    """The flags a report's ``--processes`` children take from the parent's arguments."""
+    return [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
+
+
 def run_command(args) -> int:
     """``python -m fusedkit bench`` with its parsed (and validated) arguments."""
     if args.tf32:
@@ -478,7 +483,7 @@ def run_command(args) -> int:
 
         if args.processes > 1:  # the same report in that many processes, one after another
             child = ["--models", ",".join(args.models)]
-            child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
+            child += _child_flags(args)
             rows, skipped, runs = run_processes(child, args.processes, progress)
         else:
             results, skipped = run_models(args.models, device, use_compile=use_compile, progress=progress)
@@ -503,7 +508,7 @@ def run_command(args) -> int:
                 if args.sizes
                 else []
             )
-            child += [flag for flag, on in (("--no-compile", args.no_compile), ("--tf32", args.tf32)) if on]
+            child += _child_flags(args)
             payloads, failed = run_children(child, args.processes, "latency", progress)
             if not payloads:
                 print(f"--processes {args.processes}: no process finished ({failed})")
